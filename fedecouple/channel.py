@@ -1,0 +1,177 @@
+"""The server channel: the only path between the server and its clients.
+
+Every message is a typed object (``Download`` server→client, ``Upload`` client→server) holding
+named tensors plus plain metadata. Messages pass an ordered chain of ``Interceptor`` objects that
+may observe, replace or drop them. Each interceptor gets its own deep copy, so nothing it does can
+reach client state or the server's model behind the channel's back.
+
+The built-in ``Recorder`` sits at the server's end: it stores each download as the server sent it
+and each upload as the server received it (after all interceptors), paired per (round, client).
+That pair is exactly what an honest-but-curious server can see.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+
+
+def _clone_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in tensors.items()}
+
+
+@dataclass(frozen=True)
+class Message:
+    round: int
+    client_id: int
+    tensors: Mapping[str, torch.Tensor]
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, value in self.tensors.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"message field {name!r} is {type(value).__name__}, expected a tensor")
+
+    def copy(self):
+        """A deep copy: tensors cloned and detached, metadata deep-copied."""
+        return replace(self, tensors=_clone_tensors(self.tensors), meta=copy.deepcopy(dict(self.meta)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass(frozen=True)
+class Download(Message):
+    """Server → client: what the server sends a selected client at the start of a round."""
+
+
+@dataclass(frozen=True)
+class Upload(Message):
+    """Client → server: everything a client sends back after local training."""
+
+
+class Interceptor:
+    """Base class for channel hooks. Return the message (possibly a new one) or ``None`` to drop it."""
+
+    name = "interceptor"
+
+    def on_download(self, message: Download) -> Download | None:
+        return message
+
+    def on_upload(self, message: Upload) -> Upload | None:
+        return message
+
+
+@dataclass
+class Exchange:
+    """One client's round as the server saw it: the download it answered and its upload."""
+
+    download: Download
+    upload: Upload | None = None
+
+
+class Recorder(Interceptor):
+    """Stores every download as sent and every upload as received, keyed by (round, client).
+
+    ``rounds`` limits full recording to those rounds (a 200-round run would otherwise hold every
+    model of every client); each client's two latest uploads are always kept, which is what a
+    server remembers of a part the client keeps across rounds (e.g. a personal classifier).
+    """
+
+    name = "recorder"
+
+    def __init__(self, rounds: Iterable[int] | None = None) -> None:
+        self.rounds = None if rounds is None else set(rounds)
+        self.exchanges: dict[tuple[int, int], Exchange] = {}
+        self._pending: dict[tuple[int, int], Download] = {}
+        self._latest: dict[int, list[tuple[int, Upload]]] = {}
+
+    def _keeps(self, round: int) -> bool:
+        return self.rounds is None or round in self.rounds
+
+    def on_download(self, message: Download) -> Download:
+        key = (message.round, message.client_id)
+        if self._keeps(message.round):
+            self.exchanges[key] = Exchange(message.copy())
+        else:
+            self._pending[key] = message
+        return message
+
+    def on_upload(self, message: Upload) -> Upload:
+        key = (message.round, message.client_id)
+        if key not in self.exchanges and self._pending.pop(key, None) is None:
+            raise RuntimeError(f"upload from client {message.client_id} in round {message.round} answers no download")
+        stored = message.copy()
+        if key in self.exchanges:
+            self.exchanges[key].upload = stored
+        history = self._latest.setdefault(message.client_id, [])
+        history.append((message.round, stored))
+        del history[:-2]
+        return message
+
+    def get(self, round: int, client_id: int) -> Exchange | None:
+        return self.exchanges.get((round, client_id))
+
+    def uploads(self, client_id: int | None = None) -> Iterator[Upload]:
+        for (_, cid), ex in sorted(self.exchanges.items()):
+            if ex.upload is not None and (client_id is None or cid == client_id):
+                yield ex.upload
+
+    def previous_upload(self, client_id: int, before_round: int) -> Upload | None:
+        """The client's latest upload strictly before ``before_round`` (the server's memory of it)."""
+        found: tuple[int, Upload] | None = None
+        candidates = [(rnd, ex.upload) for (rnd, cid), ex in self.exchanges.items()
+                      if cid == client_id and ex.upload is not None]
+        for rnd, upload in candidates + self._latest.get(client_id, []):
+            if rnd < before_round and (found is None or rnd > found[0]):
+                found = (rnd, upload)
+        return None if found is None else found[1]
+
+    def clear(self) -> None:
+        self.exchanges.clear()
+        self._pending.clear()
+        self._latest.clear()
+
+
+class ServerChannel:
+    """Carries downloads and uploads through the interceptor chain, in registration order."""
+
+    def __init__(self, interceptors: Iterable[Interceptor] = (), recorder: Recorder | None = None):
+        self.interceptors: list[Interceptor] = list(interceptors)
+        self.recorder = recorder if recorder is not None else Recorder(rounds=())
+        self.bytes_down = 0
+        self.bytes_up = 0
+
+    def add(self, interceptor: Interceptor) -> Interceptor:
+        self.interceptors.append(interceptor)
+        return interceptor
+
+    def _pass(self, message: Message, hook: str, kind: type) -> Message | None:
+        for interceptor in self.interceptors:
+            result = getattr(interceptor, hook)(message.copy())
+            if result is None:
+                return None
+            if not isinstance(result, kind):
+                raise TypeError(f"interceptor {interceptor.name!r} returned {type(result).__name__}, expected {kind.__name__}")
+            message = result
+        return message
+
+    def download(self, message: Download) -> Download | None:
+        """Server → client. Recorded as sent; the client receives its own copy (or nothing if dropped)."""
+        message = message.copy()
+        self.recorder.on_download(message)
+        self.bytes_down += message.nbytes
+        out = self._pass(message, "on_download", Download)
+        return None if out is None else out.copy()
+
+    def upload(self, message: Upload) -> Upload | None:
+        """Client → server. Recorded as received, after every interceptor; ``None`` if dropped."""
+        out = self._pass(message.copy(), "on_upload", Upload)
+        if out is None:
+            return None
+        self.bytes_up += out.nbytes
+        self.recorder.on_upload(out)
+        return out.copy()

@@ -1,0 +1,210 @@
+"""The federation loop: sample clients, download through the channel, local updates, uploads
+through the channel, aggregation, evaluation of every client's personalised model.
+
+Randomness is derived from (seed, round, client), never from shared mutable generators, so a
+round gives the same result whether it runs after a resume, in another process or in another
+order. Per-client persistent state is only what the method keeps; one workspace model is reused
+by every client update.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict, field
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .channel import Download, ServerChannel
+from .data.dataset import ImageDataset
+from .data.partition import Partition
+from .errors import UserError
+from .methods.base import ClientContext, Method, State, TrainConfig
+from .models import SplitModel, build_model, default_architecture, set_params
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers, stable across processes and platforms."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint32).view(np.uint64)[0] >> 1)
+
+
+@dataclass
+class FederationConfig:
+    rounds: int = 3
+    join_ratio: float = 1.0
+    seed: int = 0
+    arch: str | None = None
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self, num_clients: int) -> None:
+        if self.rounds < 0:
+            raise UserError(f"--rounds must be >= 0, got {self.rounds}")
+        if not 0 < self.join_ratio <= 1:
+            raise UserError(f"--join-ratio must be in (0, 1], got {self.join_ratio}")
+        if self.train.local_epochs < 1:
+            raise UserError(f"--local-epochs must be >= 1, got {self.train.local_epochs}")
+        if self.train.batch_size < 1:
+            raise UserError(f"--batch-size must be >= 1, got {self.train.batch_size}")
+        if not self.train.lr > 0:
+            raise UserError(f"--lr must be positive, got {self.train.lr}")
+
+
+class GroundTruth:
+    """Harness-only record of which samples each client trained on, batch by batch.
+
+    Kept apart from the channel: attacks may use it only to score their reconstructions.
+    """
+
+    def __init__(self, rounds=None):
+        self.rounds = None if rounds is None else set(rounds)
+        self.batches: dict[tuple[int, int], list[tuple[str, np.ndarray]]] = {}
+
+    def record(self, round: int, client_id: int, batches: list[tuple[str, np.ndarray]]) -> None:
+        if self.rounds is None or round in self.rounds:
+            self.batches[(round, client_id)] = list(batches)
+
+    def samples(self, round: int, client_id: int) -> np.ndarray:
+        """Distinct pool indices the client trained on in that round, in first-use order."""
+        seen: dict[int, None] = {}
+        for _, idx in self.batches.get((round, client_id), []):
+            for i in idx.tolist():
+                seen.setdefault(i, None)
+        return np.asarray(list(seen), dtype=np.int64)
+
+
+@dataclass
+class VictimSetting:
+    """The classic gradient-inversion setting for chosen (round, client) pairs: the client trains
+    ``steps`` steps per phase on its first ``batch`` training images (seeded choice)."""
+
+    batch: int
+    steps: int
+    targets: set[tuple[int, int]] = field(default_factory=set)
+
+
+class Federation:
+    def __init__(self, method: Method, dataset: ImageDataset, partition: Partition, config: FederationConfig,
+                 channel: ServerChannel | None = None, ground_truth: GroundTruth | None = None,
+                 victim: VictimSetting | None = None):
+        config.validate(partition.num_clients)
+        self.method, self.dataset, self.partition, self.config = method, dataset, partition, config
+        self.channel = channel if channel is not None else ServerChannel()
+        self.ground_truth = ground_truth if ground_truth is not None else GroundTruth(rounds=())
+        self.victim = victim
+        arch = config.arch or default_architecture(dataset.channels, dataset.image_size)
+        torch.manual_seed(derive_seed(config.seed, 0xC0DE))
+        self.model: SplitModel = build_model(arch, dataset.channels, dataset.image_size, dataset.num_classes,
+                                             dataset.mean, dataset.std)
+        self.initial_params = {k: v.detach().clone() for k, v in self.model.named_parameters()}
+        self.server: State = method.init_server(self.model)
+        self.clients: dict[int, State] = {}
+        self.completed_rounds = 0
+        self.metrics: list[dict] = []
+
+    # -- client plumbing -------------------------------------------------------------------
+    @property
+    def num_clients(self) -> int:
+        return self.partition.num_clients
+
+    def client_state(self, cid: int) -> State:
+        if cid not in self.clients:
+            set_params(self.model, self.initial_params)
+            self.clients[cid] = self.method.init_client(self.model, cid)
+        return self.clients[cid]
+
+    def context(self, cid: int, round: int, split: str = "train") -> ClientContext:
+        idx = (self.partition.train if split == "train" else self.partition.test)[cid]
+        steps = None
+        if split == "train" and self.victim is not None and (round, cid) in self.victim.targets:
+            pick = np.random.default_rng(derive_seed(self.config.seed, round, cid, 7)).permutation(len(idx))
+            idx = np.sort(idx[pick[: self.victim.batch]])
+            steps = self.victim.steps
+        train_cfg = self.config.train
+        if steps is not None:
+            train_cfg = TrainConfig(**{**asdict(train_cfg), "batch_size": len(idx)})
+        t_idx = torch.from_numpy(idx)
+        gen = torch.Generator().manual_seed(derive_seed(self.config.seed, round, cid, 1))
+        return ClientContext(cid, round, self.dataset.images[t_idx], self.dataset.labels[t_idx], idx, self.model,
+                             train_cfg, self.dataset.num_classes, gen, steps_per_phase=steps)
+
+    def sample_clients(self, round: int) -> list[int]:
+        n = self.num_clients
+        k = max(1, int(round_half_up(self.config.join_ratio * n)))
+        rng = np.random.default_rng(derive_seed(self.config.seed, round, 0x5A))
+        return sorted(rng.choice(n, size=k, replace=False).tolist())
+
+    # -- one round -------------------------------------------------------------------------
+    def run_round(self) -> list[dict]:
+        t = self.completed_rounds
+        uploads = []
+        for cid in self.sample_clients(t):
+            down = self.channel.download(Download(t, cid, self.method.download(self.server, cid, t)))
+            if down is None:
+                continue  # dropped: the client sits this round out
+            ctx = self.context(cid, t)
+            torch.manual_seed(derive_seed(self.config.seed, t, cid, 2))
+            new_state, upload = self.method.client_update(ctx, self.client_state(cid), down)
+            self.clients[cid] = {k: v.detach().clone() for k, v in new_state.items()}
+            self.ground_truth.record(t, cid, ctx.batch_log)
+            received = self.channel.upload(upload)
+            if received is not None:
+                uploads.append(received)
+        if uploads:
+            self.server = self.method.aggregate(self.server, uploads, t)
+        rows = self.evaluate(t)
+        self.metrics.extend(rows)
+        self.completed_rounds += 1
+        return rows
+
+    @torch.no_grad()
+    def _test(self, ctx: ClientContext) -> tuple[float, float]:
+        if ctx.num_samples == 0:
+            return float("nan"), float("nan")
+        logits = self.model(ctx.images)
+        return (float((logits.argmax(1) == ctx.labels).float().mean()), float(F.cross_entropy(logits, ctx.labels)))
+
+    def evaluate(self, round: int) -> list[dict]:
+        """Test accuracy and loss of every client's personalised model on its own test split."""
+        rows = []
+        for cid in range(self.num_clients):
+            train_ctx = self.context(cid, round)
+            torch.manual_seed(derive_seed(self.config.seed, round, cid, 3))
+            with torch.enable_grad():
+                params = self.method.personalized(train_ctx, self.server, self.client_state(cid))
+            set_params(self.model, params)
+            acc, loss = self._test(self.context(cid, round, "test"))
+            rows.append({"round": round, "client": cid, "accuracy": acc, "loss": loss})
+        return rows
+
+    def run(self, rounds: int | None = None, on_round: Callable[[int, list[dict]], None] | None = None) -> list[dict]:
+        target = self.config.rounds if rounds is None else rounds
+        while self.completed_rounds < target:
+            rows = self.run_round()
+            if on_round is not None:
+                on_round(self.completed_rounds - 1, rows)
+        return self.metrics
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"completed_rounds": self.completed_rounds, "server": self.server, "clients": self.clients,
+                "metrics": self.metrics}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.completed_rounds = int(state["completed_rounds"])
+        self.server = dict(state["server"])
+        self.clients = {int(k): dict(v) for k, v in state["clients"].items()}
+        self.metrics = list(state["metrics"])
+
+
+def round_half_up(x: float) -> int:
+    return int(np.floor(x + 0.5))
+
+
+def summarize(rows: list[dict], round: int | None = None) -> dict:
+    """Mean and std over clients of the accuracy in ``round`` (default: the last one)."""
+    if not rows:
+        return {"mean_accuracy": float("nan"), "std_accuracy": float("nan")}
+    last = max(r["round"] for r in rows) if round is None else round
+    acc = np.array([r["accuracy"] for r in rows if r["round"] == last], dtype=float)
+    acc = acc[~np.isnan(acc)]
+    return {"round": last, "mean_accuracy": float(acc.mean()), "std_accuracy": float(acc.std())}

@@ -1,0 +1,5 @@
+"""Errors that the CLI turns into one-line messages with exit status 2."""
+
+
+class UserError(ValueError):
+    """Bad input from a user: the message names the problem and the fix."""

@@ -1,0 +1,221 @@
+"""The narrow interface every federated method implements, and what a client update sees.
+
+A method is a set of pure-ish functions over plain tensor dictionaries:
+
+* server side: ``init_server`` → server state; ``download`` → what a selected client is sent;
+  ``aggregate`` → new server state from the uploads that came through the channel;
+* client side: ``client_update(ctx, state, download) → (new state, upload)``, where ``state`` is
+  only what the method keeps on the client between rounds (e.g. a personal classifier);
+* evaluation: ``personalized`` → the parameters of the client's personalised model.
+
+States are ``dict[str, Tensor]`` so they checkpoint with ``torch.load(weights_only=True)`` and can
+later be shipped to another execution engine. ``manifest`` declares, in one place, every field the
+method uploads: the channel tests hold each method to it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Callable, ClassVar, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from ..channel import Download, Upload
+from ..data.augment import BatchAugmenter
+from ..errors import UserError
+from ..models import SplitModel, get_params
+
+State = dict[str, torch.Tensor]
+KINDS = ("extractor", "classifier", "prototype", "class_counts", "statistic", "sample_count")
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One uploaded field. ``per_class`` fields are sent as ``name.format(k=class)`` for a subset of
+    classes (e.g. prototypes of the classes a client holds)."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    per_class: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown field kind {self.kind!r}")
+
+
+def model_fields(model: SplitModel, group: str) -> list[FieldSpec]:
+    """Manifest entries for every parameter of one group (``extractor`` or ``classifier``)."""
+    return [FieldSpec(n, group, tuple(p.shape)) for n, p in model.named_parameters() if n.startswith(group + ".")]
+
+
+SAMPLE_COUNT = FieldSpec("sample_count", "sample_count", ())
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 0.05
+    batch_size: int = 10
+    local_epochs: int = 1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+
+@dataclass
+class ClientContext:
+    """Everything a client's local update may use: its own data, a shared workspace model whose
+    weights the method must set, the training config and a seeded generator."""
+
+    client_id: int
+    round: int
+    images: torch.Tensor
+    labels: torch.Tensor
+    indices: np.ndarray  # positions in the pooled data set, for the ground-truth hook only
+    model: SplitModel
+    config: TrainConfig
+    num_classes: int
+    generator: torch.Generator
+    steps_per_phase: int | None = None  # victim setting: T steps per phase instead of epochs
+    batch_log: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    _augmenter: BatchAugmenter | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.labels.shape[0])
+
+    def class_counts(self) -> torch.Tensor:
+        return torch.bincount(self.labels, minlength=self.num_classes)
+
+    def batches(self, epochs: int, phase: str, augment: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Mini-batches drawn by index from the in-memory tensors.
+
+        ``epochs`` passes over shuffled data, or exactly ``steps_per_phase`` batches in the victim
+        setting. With ``augment`` each batch is the originals followed by one augmented copy of each
+        (the paper trains on original + augmented data). Every batch's pool indices go to the
+        ground-truth log, which only the harness reads.
+        """
+        n = self.num_samples
+        if n == 0:
+            return
+        bs = min(self.config.batch_size, n)
+        if self.steps_per_phase is not None:
+            total = self.steps_per_phase
+            epochs = -(-total * bs // n)
+        else:
+            total = None
+        emitted = 0
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=self.generator)
+            for start in range(0, n, bs):
+                if total is not None and emitted >= total:
+                    return
+                sel = order[start:start + bs]
+                self.batch_log.append((phase, self.indices[sel.numpy()]))
+                x, y = self.images[sel], self.labels[sel]
+                if augment:
+                    if self._augmenter is None:
+                        self._augmenter = BatchAugmenter(x.shape[-1])
+                    x = torch.cat([x, self._augmenter(x)])
+                    y = torch.cat([y, y])
+                emitted += 1
+                yield x, y
+
+    def check_finite(self, loss: torch.Tensor) -> None:
+        if not torch.isfinite(loss):
+            raise UserError(
+                f"training diverged (non-finite loss) on client {self.client_id} in round {self.round}; lower --lr"
+            )
+
+
+def sgd(params, config: TrainConfig) -> torch.optim.SGD:
+    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+
+
+def train_supervised(ctx: ClientContext, module_params, epochs: int, phase: str,
+                     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], augment: bool = False) -> float:
+    """Run SGD on ``module_params`` minimising ``loss_fn(x, y)`` over ``epochs``; returns mean loss."""
+    params = list(module_params)
+    opt = sgd(params, ctx.config)
+    total, count = 0.0, 0
+    for x, y in ctx.batches(epochs, phase, augment):
+        loss = loss_fn(x, y)
+        ctx.check_finite(loss)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        total += float(loss.detach())
+        count += 1
+    return total / max(count, 1)
+
+
+def cross_entropy_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return lambda x, y: F.cross_entropy(model(x), y)
+
+
+def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class mean feature (rows of absent classes are zero) and per-class counts."""
+    counts = torch.bincount(labels, minlength=num_classes)
+    sums = torch.zeros(num_classes, features.shape[1], dtype=features.dtype).index_add_(0, labels, features)
+    return sums / counts.clamp_min(1).unsqueeze(1).to(features.dtype), counts
+
+
+@torch.no_grad()
+def extract_features(model: SplitModel, images: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    return torch.cat([model.features(images[i:i + chunk]) for i in range(0, len(images), chunk)]) \
+        if len(images) else torch.zeros(0, model.feature_dim)
+
+
+def sample_weighted_average(uploads: list[Upload], names) -> State:
+    """Σ_i (n_i / Σ n) · tensor_i for each name (FedAvg's rule)."""
+    weights = torch.tensor([float(u.tensors["sample_count"]) for u in uploads])
+    weights = weights / weights.sum()
+    return {n: sum(w * u.tensors[n] for w, u in zip(weights, uploads)) for n in names}
+
+
+class Method:
+    """Base class. Subclasses are dataclasses whose fields are the method's hyperparameters."""
+
+    name: ClassVar[str] = "method"
+    summary: ClassVar[str] = ""
+
+    def manifest(self, model: SplitModel) -> list[FieldSpec]:
+        raise NotImplementedError
+
+    def init_server(self, model: SplitModel) -> State:
+        return {"global." + k: v for k, v in get_params(model).items()}
+
+    def init_client(self, model: SplitModel, client_id: int) -> State:
+        return {}
+
+    def download(self, server: State, client_id: int, round: int) -> dict[str, torch.Tensor]:
+        return strip_prefix(server, "global.")
+
+    def client_update(self, ctx: ClientContext, state: State, download: Download) -> tuple[State, Upload]:
+        raise NotImplementedError
+
+    def aggregate(self, server: State, uploads: list[Upload], round: int) -> State:
+        raise NotImplementedError
+
+    def personalized(self, ctx: ClientContext, server: State, state: State) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def hyperparameters(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)} if hasattr(self, "__dataclass_fields__") else {}
+
+
+def strip_prefix(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def add_prefix(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {prefix + k: v for k, v in tensors.items()}
+
+
+def make_upload(ctx: ClientContext, tensors: dict[str, torch.Tensor], sample_count: bool = True, **meta) -> Upload:
+    """An upload of ``tensors`` (plus the client's training-set size unless ``sample_count=False``)."""
+    tensors = dict(tensors)
+    if sample_count:
+        tensors["sample_count"] = torch.tensor(ctx.num_samples, dtype=torch.int64)
+    return Upload(ctx.round, ctx.client_id, tensors, meta)

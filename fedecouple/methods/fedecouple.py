@@ -1,0 +1,173 @@
+"""FedeCouple (Alg. 1 and eqs. 8-16 of the paper), exactly as we read it.
+
+Client i in round t receives ω^t = {θ^t, φ^t} and keeps {θ_i, φ_i} (its last local extractor and
+its personal classifier) between rounds.
+
+1. Classifier phase, E_cl epochs (eqs. 12-13). Teacher φ_{g,i} ← φ^t. On every mini-batch the
+   features come from the client's *previous local extractor* θ_i (Alg. 1 trains the classifiers
+   before the reset θ_i ← θ^t), frozen in this phase. The personal classifier minimises
+   CE(g(φ_i; f), y) + λ·KL(p_T ‖ p_S) with p_T = softmax(teacher logits/τ) (no gradient to the
+   teacher through this term) and p_S = softmax(personal logits/τ) ("GPC"); the teacher is
+   adapted on CE(g(φ_{g,i}; f), y) ("Adapted" teacher; ``teacher="fixed"`` freezes it).
+2. Extractor phase. θ_i ← θ^t. Anchors An_k = mean of f(θ^t; x) over the client's training
+   samples of class k, computed once with the frozen global extractor, kept on the client
+   ("GFA"). One epoch of CE(g(φ^t; f_i(x)), y) + μ·Ω with the frozen *global* classifier φ^t
+   ("GLF", eq. 14), then E_fe epochs of CE(g(φ_i^{t+1}; f_i(x)), y) + μ·Ω with the freshly trained
+   personal classifier frozen (eq. 15).
+3. Upload {θ_i^{t+1}, φ_i^{t+1}} and the client's sample count (needed for α_i in eq. 16). No
+   anchors and no per-class counts leave the client.
+
+Server (eq. 16): α_i = n_i/Σn, ω_avg = Σ α_i ω_i, ι_i = cos(ω_i, ω_avg)/Σ_j cos(ω_j, ω_avg),
+ω^{t+1} = Σ ι_i ω_i, cosine over the flattened vector of all uploaded parameters (extractor and
+classifier together). Negative cosines are clipped to 0; if all are 0 the weights fall back to α.
+
+Decisions where the paper is silent (also in README "Ambiguities"):
+* the centre loss Ω is the mean squared error over batch and feature elements
+  (``center_reduction="mean"``, as torch's ``MSELoss``); the literal per-sample sum over the 128
+  feature dimensions (``"sum"``, averaged over the batch like CE) collapses features at μ = 2 on
+  our data, see REFERENCE §1;
+* KL is ``batchmean`` without the τ² factor of Hinton-style distillation (the paper shows none);
+* data augmentation ("DA") applies in both phases: each batch is the originals plus one augmented
+  copy of each; anchors use the un-augmented training images;
+* E_cl = E_fe = ``local_epochs`` unless ``classifier_epochs`` is set; the GLF epoch comes on top;
+* personalised model for evaluation = the client's {θ_i, φ_i} after its last local update;
+* ablations: ``glf=False`` skips the frozen-global-classifier epoch, ``gfa=False`` drops Ω,
+  ``gpc=False`` trains the personal classifier with CE only (no teacher), ``da=False`` no DA.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..channel import Download, Upload
+from ..models import SplitModel, get_params, set_params
+from .base import (SAMPLE_COUNT, ClientContext, Method, State, class_means, extract_features,
+                   make_upload, model_fields, sgd, strip_prefix, add_prefix)
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float) -> torch.Tensor:
+    """KL(p_T ‖ p_S) with p = softmax(logits/τ), averaged over the batch; the teacher is detached."""
+    p_teacher = F.softmax(teacher_logits.detach() / tau, dim=1)
+    return F.kl_div(F.log_softmax(student_logits / tau, dim=1), p_teacher, reduction="batchmean")
+
+
+def center_loss(features: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Ω (eq. 8): squared L2 distance of each feature to its class anchor."""
+    diff = features - anchors[labels]
+    if reduction == "mean":
+        return diff.pow(2).mean()
+    if reduction == "sum":
+        return diff.pow(2).sum(dim=1).mean()
+    raise ValueError(f"unknown centre-loss reduction {reduction!r}")
+
+
+def cosine_aggregation_weights(vectors: torch.Tensor, sample_counts: torch.Tensor) -> torch.Tensor:
+    """ι of eq. 16 for row vectors ω_i and their sample counts n_i."""
+    alpha = sample_counts.to(vectors.dtype) / sample_counts.sum()
+    average = (alpha.unsqueeze(1) * vectors).sum(dim=0)
+    cos = F.cosine_similarity(vectors, average.unsqueeze(0), dim=1).clamp_min(0.0)
+    if float(cos.sum()) <= 0.0:
+        return alpha
+    return cos / cos.sum()
+
+
+@dataclass
+class FedeCouple(Method):
+    lam: float = 0.8
+    mu: float = 2.0
+    tau: float = 2.0
+    glf: bool = True
+    gfa: bool = True
+    gpc: bool = True
+    da: bool = True
+    teacher: str = "adapted"
+    center_reduction: str = "mean"
+    classifier_epochs: int | None = None
+
+    name = "fedecouple"
+    summary = "decoupled extractor/classifier: KD-guided personal classifier, anchor centre loss, cosine aggregation"
+
+    def manifest(self, model: SplitModel):
+        return model_fields(model, "extractor") + model_fields(model, "classifier") + [SAMPLE_COUNT]
+
+    def init_client(self, model: SplitModel, client_id: int) -> State:
+        return get_params(model)  # {θ_i, φ_i} start at ω^0
+
+    def client_update(self, ctx: ClientContext, state: State, download: Download) -> tuple[State, Upload]:
+        model = ctx.model
+        glob = dict(download.tensors)
+        global_classifier = strip_prefix(glob, "classifier.")
+        set_params(model, state)
+        e_cl = self.classifier_epochs if self.classifier_epochs is not None else ctx.config.local_epochs
+        self._classifier_phase(ctx, model, global_classifier, e_cl)
+        personal = get_params(model, "classifier")
+
+        set_params(model, {k: v for k, v in glob.items() if k.startswith("extractor.")})  # θ_i ← θ^t
+        anchors = None
+        if self.gfa:
+            anchors, _ = class_means(extract_features(model, ctx.images), ctx.labels, ctx.num_classes)
+        frozen_global = copy.deepcopy(model.classifier)
+        frozen_global.load_state_dict(global_classifier)
+        if self.glf:
+            self._extractor_epochs(ctx, model, frozen_global, anchors, 1, "extractor-glf")
+        self._extractor_epochs(ctx, model, model.classifier, anchors, ctx.config.local_epochs, "extractor")
+
+        new_state = get_params(model)
+        return new_state, make_upload(ctx, new_state)
+
+    def _classifier_phase(self, ctx: ClientContext, model: SplitModel, global_classifier, epochs: int) -> None:
+        student = model.classifier
+        teacher = copy.deepcopy(student)
+        teacher.load_state_dict(global_classifier)
+        adapt_teacher = self.gpc and self.teacher == "adapted"
+        opt_s = sgd(student.parameters(), ctx.config)
+        opt_t = sgd(teacher.parameters(), ctx.config) if adapt_teacher else None
+        for x, y in ctx.batches(epochs, "classifier", augment=self.da):
+            with torch.no_grad():
+                feats = model.features(x)  # the extractor is not trained in this phase
+            student_logits = student(feats)
+            loss = F.cross_entropy(student_logits, y)
+            if self.gpc:
+                teacher_logits = teacher(feats)
+                loss = loss + self.lam * distillation_loss(student_logits, teacher_logits, self.tau)
+            ctx.check_finite(loss)
+            opt_s.zero_grad(set_to_none=True)
+            loss.backward()
+            opt_s.step()
+            if adapt_teacher:
+                teacher_loss = F.cross_entropy(teacher(feats), y)
+                opt_t.zero_grad(set_to_none=True)
+                teacher_loss.backward()
+                opt_t.step()
+
+    def _extractor_epochs(self, ctx, model, classifier, anchors, epochs: int, phase: str) -> None:
+        for p in classifier.parameters():
+            p.requires_grad_(False)
+        opt = sgd(model.extractor.parameters(), ctx.config)
+        try:
+            for x, y in ctx.batches(epochs, phase, augment=self.da):
+                feats = model.features(x)
+                loss = F.cross_entropy(classifier(feats), y)
+                if anchors is not None:
+                    loss = loss + self.mu * center_loss(feats, anchors, y, self.center_reduction)
+                ctx.check_finite(loss)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+        finally:
+            for p in classifier.parameters():
+                p.requires_grad_(True)
+
+    def aggregate(self, server: State, uploads: list[Upload], round: int) -> State:
+        names = [k for k in uploads[0].tensors if k != "sample_count"]
+        vectors = torch.stack([torch.cat([u.tensors[n].flatten() for n in names]) for u in uploads])
+        counts = torch.stack([u.tensors["sample_count"] for u in uploads])
+        iota = cosine_aggregation_weights(vectors, counts)
+        new = {n: sum(w * u.tensors[n] for w, u in zip(iota, uploads)) for n in names}
+        return add_prefix(new, "global.")
+
+    def personalized(self, ctx: ClientContext, server: State, state: State):
+        return state

@@ -1,0 +1,126 @@
+"""Models: always a feature extractor f(θ) followed by a linear classifier g(φ).
+
+Parameters are addressed by their ``state_dict`` names; names starting with ``extractor.`` form
+the extractor group and ``classifier.`` the classifier group. A fixed (parameter-free)
+``Normalize`` layer comes first so models take images in [0, 1].
+
+Padding is not stated in the paper. We use no padding in the first two convolutions and padding 1
+(with a ceil-mode max-pool) in the third of the 32x32 model: that gives a 64x3x3 map, an extractor
+of 106,400 parameters = 415.6 KiB, exactly the extractor size in the paper's communication formula.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from .errors import UserError
+
+GROUPS = ("extractor", "classifier")
+ARCHITECTURES = ("cnn32", "cnn28", "digits")
+
+
+class Normalize(nn.Module):
+    def __init__(self, mean, std):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+
+class SplitModel(nn.Module):
+    """normalize → extractor (→ feature vector) → classifier (→ logits)."""
+
+    def __init__(self, extractor: nn.Module, classifier: nn.Linear, mean, std, arch: str):
+        super().__init__()
+        self.normalize = Normalize(mean, std)
+        self.extractor = extractor
+        self.classifier = classifier
+        self.arch = arch
+
+    @property
+    def feature_dim(self) -> int:
+        return self.classifier.in_features
+
+    @property
+    def num_classes(self) -> int:
+        return self.classifier.out_features
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.extractor(self.normalize(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def _cnn32(channels: int) -> nn.Sequential:
+    act = lambda: nn.LeakyReLU(0.01)  # noqa: E731
+    return nn.Sequential(OrderedDict([
+        ("conv1", nn.Conv2d(channels, 16, 5)), ("act1", act()), ("pool1", nn.MaxPool2d(2)),
+        ("conv2", nn.Conv2d(16, 32, 5)), ("act2", act()), ("pool2", nn.MaxPool2d(2)),
+        ("conv3", nn.Conv2d(32, 64, 3, padding=1)), ("act3", act()), ("pool3", nn.MaxPool2d(2, ceil_mode=True)),
+        ("flatten", nn.Flatten()),
+        ("fc", nn.Linear(64 * 3 * 3, 128)), ("act4", act()),
+    ]))
+
+
+def _cnn28(channels: int) -> nn.Sequential:
+    act = lambda: nn.LeakyReLU(0.01)  # noqa: E731
+    return nn.Sequential(OrderedDict([
+        ("conv1", nn.Conv2d(channels, 16, 5)), ("act1", act()), ("pool1", nn.MaxPool2d(2)),
+        ("conv2", nn.Conv2d(16, 32, 5)), ("act2", act()), ("pool2", nn.MaxPool2d(2)),
+        ("flatten", nn.Flatten()),
+        ("fc", nn.Linear(32 * 4 * 4, 128)), ("act3", act()),
+    ]))
+
+
+def _digits(channels: int) -> nn.Sequential:
+    act = lambda: nn.LeakyReLU(0.01)  # noqa: E731
+    return nn.Sequential(OrderedDict([
+        ("conv1", nn.Conv2d(channels, 16, 3, padding=1)), ("act1", act()), ("pool1", nn.MaxPool2d(2)),
+        ("flatten", nn.Flatten()),
+        ("fc", nn.Linear(16 * 4 * 4, 64)), ("act2", act()),
+    ]))
+
+
+_BUILDERS = {"cnn32": (_cnn32, 32, 128), "cnn28": (_cnn28, 28, 128), "digits": (_digits, 8, 64)}
+
+
+def default_architecture(channels: int, image_size: int) -> str:
+    for name, (_, size, _) in _BUILDERS.items():
+        if size == image_size:
+            return name
+    raise UserError(f"no model for {channels}x{image_size}x{image_size} images; supported sizes: 32, 28, 8")
+
+
+def build_model(arch: str, channels: int, image_size: int, num_classes: int, mean, std) -> SplitModel:
+    if arch not in _BUILDERS:
+        raise UserError(f"unknown model {arch!r}; choose one of: {', '.join(ARCHITECTURES)}")
+    builder, size, feat = _BUILDERS[arch]
+    if size != image_size:
+        raise UserError(f"model {arch} expects {size}x{size} images, the data set has {image_size}x{image_size}")
+    return SplitModel(builder(channels), nn.Linear(feat, num_classes), mean, std, arch)
+
+
+def group_of(name: str) -> str:
+    return name.split(".", 1)[0]
+
+
+def get_params(model: nn.Module, group: str | None = None) -> dict[str, torch.Tensor]:
+    """Detached copies of the model's parameters (optionally one group), keyed by state-dict name."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if group is None or group_of(n) == group}
+
+
+@torch.no_grad()
+def set_params(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Copy ``params`` (any subset of the model's parameters) into the model in place."""
+    own = dict(model.named_parameters())
+    for name, value in params.items():
+        own[name].copy_(value)
+
+
+def param_bytes(params: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in params.values())
