@@ -179,6 +179,10 @@ class Method:
 
     name: ClassVar[str] = "method"
     summary: ClassVar[str] = ""
+    # parameter groups whose value before local training is the client's own kept state rather
+    # than what the server sent (FedeCouple's personal classifier); a server that wants the
+    # client's update for such a group must use the client's previous upload of it
+    persistent_groups: ClassVar[tuple[str, ...]] = ()
 
     def manifest(self, model: SplitModel) -> list[FieldSpec]:
         raise NotImplementedError

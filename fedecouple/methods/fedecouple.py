@@ -88,6 +88,7 @@ class FedeCouple(Method):
     classifier_epochs: int | None = None
 
     name = "fedecouple"
+    persistent_groups = ("classifier",)
     summary = "decoupled extractor/classifier: KD-guided personal classifier, anchor centre loss, cosine aggregation"
 
     def manifest(self, model: SplitModel):
