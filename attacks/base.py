@@ -33,12 +33,15 @@ class Observation:
     download: dict[str, torch.Tensor]
     upload: dict[str, torch.Tensor]
     previous_upload: dict[str, torch.Tensor] | None
-    make_model: Callable[[], SplitModel]  # a fresh model of the federation's architecture
+    make_model: Callable[[], SplitModel]  # a fresh model of the federation's architecture at its initial weights
     image_shape: tuple[int, int, int]
     num_classes: int
     known_hyperparameters: LocalHyperparameters | None = None  # None: the server does not know them
     head_known: bool = True  # False: the client's classifier is private (FedPer/FedRep)
     notes: list[str] = field(default_factory=list)
+    # the method's parameter groups the client keeps across rounds (Method.persistent_groups): their
+    # before-state is the client's previous upload, not the download
+    persistent_groups: tuple[str, ...] = ()
 
 
 @dataclass

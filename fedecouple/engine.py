@@ -137,16 +137,20 @@ class Federation:
     def run_round(self) -> list[dict]:
         t = self.completed_rounds
         uploads = []
+        talks = getattr(self.method, "communicates", True)  # False: a method with no communication
         for cid in self.sample_clients(t):
-            down = self.channel.download(Download(t, cid, self.method.download(self.server, cid, t)))
-            if down is None:
-                continue  # dropped: the client sits this round out
+            if talks:
+                down = self.channel.download(Download(t, cid, self.method.download(self.server, cid, t)))
+                if down is None:
+                    continue  # dropped: the client sits this round out
+            else:
+                down = Download(t, cid, {})  # nothing is sent: the channel never sees this client
             ctx = self.context(cid, t)
             torch.manual_seed(derive_seed(self.config.seed, t, cid, 2))
             new_state, upload = self.method.client_update(ctx, self.client_state(cid), down)
             self.clients[cid] = {k: v.detach().clone() for k, v in new_state.items()}
             self.ground_truth.record(t, cid, ctx.batch_log)
-            received = self.channel.upload(upload)
+            received = self.channel.upload(upload) if talks else None
             if received is not None:
                 uploads.append(received)
         if uploads:

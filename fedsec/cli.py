@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from pathlib import Path
 
 import click
 
@@ -39,7 +40,7 @@ def train_options(func):
         click.option("--clients", type=int, default=10, show_default=True, help="Number of clients N."),
         click.option("--rounds", type=int, default=3, show_default=True, help="Communication rounds."),
         click.option("--local-epochs", type=int, default=1, show_default=True,
-                     help="Local epochs (FedeCouple: E_cl = E_fe; its GLF epoch comes on top)."),
+                     help="Local epochs (FedeCouple: E_cl = E_fe, its GLF epoch on top; FedRep/FedPAC: base epochs)."),
         click.option("--join-ratio", type=float, default=1.0, show_default=True, help="Fraction rho of clients per round."),
         click.option("--lr", type=float, default=0.05, show_default=True, help="SGD learning rate (the paper gives none)."),
         click.option("--batch-size", type=int, default=10, show_default=True, help="Mini-batch size."),
@@ -61,7 +62,8 @@ def train_options(func):
         click.option("--no-gpc", is_flag=True, help="Ablation: no knowledge distillation to the personal classifier (GPC)."),
         click.option("--no-da", is_flag=True, help="Ablation: no data augmentation (DA)."),
         click.option("--hp", "extra_hp", multiple=True, metavar="NAME=VALUE",
-                     help="Any other method hyperparameter, e.g. --hp finetune_epochs=2 (repeatable)."),
+                     help="Any other method hyperparameter, e.g. --hp finetune_epochs=2 (ft-fedavg, default 1), "
+                          "--hp head_epochs=9 (fedrep [local epochs], fedpac [1]) (repeatable)."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -146,6 +148,36 @@ def train(ctx, out, resume_dir, show_partition, **opts):
     click.echo(f"{config.method} on {config.dataset} ({config.partition}, {config.clients} clients, "
                f"{summary['rounds']} rounds): mean accuracy {summary['mean_accuracy']:.4f} "
                f"± {summary['std_accuracy']:.4f}" + (f"  → {out}" if out else ""))
+
+
+@cli.command()
+@train_options
+@click.option("--methods", default=",".join(METHODS), show_default=True,
+              help="Comma-separated methods to compare (replaces --method).")
+@click.option("--seeds", default="0,1,2", show_default=True,
+              help="Comma-separated seeds; each seed fixes partition, initial model and training (replaces --seed).")
+@click.option("--out", type=click.Path(file_okay=False), required=True,
+              help="Folder for <method>/seed<k>/ run directories, accuracy.csv and accuracy.md; rerun to resume.")
+@click.pass_context
+def compare(ctx, methods, seeds, out, **opts):
+    """Train several methods on the same partitions and seeds; write accuracy.csv and accuracy.md.
+
+    Each method gets only the hyperparameters it takes (e.g. --lam reaches fedecouple, fedpac and
+    fedproto). Finished runs are skipped, interrupted ones resumed.
+
+    Example: fedsec compare --methods fedecouple,fedavg,local --seeds 0,1,2 --clients 20 --rounds 5 --out runs/cmp
+    """
+    from .compare import compare as run_compare, parse_methods, parse_seeds
+
+    for flag in ("method", "seed"):
+        if ctx.get_parameter_source(flag) == click.core.ParameterSource.COMMANDLINE:
+            raise UserError(f"compare takes --{flag}s, not --{flag}")
+    method_list, seed_list = parse_methods(methods), parse_seeds(seeds)
+    opts["method"] = None  # set per run; also keeps --preset's FedeCouple values (= its defaults) from other methods
+    base = config_from_options(ctx, **opts)
+    frame = run_compare(base, method_list, seed_list, out)
+    click.echo((Path(out) / "accuracy.md").read_text(encoding="utf-8").rstrip())
+    click.echo(f"{len(frame)} runs → {out}/accuracy.csv, {out}/accuracy.md")
 
 
 def main(argv=None) -> None:

@@ -111,7 +111,7 @@ def build_federation(prep: Prepared, channel: ServerChannel | None = None, groun
 def run_record(config: RunConfig) -> dict:
     """What goes into config.json: the resolved config, the method's hyperparameters, versions."""
     return {"config": config.to_dict(), "method_hyperparameters": build_method(config).hyperparameters(),
-            "versions": package_versions()}
+            "torch_threads": torch.get_num_threads(), "versions": package_versions()}
 
 
 def write_metrics(out: Path, fed: Federation, config: RunConfig, seconds: float) -> dict:

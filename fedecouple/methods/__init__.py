@@ -3,10 +3,23 @@ from __future__ import annotations
 
 from ..errors import UserError
 from .base import ClientContext, FieldSpec, Method, TrainConfig
+from .fedavg import FedAvg, FTFedAvg
 from .fedecouple import FedeCouple
+from .fedpac import FedPAC
+from .fedper import FedPer
+from .fedproto import FedProto
+from .fedrep import FedRep
+from .local import Local
 
 METHODS: dict[str, type[Method]] = {
     "fedecouple": FedeCouple,
+    "fedavg": FedAvg,
+    "ft-fedavg": FTFedAvg,
+    "fedper": FedPer,
+    "fedrep": FedRep,
+    "fedpac": FedPAC,
+    "fedproto": FedProto,
+    "local": Local,
 }
 
 

@@ -1,0 +1,215 @@
+"""FedPAC (Xu, Tong & Huang, ICLR 2023): feature alignment to global prototypes and classifier
+collaboration by a per-client quadratic programme.
+
+Client i in round t receives the global base θ^t, the global prototypes c̄_k and, from round 1 on,
+its personalised head φ̂_i (the server's combination of the heads of round t−1); before that it
+uses its own head (the common initial one). Then, as in the authors' reference code:
+
+1. Statistics, with the received base and head and before any training, on the un-augmented
+   training set: n_i, class counts n_ik, p_ik = n_ik/n_i, class means μ_ik,
+   h_ik = p_ik·μ_ik (a C×d matrix, zero rows for absent classes) and the variance term
+   V_i = Σ_k [p_ik · mean_{x∈k} ‖f(x)‖² − p_ik² · ‖μ_ik‖²]  (the reference code's formula).
+   The class means double as local prototypes for classes without a global prototype.
+2. ``head_epochs`` (paper code: 1) epochs of CE on the head with the base frozen.
+3. ``local_epochs`` epochs on the base with the head frozen: CE + λ·MSE(f(x), c̄_y) (mean over batch
+   and feature elements, torch ``MSELoss``); classes without a global prototype use the local one
+   of step 1; in round 0 (no global prototypes at all) CE alone.
+4. Upload: base θ_i, head φ_i, per-class prototypes c_ik (mean feature of the trained base) of the
+   classes it holds, ``class_counts`` (the C-vector n_ik, kind ``class_counts``: it gives p_ik =
+   n_ik/n_i and weights the prototype average, as the reference code's ``sizes_label``), ``h``
+   (kind ``statistic``), ``V`` (kind ``statistic``, *not* yet divided by n_i) and ``sample_count``.
+
+Server, from this round's uploads only, processed in client-id order:
+* θ^{t+1} = Σ_i (n_i/Σ n) θ_i;  c̄_k = Σ_i n_ik c_ik / Σ_i n_ik (this round's set replaces the last);
+* for each uploading client i: α_i = argmin_{α ∈ simplex} αᵀ P_i α with
+  P_i = diag(V_j / n_j) + D_i,  (D_i)_{jl} = Σ_k (h_ik − h_jk)·(h_ik − h_lk),
+  i.e. Σ_j α_j² V_j/n_j + Σ_k ‖h_ik − Σ_j α_j h_jk‖² (estimated variance + bias of combining heads);
+  P_i is symmetrised and, if it has negative eigenvalues, rebuilt from its clipped (≥ 0)
+  eigen-decomposition; solved with SLSQP; weights below ``min_weight`` (reference code: 1e-3) are
+  zeroed and the rest renormalised; on any failure α_i = e_i (the client's own head).
+  φ̂_i = Σ_j α_ij φ_j over the heads *as uploaded this round*; stored as ``head.{i}.classifier.*``
+  and sent to client i in its next download.
+
+Personalised model for evaluation: newest global base + φ̂_i if the server has one for the client
+(the reference code installs it at the end of the round), else the client's own head.
+
+Defaults: λ = 1.0 (paper), ``head_epochs`` = 1 (reference code). The reference code also uses a
+head learning rate of 0.1, momentum 0.5 and weight decay 5e-4; we use the shared SGD settings
+(``--lr``, no momentum) for every method. No data augmentation.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.optimize import minimize
+
+from ..channel import Download, Upload
+from ..errors import UserError
+from ..models import SplitModel, get_params, set_params
+from .base import (SAMPLE_COUNT, ClientContext, FieldSpec, Method, State, add_prefix, extract_features,
+                   class_means, make_upload, model_fields, sample_weighted_average, strip_prefix)
+from .fedavg import by_client
+from .fedper import only_group, train_extractor, train_head
+from .fedproto import (PROTOTYPE, local_prototypes, prototype_field, prototype_loss, prototype_table,
+                       prototypes_in, weighted_prototypes)
+
+HEAD = "head.{cid}."
+
+
+def client_statistics(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
+    """(class counts, class means, h = p_k·μ_k, V) of one client's features (reference-code formulas)."""
+    means, counts = class_means(features, labels, num_classes)
+    n = max(int(labels.shape[0]), 1)
+    p = counts.to(features.dtype) / n
+    h = p.unsqueeze(1) * means
+    sq = torch.zeros(num_classes, dtype=features.dtype).index_add_(0, labels, features.pow(2).sum(dim=1))
+    mean_sq = sq / counts.clamp_min(1).to(features.dtype)
+    v = (p * mean_sq - p.pow(2) * means.pow(2).sum(dim=1)).sum()
+    return counts, means, h, v
+
+
+def head_weight_matrix(i: int, h: torch.Tensor, v_over_n: torch.Tensor) -> np.ndarray:
+    """P_i = diag(V_j/n_j) + D_i for client position i, h of shape (m, C, d), v_over_n of shape (m,)."""
+    diff = (h[i].unsqueeze(0) - h).reshape(h.shape[0], -1).to(torch.float64)  # (m, C·d): h_i − h_j
+    return (torch.diag(v_over_n.to(torch.float64)) + diff @ diff.T).numpy()
+
+
+def solve_simplex_qp(p_matrix: np.ndarray, own: int, min_weight: float = 1e-3) -> tuple[np.ndarray, bool]:
+    """argmin_{α ≥ 0, Σα = 1} αᵀPα. Returns (α, solved); α = e_own whenever it cannot be solved."""
+    m = p_matrix.shape[0]
+    fallback = np.zeros(m)
+    fallback[own] = 1.0
+    if m == 1:
+        return fallback, True
+    try:
+        p = np.asarray(p_matrix, dtype=np.float64)
+        if not np.all(np.isfinite(p)):
+            return fallback, False
+        p = 0.5 * (p + p.T)
+        scale = float(np.abs(p).max())
+        if not scale > 0:
+            return fallback, False  # P = 0: every α is optimal; keep the client's own head
+        p = p / scale  # same minimiser, better conditioned
+        evals, evecs = np.linalg.eigh(p)
+        if evals.min() < 0:
+            p = (evecs * np.clip(evals, 0.0, None)) @ evecs.T
+            p = 0.5 * (p + p.T)
+        x0 = np.full(m, 1.0 / m)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = minimize(lambda a: float(a @ p @ a), x0, jac=lambda a: 2.0 * (p @ a), method="SLSQP",
+                           bounds=[(0.0, 1.0)] * m,
+                           constraints=[{"type": "eq", "fun": lambda a: np.sum(a) - 1.0, "jac": lambda a: np.ones(m)}],
+                           options={"maxiter": 500, "ftol": 1e-12})
+        alpha = np.asarray(res.x, dtype=np.float64)
+        if not res.success or not np.all(np.isfinite(alpha)):
+            return fallback, False
+        alpha = np.clip(alpha, 0.0, None)
+        alpha[alpha < min_weight] = 0.0
+        total = alpha.sum()
+        if not total > 0:
+            return fallback, False
+        return alpha / total, True
+    except (ValueError, ArithmeticError, np.linalg.LinAlgError):
+        return fallback, False
+
+
+@dataclass
+class FedPAC(Method):
+    """FedPAC: λ = 1.0 (paper) weights the feature-alignment term; ``head_epochs`` = 1 (reference
+    code); ``min_weight`` = 1e-3 (reference code) zeroes tiny combination weights."""
+
+    lam: float = 1.0
+    head_epochs: int = 1
+    min_weight: float = 1e-3
+
+    name = "fedpac"
+    summary = "prototype feature alignment; per-client QP combines all heads; uploads base, head, prototypes, label stats"
+
+    def __post_init__(self) -> None:
+        if self.head_epochs < 0:
+            raise UserError(f"head_epochs must be >= 0, got {self.head_epochs}")
+
+    def manifest(self, model: SplitModel):
+        c, d = model.num_classes, model.feature_dim
+        return (model_fields(model, "extractor") + model_fields(model, "classifier") + [
+            prototype_field(model),
+            FieldSpec("class_counts", "class_counts", (c,)),
+            FieldSpec("h", "statistic", (c, d)),
+            FieldSpec("V", "statistic", ()),
+            SAMPLE_COUNT,
+        ])
+
+    def init_server(self, model: SplitModel) -> State:
+        return add_prefix(get_params(model, "extractor"), "global.")
+
+    def init_client(self, model: SplitModel, client_id: int) -> State:
+        return get_params(model, "classifier")
+
+    def download(self, server: State, client_id: int, round: int):
+        out = strip_prefix(server, "global.")  # base and global prototypes
+        out.update(strip_prefix(server, HEAD.format(cid=client_id)))  # this client's combined head, if any
+        return out
+
+    def client_update(self, ctx: ClientContext, state: State, download: Download) -> tuple[State, Upload]:
+        model = ctx.model
+        received = dict(download.tensors)
+        set_params(model, only_group(state, "classifier"))
+        set_params(model, only_group(received, "classifier"))  # the server's combination replaces it
+        set_params(model, only_group(received, "extractor"))
+
+        counts, local_means, h, v = client_statistics(extract_features(model, ctx.images), ctx.labels,
+                                                      ctx.num_classes)
+        train_head(ctx, model, self.head_epochs, "classifier")
+
+        global_protos = prototypes_in(received)
+        extra = None
+        if global_protos and self.lam != 0:
+            table, has = prototype_table(global_protos, ctx.num_classes, model.feature_dim)
+            held = counts > 0
+            fill = held & ~has  # classes the client holds but nobody reported: its own prototypes
+            table[fill] = local_means[fill]
+            has = has | fill
+            extra = lambda feats, y: self.lam * prototype_loss(feats, y, table, has)  # noqa: E731
+        train_extractor(ctx, model, ctx.config.local_epochs, "extractor", extra)
+
+        protos, counts_after = local_prototypes(ctx, model)
+        tensors = {**get_params(model, "extractor"), **get_params(model, "classifier")}
+        for k in torch.nonzero(counts_after).flatten().tolist():
+            tensors[PROTOTYPE.format(k=k)] = protos[k].clone()
+        tensors.update({"class_counts": counts.clone(), "h": h, "V": v})
+        return get_params(model, "classifier"), make_upload(ctx, tensors)
+
+    def aggregate(self, server: State, uploads: list[Upload], round: int) -> State:
+        uploads = by_client(uploads)
+        first = uploads[0].tensors
+        base_names = [k for k in first if k.startswith("extractor.")]
+        head_names = [k for k in first if k.startswith("classifier.")]
+        new = {k: v for k, v in server.items() if k.startswith("head.")}  # absent clients keep theirs
+        new.update(add_prefix(sample_weighted_average(uploads, base_names), "global."))
+
+        per_client = []
+        for u in uploads:
+            cc = u.tensors["class_counts"]
+            per_client.append((prototypes_in(u.tensors), {k: float(cc[k]) for k in range(cc.shape[0])}))
+        for k, proto in weighted_prototypes(per_client).items():
+            new["global." + PROTOTYPE.format(k=k)] = proto
+
+        h = torch.stack([u.tensors["h"].to(torch.float64) for u in uploads])
+        n = torch.stack([u.tensors["sample_count"].to(torch.float64) for u in uploads]).clamp_min(1.0)
+        v_over_n = torch.stack([u.tensors["V"].to(torch.float64) for u in uploads]) / n
+        heads = {name: torch.stack([u.tensors[name] for u in uploads]) for name in head_names}
+        for i, u in enumerate(uploads):
+            alpha, _ = solve_simplex_qp(head_weight_matrix(i, h, v_over_n), i, self.min_weight)
+            weights = torch.from_numpy(alpha)
+            for name, stacked in heads.items():
+                combined = torch.tensordot(weights.to(stacked.dtype), stacked, dims=1)
+                new[HEAD.format(cid=u.client_id) + name] = combined
+        return new
+
+    def personalized(self, ctx: ClientContext, server: State, state: State):
+        own = strip_prefix(server, HEAD.format(cid=ctx.client_id)) or only_group(state, "classifier")
+        return {**only_group(strip_prefix(server, "global."), "extractor"), **own}

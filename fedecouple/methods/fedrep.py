@@ -1,0 +1,46 @@
+"""FedRep (Collins et al., ICML 2021): a shared representation, a personal head trained first.
+
+Client i in round t receives the global base θ^t and keeps its own head φ_i. It first trains the
+head alone (base frozen) for ``head_epochs`` epochs, then the base alone (the just-trained head
+frozen) for ``local_epochs`` epochs, both on cross-entropy. It uploads the base θ_i and its
+training-set size n_i, never the head. Server: θ^{t+1} = Σ_i (n_i / Σ_j n_j) θ_i. Personalised model
+for evaluation: newest global base + the client's own head (as FedPer).
+
+Epoch split (a choice; the sources differ):
+* FedRep's reference code runs ``local_ep`` epochs in all, the first ``local_ep − local_rep_ep``
+  on the head and ``local_rep_ep`` (1) on the base (10 epochs → 9 head + 1 base);
+* PFLlib runs ``plocal_epochs`` (default 1) head epochs, then ``local_epochs`` base epochs.
+We default ``head_epochs`` to ``local_epochs`` (E head epochs then E base epochs), the same split
+FedeCouple uses (E_cl = E_fe), so methods compare at equal local work; pass
+``--hp head_epochs=9 --local-epochs 1`` for the reference code's split. No data augmentation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..channel import Download, Upload
+from ..errors import UserError
+from .base import ClientContext, State
+from .fedper import FedPer, train_extractor, train_head
+
+
+@dataclass
+class FedRep(FedPer):
+    """FedRep: ``head_epochs`` (default: ``local_epochs``) head epochs with the base frozen, then
+    ``local_epochs`` base epochs with the head frozen; uploads the base only."""
+
+    head_epochs: int | None = None
+
+    name = "fedrep"
+    summary = "head epochs (base frozen) then base epochs (head frozen); base averaged, head personal"
+
+    def __post_init__(self) -> None:
+        if self.head_epochs is not None and self.head_epochs < 0:
+            raise UserError(f"head_epochs must be >= 0, got {self.head_epochs}")
+
+    def client_update(self, ctx: ClientContext, state: State, download: Download) -> tuple[State, Upload]:
+        model = self._start(ctx, state, download)
+        e_head = self.head_epochs if self.head_epochs is not None else ctx.config.local_epochs
+        train_head(ctx, model, e_head, "classifier")
+        train_extractor(ctx, model, ctx.config.local_epochs, "extractor")
+        return self._finish(ctx, model)

@@ -1,0 +1,200 @@
+"""Library function behind ``fedsec compare``: train several methods on the same partitions and
+seeds and tabulate their accuracy.
+
+Layout of ``out``::
+
+    out/<method>/seed<k>/   a normal ``fedsec train`` run directory (config.json, metrics.csv, ...)
+    out/accuracy.csv        method, seed, mean_accuracy, std_accuracy  (one row per finished run)
+    out/accuracy.md         mean ± std over seeds of the per-run mean client accuracy, per method
+
+For a given seed every method sees the same partition (it depends only on the seed and the
+partition flags) and the same initial model. Each method receives only the hyperparameters it
+accepts (``--lam`` goes to FedeCouple, FedPAC and FedProto alike; ``--mu`` only to FedeCouple).
+The command is resumable: a run whose ``summary.json`` exists with the same configuration and all
+rounds done is skipped, an interrupted run continues from its checkpoint, and a run directory
+holding a *different* configuration is an error (nothing is overwritten). Both tables are rewritten
+atomically after every run, so they always describe the finished runs.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import pandas as pd
+
+from fedecouple.errors import UserError
+from fedecouple.methods import METHODS
+
+from . import io, runner
+from .runner import RunConfig
+
+# settings that do not change a run's result; a finished run still counts if only these differ
+_IRRELEVANT = ("threads", "data_dir", "download")
+
+
+def parse_list(text: str, what: str) -> list[str]:
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise UserError(f"--{what} needs at least one value (comma-separated)")
+    return list(dict.fromkeys(items))  # drop duplicates, keep order
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = parse_list(text, "methods")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise UserError(f"unknown method{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                        f"choose from: {', '.join(METHODS)}")
+    return methods
+
+
+def parse_seeds(text: str) -> list[int]:
+    seeds = []
+    for item in parse_list(text, "seeds"):
+        try:
+            seeds.append(int(item))
+        except ValueError:
+            raise UserError(f"--seeds expects comma-separated integers, got {item!r}") from None
+    return seeds
+
+
+def method_config(base: RunConfig, method: str, seed: int) -> RunConfig:
+    """``base`` for one method and seed, with only the hyperparameters that method accepts."""
+    accepted = set(getattr(METHODS[method], "__dataclass_fields__", {}))
+    hp = {k: v for k, v in base.hyperparameters.items() if k in accepted}
+    return replace(base, method=method, seed=seed, hyperparameters=hp)
+
+
+def run_dir(out: Path, method: str, seed: int) -> Path:
+    return out / method / f"seed{seed}"
+
+
+def _comparable(config: dict) -> dict:
+    normal = json.loads(json.dumps(config))  # what config.json holds after a round trip
+    return {k: v for k, v in normal.items() if k not in _IRRELEVANT}
+
+
+def run_status(path: Path, config: RunConfig) -> str:
+    """``new`` (nothing there), ``done``, ``partial`` (same config, checkpointed) or ``other``."""
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        return "new"
+    try:
+        stored = io.read_json(cfg_file)["config"]
+    except (ValueError, KeyError, TypeError, OSError):
+        return "other"
+    if _comparable(stored) != _comparable(config.to_dict()):
+        return "other"
+    summary = path / "summary.json"
+    if summary.exists():
+        try:
+            if int(io.read_json(summary).get("rounds", -1)) >= config.rounds:
+                return "done"
+        except (ValueError, TypeError, OSError):
+            pass
+    return "partial" if (path / "checkpoint.pt").exists() else "new"
+
+
+def accuracy_tables(rows: list[dict], methods: list[str]) -> tuple[pd.DataFrame, str]:
+    """(per-run frame, Markdown summary). Std over seeds is the sample std (ddof = 1)."""
+    frame = pd.DataFrame(rows, columns=["method", "seed", "mean_accuracy", "std_accuracy"])
+    order = {m: i for i, m in enumerate(methods)}
+    frame = frame.sort_values(["method", "seed"], key=lambda col: col.map(order) if col.name == "method" else col,
+                              kind="stable").reset_index(drop=True)
+    lines = ["| method | seeds | accuracy (%) mean ± std over seeds | mean per-client std (%) |",
+             "|---|---|---|---|"]
+    for m in methods:
+        sub = frame[frame["method"] == m]
+        if sub.empty:
+            continue
+        acc = sub["mean_accuracy"].to_numpy(dtype=float) * 100
+        spread = sub["std_accuracy"].to_numpy(dtype=float) * 100
+        cell = f"{acc.mean():.2f} ± {acc.std(ddof=1):.2f}" if len(acc) > 1 else f"{acc.mean():.2f}"
+        lines.append(f"| {m} | {', '.join(str(s) for s in sub['seed'])} | {cell} | {np.mean(spread):.2f} |")
+    return frame, "\n".join(lines) + "\n"
+
+
+@contextmanager
+def _shared_datasets() -> Iterator[None]:
+    """Load each data set once for all runs of a comparison (runs only read the tensors)."""
+    original = runner.load_dataset
+    cache: dict = {}
+
+    def cached(name, data_dir=None, download=False):
+        key = (name, str(data_dir))
+        if key not in cache:
+            cache[key] = original(name, data_dir, download)
+        return cache[key]
+
+    runner.load_dataset = cached
+    try:
+        yield
+    finally:
+        runner.load_dataset = original
+
+
+def compare(base: RunConfig, methods: list[str], seeds: list[int], out: str | Path,
+            progress: bool = True, on_run: Callable[[str, int, dict], None] | None = None) -> pd.DataFrame:
+    """Train every (method, seed) of ``base`` into ``out/<method>/seed<k>/`` and write the tables.
+
+    Everything is validated before the first run starts; returns the per-run accuracy frame.
+    """
+    from tqdm import tqdm
+
+    if not methods:
+        raise UserError("--methods needs at least one method")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise UserError(f"unknown method {', '.join(unknown)}; choose from: {', '.join(METHODS)}")
+    if not seeds:
+        raise UserError("--seeds needs at least one seed")
+    used = {k for m in methods for k in getattr(METHODS[m], "__dataclass_fields__", {})}
+    unused = sorted(set(base.hyperparameters) - used)
+    if unused:
+        raise UserError(f"no compared method takes hyperparameter {', '.join(unused)}")
+    out = Path(out)
+    # seed-major: every method finishes seed k before any starts seed k+1, so an interrupted
+    # comparison always holds complete method-by-method tables for its first seeds
+    plan = [(m, s, method_config(base, m, s)) for s in seeds for m in methods]
+    for m, s, cfg in plan:
+        runner.build_method(cfg)
+        cfg.federation_config().validate(cfg.clients)
+        if run_status(run_dir(out, m, s), cfg) == "other":
+            raise UserError(f"{run_dir(out, m, s)} holds a run with a different configuration; "
+                            f"use another --out or remove that folder")
+
+    rows: list[dict] = []
+    bar = tqdm(total=len(plan) * base.rounds, unit="round", desc="compare", disable=not progress)
+    try:
+        with _shared_datasets():
+            for m, s, cfg in plan:
+                path = run_dir(out, m, s)
+                status = run_status(path, cfg)
+                bar.set_postfix_str(f"{m} seed {s}")
+                if status == "done":
+                    summary = io.read_json(path / "summary.json")
+                    bar.update(cfg.rounds)
+                else:
+                    start = bar.n
+
+                    def on_round(r, _summary, start=start):
+                        bar.n = start + r + 1
+                        bar.refresh()
+
+                    summary = runner.train(cfg, path, resume=status == "partial", on_round=on_round)
+                    bar.n = start + cfg.rounds
+                    bar.refresh()
+                rows.append({"method": m, "seed": s, "mean_accuracy": summary["mean_accuracy"],
+                             "std_accuracy": summary["std_accuracy"]})
+                frame, markdown = accuracy_tables(rows, methods)
+                io.write_csv(out / "accuracy.csv", frame)
+                io.write_text(out / "accuracy.md", markdown)
+                if on_run is not None:
+                    on_run(m, s, summary)
+    finally:
+        bar.close()
+    return accuracy_tables(rows, methods)[0]
