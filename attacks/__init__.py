@@ -7,8 +7,7 @@
 from __future__ import annotations
 
 from .base import AttackResult, Budget, LocalHyperparameters, NotApplicable, Observation
-from .dlg import dlg, idlg
-from .ig import inverting_gradients
+from . import dlg as _dlg, ig as _ig  # the submodules keep their names: attacks.dlg is the module
 
 GRADIENT_ATTACKS = ("dlg", "idlg", "ig")
 
@@ -17,7 +16,7 @@ class AttackUnavailable(RuntimeError):
     """The attack's module is not part of this installation."""
 
 
-def proto(observation: Observation, budget: Budget, seed: int, **_) -> AttackResult:
+def _proto_attack(observation: Observation, budget: Budget, seed: int, **_) -> AttackResult:
     """Prototype inversion (``attacks.proto.prototype_inversion``), imported on first use."""
     try:
         from .proto import prototype_inversion
@@ -28,7 +27,7 @@ def proto(observation: Observation, budget: Budget, seed: int, **_) -> AttackRes
     return prototype_inversion(observation, budget, seed)
 
 
-def labels(observation: Observation, budget: Budget, seed: int, **_) -> AttackResult:
+def _labels_attack(observation: Observation, budget: Budget, seed: int, **_) -> AttackResult:
     """Label-distribution inference (``attacks.labels.label_inference``), imported on first use."""
     try:
         from .labels import label_inference
@@ -50,7 +49,24 @@ def score_label_distribution(predicted, true_counts) -> dict:
     return score(predicted, true_counts)
 
 
-ATTACKS = {"dlg": dlg, "idlg": idlg, "ig": inverting_gradients, "proto": proto, "labels": labels}
+def check_available(name: str) -> None:
+    """Raise ``AttackUnavailable`` if the module behind attack ``name`` cannot be imported."""
+    module = {"proto": "proto", "labels": "labels"}.get(name)
+    if module is None:
+        return
+    import importlib
+
+    try:
+        importlib.import_module(f"{__name__}.{module}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{module}":
+            raise
+        raise AttackUnavailable(f"the {name} attack is not available (attacks/{module}.py is missing)") from None
+
+
+ATTACKS = {"dlg": _dlg.dlg, "idlg": _dlg.idlg, "ig": _ig.inverting_gradients, "proto": _proto_attack,
+           "labels": _labels_attack}
 
 __all__ = ["ATTACKS", "GRADIENT_ATTACKS", "AttackResult", "AttackUnavailable", "Budget", "LocalHyperparameters",
-           "NotApplicable", "Observation", "dlg", "idlg", "inverting_gradients"]
+           "check_available",
+           "NotApplicable", "Observation", "score_label_distribution"]

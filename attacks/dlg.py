@@ -6,7 +6,9 @@ jointly with L-BFGS (learning rate 1, torch's default of up to 20 function evalu
 no line search, as in the paper's code) to minimise Σ_layers ‖∇W(x, ŷ) − ∇W(true)‖², the squared
 distance between the dummy's gradient and the observed one. ``budget.iterations`` is the number of
 L-BFGS steps (the paper's 300), ``budget.restarts`` independent starts keep the lowest objective,
-and within a start the lowest-objective iterate is returned. Pixels are not constrained during
+and within a start the lowest-objective iterate is returned. A start stops early when it has
+converged (objective 1e-12 of its first value, or L-BFGS's own gradient tolerance) or stalled
+(less than 0.1 % improvement over 25 steps): DLG on these models either converges or stalls. Pixels are not constrained during
 the optimisation (as in DLG); the result is clamped to [0, 1].
 
 The observed "gradient" comes from ``attacks.observation.GradientMatcher``: the upload's update
@@ -35,6 +37,10 @@ from .base import AttackResult, Budget, Observation
 from .observation import GradientMatcher
 
 LBFGS_LR = 1.0
+# a start whose best objective improved by less than 0.1 % over the last 25 L-BFGS steps (up to 500
+# evaluations) is stopped: its best iterate is kept (DLG either converges or stalls on our models)
+STALL_STEPS = 25
+STALL_TOLERANCE = 1e-3
 
 
 def _seed(*parts: int) -> int:
@@ -111,7 +117,7 @@ def _run_dlg(obs: Observation, budget: Budget, seed: int, mode: str, fixed_label
         trace["label_source"] = "joint (soft label optimised with the image)"
 
     best = {"objective": float("inf"), "images": None, "labels": None}
-    restart_objectives, histories, evaluations = [], [], 0
+    restart_objectives, histories, evaluations, stalled = [], [], 0, []
     for restart in range(max(1, int(budget.restarts))):
         gen = torch.Generator().manual_seed(_seed(seed, restart, 0xD16))
         x = torch.rand((b, c, h, w), generator=gen).requires_grad_(True)
@@ -150,6 +156,9 @@ def _run_dlg(obs: Observation, budget: Budget, seed: int, mode: str, fixed_label
             first = run["objective"] if first is None else first
             if run["objective"] <= 1e-12 * max(first, 1e-30) or run["objective"] == 0.0:
                 break  # converged to the observed gradient
+            if len(history) > STALL_STEPS and run["objective"] > (1 - STALL_TOLERANCE) * history[-1 - STALL_STEPS]:
+                stalled.append(len(history))
+                break  # stuck: the best iterate so far is what more steps would return
         evaluations += run["evals"]
         restart_objectives.append(run["objective"])
         histories.append(history)
@@ -160,7 +169,7 @@ def _run_dlg(obs: Observation, budget: Budget, seed: int, mode: str, fixed_label
                 "labels": torch.full((b,), -1, dtype=torch.int64)}
         notes.append("the optimisation failed from every start: the output is a grey image")
     trace.update({"objective": best["objective"], "restart_objectives": restart_objectives,
-                  "history": histories, "evaluations": evaluations,
+                  "history": histories, "evaluations": evaluations, "stalled_at_steps": stalled,
                   "seconds": time.perf_counter() - start_time})
     return AttackResult(images=best["images"].clamp(0, 1), labels=best["labels"].to(torch.int64), trace=trace,
                         notes=notes)

@@ -1,46 +1,60 @@
 """Prototype inversion: rebuild a class-typical image from an uploaded class prototype.
 
 FedProto and FedPAC upload, for every class a client holds, a *prototype*: the mean feature
-vector f(x) of the client's training images of that class. A curious server can search for an
-input whose feature matches it; the result is an image typical of that client's class (not one
-particular training image), which is what this attack returns and what its score means.
+c_k = mean_{x in class k} f(x) of the client's training images of that class. A curious server
+searches for inputs whose features reproduce it. The result is an image typical of that client's
+class (not one particular training image); that is what the attack returns and what its score
+means (the harness scores it against the client's images of that class, beside the data-set mean
+image as the prior).
 
-Objective, per prototype p (feature dimension D), for an image x in [0, 1]:
+Objective. A prototype is a *mean* of features, and a single image rarely has a feature equal to
+the mean of many (matching one forces saturated, noise-like images; measured on mnist5k: 7-9 dB,
+below the 12 dB prior). So the attack inverts a *set* of ``ENSEMBLE`` images x_1..x_M for each
+prototype p, scores the set's mean feature m = (1/M)·Σ f(x_i), and returns the pixel mean of the
+set:
 
-    L(x) = ‖f(x) − p‖² / max(‖p‖², ε)  +  β·(1 − cos(f(x), p))  +  γ·TV(x)
+    L = ‖m − p‖² / ‖p‖²  +  β·(1 − cos(m, p))  +  γ·mean_i TV(x_i)
 
-* the squared error is *relative* to ‖p‖², so one weight setting works whatever the scale of the
-  features (random-init and trained extractors differ by orders of magnitude);
+* the squared error is *relative* to ‖p‖², so one setting works whatever the feature scale
+  (random-init and trained extractors differ by orders of magnitude);
 * the cosine term (β = ``COSINE_WEIGHT``) keeps the direction right when the magnitude cannot be
-  matched (a prototype is a mean of features, which a single image may not reach exactly);
-* TV(x) is the anisotropic total variation (mean absolute difference of horizontally and
-  vertically adjacent pixels, as in Inverting Gradients), γ = ``TV_WEIGHT``.
+  matched (e.g. FedProto inverted on a network that did not compute the prototype);
+* TV is the anisotropic total variation with a smoothed absolute value sqrt(d² + ε²) − ε
+  (ε = 0.01, so L-BFGS sees a differentiable objective), averaged over horizontal and vertical
+  neighbours, γ = ``TV_WEIGHT``.
 
-Optimisation: pixels are parametrised as x = sigmoid(z) (box-constrained to [0, 1] by
-construction), Adam with learning rate ``LR`` and a step decay (×0.1 at 3/8, 5/8 and 7/8 of the
-iterations, Inverting Gradients' schedule), ``budget.iterations`` steps. ``budget.restarts``
-independent starts (uniform noise around grey) run for every prototype; the start with the
-lowest final objective is kept. All prototypes × restarts are optimised as one batch: the
-objective is a sum of per-image terms and Adam acts element-wise, so this is exactly the same as
-separate runs, only faster.
+Image model. Pixels are x = clamp(G_σ * z, 0, 1): a Gaussian blur G_σ (σ = H/28 px, within
+[0.5, 1.5]) of free logits z, a smoothness prior that removes the high-frequency null space of the
+extractor, and a box constraint to [0, 1]. z starts at the per-channel pixel mean plus noise
+(std 0.1). Optimiser: L-BFGS (strong-Wolfe line search, history 20), at most
+``budget.iterations`` iterations; on this problem it reached 12.8 dB where Adam (IG's schedule,
+300 steps, lr 0.05 / 0.01) reached 11.7 / 11.9 dB (mnist5k, trained extractor, 10 classes).
+``budget.restarts`` independent sets per prototype; the set with the lowest objective is kept.
 
-Which extractor f (the threat model; written into ``notes`` and ``trace["extractor_source"]``):
+Contrast. Averaging M images lowers contrast, which PSNR punishes; the returned mean image is
+rescaled per channel to the pixel mean and ``CONTRAST`` × the pixel std that the model's
+``Normalize`` layer carries (public: it is part of the architecture the server defines). 0.7
+because an average of one class's images has 0.66 (mnist5k) to 0.84 (digits) of the spread of
+single images.
 
-* the client's *uploaded* extractor when the upload carries the full extractor (FedPAC): the
-  prototypes are computed with the client's trained local extractor, which is exactly the one
-  uploaded alongside them;
-* otherwise the extractor the server *sent* in this round's download, when the download carries
-  one;
+Which extractor f (the threat model; in ``notes`` and ``trace["extractor_source"]``):
+
+* the client's *uploaded* extractor when the upload carries the full extractor (FedPAC): FedPAC
+  computes its prototypes with the client's trained local base, after local training, which is
+  exactly the base uploaded beside them;
+* otherwise the extractor the server *sent* in this round's download, when there is one;
 * otherwise (FedProto uploads no weights at all) the model the server initialised the federation
-  with, ``observation.make_model()``. The harness must build that model with the federation's
-  initial weights. This is a weaker threat model: the client's prototypes come from its locally
-  trained extractor, which the server never sees, so the inversion runs on a mismatched network.
+  with, ``observation.make_model()``; the harness must build it with the federation's *initial*
+  weights. This is a weaker threat model: FedProto clients train their whole model locally from
+  those weights and never send it, so the inversion runs on a network that did not compute the
+  prototypes and the result is a lower bound on what leaks.
 
 One image per uploaded prototype is returned, labelled with the prototype's class.
 ``budget.batch`` does not apply (the number of images is the number of prototypes uploaded).
 """
 from __future__ import annotations
 
+import math
 import re
 import time
 
@@ -53,10 +67,13 @@ from fedecouple.models import SplitModel, set_params
 
 from .base import AttackResult, Budget, NotApplicable, Observation
 
-LR = 0.1
-TV_WEIGHT = 0.02
+ENSEMBLE = 16  # images per prototype whose mean feature is matched
 COSINE_WEIGHT = 1.0
-INIT_NOISE = 0.5  # std of the logits z at the start (x = sigmoid(z) ≈ 0.5 ± 0.12)
+TV_WEIGHT = 0.005
+TV_EPS = 0.01
+CONTRAST = 0.7
+INIT_NOISE = 0.1
+LBFGS_HISTORY = 20
 
 GRADIENT_ATTACKS_HINT = ("its upload carries model weights, not prototypes: use the gradient attacks "
                          "(`fedsec attack dlg|idlg|ig`) and `labels` instead")
@@ -137,53 +154,93 @@ def choose_extractor(observation: Observation) -> tuple[SplitModel, str, str]:
 # the optimisation
 
 
-def total_variation(x: torch.Tensor) -> torch.Tensor:
-    """Per-image anisotropic TV: mean |Δ| over horizontal plus vertical neighbours, shape (B,)."""
-    dx = (x[..., :, 1:] - x[..., :, :-1]).abs().flatten(1).mean(1)
-    dy = (x[..., 1:, :] - x[..., :-1, :]).abs().flatten(1).mean(1)
-    return dx + dy
+def total_variation(x: torch.Tensor, eps: float = TV_EPS) -> torch.Tensor:
+    """Per-image smoothed anisotropic TV, shape (B,): mean of sqrt(d² + ε²) − ε over horizontal
+    neighbour differences plus the same over vertical ones."""
+    dx = x[..., :, 1:] - x[..., :, :-1]
+    dy = x[..., 1:, :] - x[..., :-1, :]
+    smooth = lambda d: ((d.pow(2) + eps * eps).sqrt() - eps).flatten(1).mean(1)  # noqa: E731
+    return smooth(dx) + smooth(dy)
 
 
-def feature_objective(features: torch.Tensor, targets: torch.Tensor, images: torch.Tensor,
-                      tv_weight: float = TV_WEIGHT, cosine_weight: float = COSINE_WEIGHT) -> torch.Tensor:
-    """The per-image objective L(x) of the module docstring, shape (B,)."""
-    rel = (features - targets).pow(2).sum(1) / targets.pow(2).sum(1).clamp_min(1e-12)
-    cos = F.cosine_similarity(features, targets, dim=1, eps=1e-12)
-    return rel + cosine_weight * (1.0 - cos) + tv_weight * total_variation(images)
+def blur_sigma(image_shape: tuple[int, int, int]) -> float:
+    return min(1.5, max(0.5, image_shape[-1] / 28.0))
 
 
-def invert_features(model: SplitModel, targets: torch.Tensor, image_shape: tuple[int, int, int],
-                    iterations: int, restarts: int = 1, seed: int = 0, lr: float = LR,
-                    tv_weight: float = TV_WEIGHT, cosine_weight: float = COSINE_WEIGHT) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
-    """Images in [0, 1] whose features match each row of ``targets`` (K, D).
+def gaussian_blur(sigma: float, channels: int):
+    """A depth-wise Gaussian blur with replicate padding (identity for sigma <= 0)."""
+    if sigma <= 0:
+        return lambda z: z
+    radius = max(1, int(3 * sigma))
+    t = torch.arange(-radius, radius + 1, dtype=torch.float32)
+    k1 = torch.exp(-t.pow(2) / (2 * sigma * sigma))
+    k1 = k1 / k1.sum()
+    kernel = (k1[:, None] * k1[None, :]).expand(channels, 1, 2 * radius + 1, 2 * radius + 1).contiguous()
+    return lambda z: F.conv2d(F.pad(z, (radius,) * 4, mode="replicate"), kernel, groups=channels)
 
-    Returns (images (K, C, H, W), final objective per image (K,), mean objective history)."""
+
+def set_objective(model: SplitModel, x: torch.Tensor, target: torch.Tensor,
+                  tv_weight: float = TV_WEIGHT, cosine_weight: float = COSINE_WEIGHT) -> torch.Tensor:
+    """L of the module docstring for one set of images x (M, C, H, W) and one prototype (D,)."""
+    mean_feature = model.features(x).mean(0)
+    rel = (mean_feature - target).pow(2).sum() / target.pow(2).sum().clamp_min(1e-12)
+    cos = F.cosine_similarity(mean_feature, target, dim=0, eps=1e-12)
+    return rel + cosine_weight * (1.0 - cos) + tv_weight * total_variation(x).mean()
+
+
+def _pixel_stats(model: SplitModel, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    norm = getattr(model, "normalize", None)
+    if norm is None:
+        return torch.full((1, channels, 1, 1), 0.5), torch.full((1, channels, 1, 1), 0.25)
+    return norm.mean.detach().float().view(1, -1, 1, 1), norm.std.detach().float().view(1, -1, 1, 1)
+
+
+def invert_prototype(model: SplitModel, target: torch.Tensor, image_shape: tuple[int, int, int],
+                     iterations: int, restarts: int = 1, seed: int = 0, ensemble: int = ENSEMBLE,
+                     tv_weight: float = TV_WEIGHT, cosine_weight: float = COSINE_WEIGHT,
+                     contrast: float | None = CONTRAST) -> tuple[torch.Tensor, float, list[float]]:
+    """One class-typical image (C, H, W) in [0, 1] for one prototype (D,).
+
+    Returns (image, objective of the kept set, objective after each L-BFGS call of the kept set)."""
     model = model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    k = targets.shape[0]
-    restarts = max(1, int(restarts))
+    channels = image_shape[0]
+    blur = gaussian_blur(blur_sigma(image_shape), channels)
+    mean, std = _pixel_stats(model, channels)
+    target = target.detach().float().flatten()
     gen = torch.Generator().manual_seed(int(seed))
-    z = (torch.randn((restarts * k, *image_shape), generator=gen) * INIT_NOISE).requires_grad_(True)
-    tgt = targets.detach().float().repeat(restarts, 1)
-    opt = torch.optim.Adam([z], lr=lr)
-    milestones = [int(iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)]
-    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=0.1)
-    history: list[float] = []
-    for _ in range(max(0, int(iterations))):
-        x = torch.sigmoid(z)
-        loss = feature_objective(model.features(x), tgt, x, tv_weight, cosine_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.sum().backward()
-        opt.step()
-        sched.step()
-        history.append(float(loss.detach().mean()))
-    with torch.no_grad():
-        x = torch.sigmoid(z)
-        final = feature_objective(model.features(x), tgt, x, tv_weight, cosine_weight).view(restarts, k)
-        best = final.argmin(0)
-        images = x.view(restarts, k, *image_shape)[best, torch.arange(k)]
-        return images.clone(), final[best, torch.arange(k)].clone(), history
+    best: tuple[float, torch.Tensor, list[float]] | None = None
+    for _ in range(max(1, int(restarts))):
+        z0 = mean.expand(ensemble, *image_shape) + INIT_NOISE * torch.randn((ensemble, *image_shape), generator=gen)
+        z = z0.clone().requires_grad_(True)
+        opt = torch.optim.LBFGS([z], lr=1.0, max_iter=max(1, int(iterations)), history_size=LBFGS_HISTORY,
+                                line_search_fn="strong_wolfe")
+        history: list[float] = []
+
+        def closure():
+            opt.zero_grad(set_to_none=True)
+            loss = set_objective(model, blur(z).clamp(0, 1), target, tv_weight, cosine_weight)
+            loss.backward()
+            history.append(float(loss.detach()))
+            return loss
+
+        if iterations > 0:
+            opt.step(closure)
+        with torch.no_grad():
+            x = blur(z).clamp(0, 1)
+            final = float(set_objective(model, x, target, tv_weight, cosine_weight))
+        if not math.isfinite(final):
+            final = float("inf")
+        if best is None or final < best[0]:
+            best = (final, x.detach().clone(), history)
+    final, x, history = best
+    image = x.mean(0, keepdim=True)
+    if contrast is not None:
+        mu = image.mean(dim=(2, 3), keepdim=True)
+        sd = image.std(dim=(2, 3), keepdim=True).clamp_min(1e-6)
+        image = mean + (image - mu) / sd * (std * contrast)
+    return image.clamp(0, 1)[0], final, history
 
 
 # ------------------------------------------------------------------------------------------------
@@ -202,16 +259,29 @@ def prototype_inversion(observation: Observation, budget: Budget, seed: int) -> 
                             "prototypes (dropped or filtered by the channel); nothing to invert.")
     model, source, sentence = choose_extractor(observation)
     classes = list(protos)
-    targets = torch.stack([protos[c] for c in classes])
-    if targets.shape[1] != model.feature_dim:
-        raise NotApplicable(f"the uploaded prototypes have {targets.shape[1]} dimensions but the model's features "
-                            f"have {model.feature_dim}; the prototypes are not features of this architecture.")
-    images, objective, history = invert_features(model, targets, tuple(observation.image_shape),
-                                                 budget.iterations, budget.restarts, seed)
+    dims = {int(protos[c].numel()) for c in classes}
+    if dims != {model.feature_dim}:
+        raise NotApplicable(f"the uploaded prototypes have {sorted(dims)} dimensions but the model's features have "
+                            f"{model.feature_dim}; they are not features of this architecture.")
+    shape = tuple(int(v) for v in observation.image_shape)
+    images, objectives, histories = [], [], []
+    for i, c in enumerate(classes):
+        image, objective, history = invert_prototype(model, protos[c], shape, budget.iterations, budget.restarts,
+                                                     seed=int(seed) * 1009 + i)
+        images.append(image)
+        objectives.append(objective)
+        histories.append(history)
     notes = [sentence,
-             f"One image per uploaded prototype ({len(classes)} classes): each is a class-typical image for that "
-             "client, not a particular training image."]
-    trace = {"extractor_source": source, "classes": classes, "objective": objective.tolist(),
-             "loss_history": history, "seconds": time.perf_counter() - start,
-             "objective_definition": "|f(x)-p|^2/|p|^2 + %g*(1-cos(f(x),p)) + %g*TV(x)" % (COSINE_WEIGHT, TV_WEIGHT)}
-    return AttackResult(images=images, labels=torch.tensor(classes, dtype=torch.int64), trace=trace, notes=notes)
+             f"One image per uploaded prototype ({len(classes)} classes), each the pixel mean of {ENSEMBLE} images "
+             "whose mean feature matches the prototype: a class-typical image for that client, not a particular "
+             "training image."]
+    finite = [o for o in objectives if math.isfinite(o)]
+    trace = {"mode": f"{source}-extractor", "extractor_source": source, "classes": classes,
+             "objective": float(sum(finite) / len(finite)) if finite else float("nan"),
+             "objective_per_class": objectives, "loss_history": histories,
+             "seconds": time.perf_counter() - start,
+             "objective_definition": (f"|m-p|^2/|p|^2 + {COSINE_WEIGHT:g}(1-cos(m,p)) + {TV_WEIGHT:g} TV, m = mean "
+                                      f"feature of {ENSEMBLE} images; returned image = their pixel mean, "
+                                      f"contrast {CONTRAST:g}")}
+    return AttackResult(images=torch.stack(images), labels=torch.tensor(classes, dtype=torch.int64),
+                        trace=trace, notes=notes)

@@ -1,5 +1,6 @@
-"""The federation loop: sample clients, download through the channel, local updates, uploads
-through the channel, aggregation, evaluation of every client's personalised model.
+"""The federation loop: sample clients, download through the channel, local updates (run by a
+backend: in this process or as Ray tasks), uploads through the channel in client order,
+aggregation, evaluation of every client's personalised model.
 
 Randomness is derived from (seed, round, client), never from shared mutable generators, so a
 round gives the same result whether it runs after a resume, in another process or in another
@@ -9,18 +10,19 @@ by every client update.
 from __future__ import annotations
 
 from dataclasses import dataclass, asdict, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .backends import Backend, ClientJob, ModelSpec, SequentialBackend, make_context
 from .channel import Download, ServerChannel
 from .data.dataset import ImageDataset
 from .data.partition import Partition
 from .errors import UserError
 from .methods.base import ClientContext, Method, State, TrainConfig
-from .models import SplitModel, build_model, default_architecture, set_params
+from .models import SplitModel, default_architecture, set_params
 
 
 def derive_seed(*parts: int) -> int:
@@ -58,10 +60,13 @@ class GroundTruth:
     def __init__(self, rounds=None):
         self.rounds = None if rounds is None else set(rounds)
         self.batches: dict[tuple[int, int], list[tuple[str, np.ndarray]]] = {}
+        self.private: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
-    def record(self, round: int, client_id: int, batches: list[tuple[str, np.ndarray]]) -> None:
+    def record(self, round: int, client_id: int, batches: list[tuple[str, np.ndarray]],
+               private: dict[str, torch.Tensor] | None = None) -> None:
         if self.rounds is None or round in self.rounds:
             self.batches[(round, client_id)] = list(batches)
+            self.private[(round, client_id)] = {k: v.detach().clone() for k, v in (private or {}).items()}
 
     def samples(self, round: int, client_id: int) -> np.ndarray:
         """Distinct pool indices the client trained on in that round, in first-use order."""
@@ -85,16 +90,18 @@ class VictimSetting:
 class Federation:
     def __init__(self, method: Method, dataset: ImageDataset, partition: Partition, config: FederationConfig,
                  channel: ServerChannel | None = None, ground_truth: GroundTruth | None = None,
-                 victim: VictimSetting | None = None):
+                 victim: VictimSetting | None = None, backend: Backend | None = None):
         config.validate(partition.num_clients)
         self.method, self.dataset, self.partition, self.config = method, dataset, partition, config
         self.channel = channel if channel is not None else ServerChannel()
         self.ground_truth = ground_truth if ground_truth is not None else GroundTruth(rounds=())
         self.victim = victim
+        self.backend: Backend = backend if backend is not None else SequentialBackend()
         arch = config.arch or default_architecture(dataset.channels, dataset.image_size)
         torch.manual_seed(derive_seed(config.seed, 0xC0DE))
-        self.model: SplitModel = build_model(arch, dataset.channels, dataset.image_size, dataset.num_classes,
-                                             dataset.mean, dataset.std)
+        self.model_spec = ModelSpec(arch, dataset.channels, dataset.image_size, dataset.num_classes,
+                                    tuple(dataset.mean), tuple(dataset.std))
+        self.model: SplitModel = self.model_spec.build()
         self.initial_params = {k: v.detach().clone() for k, v in self.model.named_parameters()}
         self.server: State = method.init_server(self.model)
         self.clients: dict[int, State] = {}
@@ -112,7 +119,8 @@ class Federation:
             self.clients[cid] = self.method.init_client(self.model, cid)
         return self.clients[cid]
 
-    def context(self, cid: int, round: int, split: str = "train") -> ClientContext:
+    def _client_data(self, cid: int, round: int, split: str) -> tuple[np.ndarray, TrainConfig, int | None]:
+        """Pool indices, training config and victim steps of one client's split in ``round``."""
         idx = (self.partition.train if split == "train" else self.partition.test)[cid]
         steps = None
         if split == "train" and self.victim is not None and (round, cid) in self.victim.targets:
@@ -122,10 +130,20 @@ class Federation:
         train_cfg = self.config.train
         if steps is not None:
             train_cfg = TrainConfig(**{**asdict(train_cfg), "batch_size": len(idx)})
+        return idx, train_cfg, steps
+
+    def context(self, cid: int, round: int, split: str = "train") -> ClientContext:
+        idx, train_cfg, steps = self._client_data(cid, round, split)
         t_idx = torch.from_numpy(idx)
-        gen = torch.Generator().manual_seed(derive_seed(self.config.seed, round, cid, 1))
-        return ClientContext(cid, round, self.dataset.images[t_idx], self.dataset.labels[t_idx], idx, self.model,
-                             train_cfg, self.dataset.num_classes, gen, steps_per_phase=steps)
+        return make_context(cid, round, self.dataset.images[t_idx], self.dataset.labels[t_idx], idx, self.model,
+                            train_cfg, self.dataset.num_classes, derive_seed(self.config.seed, round, cid, 1), steps)
+
+    def client_job(self, cid: int, round: int, download: Download) -> ClientJob:
+        """Everything client ``cid``'s update in ``round`` needs besides the method and the data set."""
+        idx, train_cfg, steps = self._client_data(cid, round, "train")
+        return ClientJob(cid, round, download, self.client_state(cid), idx, train_cfg,
+                         generator_seed=derive_seed(self.config.seed, round, cid, 1),
+                         torch_seed=derive_seed(self.config.seed, round, cid, 2), steps_per_phase=steps)
 
     def sample_clients(self, round: int) -> list[int]:
         n = self.num_clients
@@ -134,10 +152,10 @@ class Federation:
         return sorted(rng.choice(n, size=k, replace=False).tolist())
 
     # -- one round -------------------------------------------------------------------------
-    def run_round(self) -> list[dict]:
-        t = self.completed_rounds
-        uploads = []
-        talks = getattr(self.method, "communicates", True)  # False: a method with no communication
+    def _round_jobs(self, t: int, talks: bool) -> Iterator[ClientJob]:
+        """Each sampled client's download through the channel (client order), as a job. Lazy, so a
+        backend that runs one update at a time never holds every client's download at once; the
+        channel still sees every download of the round before any upload."""
         for cid in self.sample_clients(t):
             if talks:
                 down = self.channel.download(Download(t, cid, self.method.download(self.server, cid, t)))
@@ -145,12 +163,22 @@ class Federation:
                     continue  # dropped: the client sits this round out
             else:
                 down = Download(t, cid, {})  # nothing is sent: the channel never sees this client
-            ctx = self.context(cid, t)
-            torch.manual_seed(derive_seed(self.config.seed, t, cid, 2))
-            new_state, upload = self.method.client_update(ctx, self.client_state(cid), down)
-            self.clients[cid] = {k: v.detach().clone() for k, v in new_state.items()}
-            self.ground_truth.record(t, cid, ctx.batch_log)
-            received = self.channel.upload(upload) if talks else None
+            yield self.client_job(cid, t, down)
+
+    def run_round(self) -> list[dict]:
+        """Downloads through the channel (client order) → the backend runs the updates → ground-truth
+        hook → uploads through the channel (client order) → aggregate → evaluate."""
+        t = self.completed_rounds
+        talks = getattr(self.method, "communicates", True)  # False: a method with no communication
+        results = self.backend.run_updates(self.method, self.dataset, self.model_spec, self.model,
+                                           self._round_jobs(t, talks))
+        uploads = []
+        for i, result in enumerate(results):
+            results[i] = None  # drop each result once handled (1,000 clients: one round's traffic, not two)
+            cid = result.client_id
+            self.clients[cid] = {k: v.detach().clone() for k, v in result.state.items()}
+            self.ground_truth.record(t, cid, result.batch_log, result.private)
+            received = self.channel.upload(result.upload) if talks else None
             if received is not None:
                 uploads.append(received)
         if uploads:
@@ -179,6 +207,10 @@ class Federation:
             acc, loss = self._test(self.context(cid, round, "test"))
             rows.append({"round": round, "client": cid, "accuracy": acc, "loss": loss})
         return rows
+
+    def close(self) -> None:
+        """Release the backend (e.g. shut down the Ray it started)."""
+        self.backend.close()
 
     def run(self, rounds: int | None = None, on_round: Callable[[int, list[dict]], None] | None = None) -> list[dict]:
         target = self.config.rounds if rounds is None else rounds

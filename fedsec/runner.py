@@ -15,6 +15,7 @@ from typing import Callable
 import pandas as pd
 import torch
 
+from fedecouple.backends import BACKENDS, import_ray, make_backend
 from fedecouple.channel import ServerChannel
 from fedecouple.data import load_dataset, make_partition
 from fedecouple.data.dataset import ImageDataset
@@ -52,6 +53,8 @@ class RunConfig:
     seed: int = 0
     arch: str | None = None
     threads: int | None = None
+    backend: str = "sequential"
+    ray_address: str | None = None
     hyperparameters: dict = field(default_factory=dict)
 
     @classmethod
@@ -92,6 +95,12 @@ def prepare(config: RunConfig) -> Prepared:
     if config.clients < 1:
         raise UserError(f"--clients must be at least 1, got {config.clients}")
     config.federation_config().validate(config.clients)
+    if config.backend not in BACKENDS:
+        raise UserError(f"unknown backend {config.backend!r}; choose one of: {', '.join(BACKENDS)}")
+    if config.ray_address and config.backend != "ray":
+        raise UserError("--ray-address needs --backend ray")
+    if config.backend == "ray":
+        import_ray()  # a missing extra fails here, before anything is written
     dataset = load_dataset(config.dataset, config.data_dir, config.download)
     partition = make_partition(dataset.labels.numpy(), config.clients, config.partition,
                                num_classes=dataset.num_classes, classes_per_client=config.classes_per_client,
@@ -104,8 +113,9 @@ def build_federation(prep: Prepared, channel: ServerChannel | None = None, groun
                      victim: VictimSetting | None = None) -> Federation:
     if prep.config.threads:
         torch.set_num_threads(prep.config.threads)
+    backend = make_backend(prep.config.backend, prep.config.ray_address, prep.config.threads)
     return Federation(prep.method, prep.dataset, prep.partition, prep.config.federation_config(), channel=channel,
-                      ground_truth=ground_truth, victim=victim)
+                      ground_truth=ground_truth, victim=victim, backend=backend)
 
 
 def run_record(config: RunConfig) -> dict:
@@ -129,6 +139,13 @@ def train(config: RunConfig, out: str | Path | None, resume: bool = False,
     """Train ``config`` (or continue the run in ``out`` when ``resume``), checkpointing each round."""
     prep = prepare(config)
     fed = build_federation(prep)
+    try:
+        return _train(fed, prep, config, out, resume, on_round)
+    finally:
+        fed.close()  # e.g. shut down the Ray this run started
+
+
+def _train(fed: Federation, prep: Prepared, config: RunConfig, out, resume, on_round) -> dict:
     out_path = Path(out) if out is not None else None
     spent = 0.0
     if out_path is not None:

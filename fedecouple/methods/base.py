@@ -14,6 +14,8 @@ method uploads: the channel tests hold each method to it.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from typing import Callable, ClassVar, Iterator
 
@@ -79,6 +81,9 @@ class ClientContext:
     generator: torch.Generator
     steps_per_phase: int | None = None  # victim setting: T steps per phase instead of epochs
     batch_log: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    # values the client computes and keeps to itself (e.g. FedeCouple's anchors); handed to the
+    # harness-only ground-truth hook so audits can verify they never appear in an upload
+    private: dict[str, torch.Tensor] = field(default_factory=dict)
     _augmenter: BatchAugmenter | None = None
 
     @property
@@ -129,8 +134,26 @@ class ClientContext:
             )
 
 
-def sgd(params, config: TrainConfig) -> torch.optim.SGD:
-    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+# Optional wrapper around every optimizer a method builds with ``sgd`` (e.g. DP-SGD: per-sample
+# clipping and noise, see fedsec.defenses.dp). Set only for the duration of one client update.
+_OPTIMIZER_HOOK: ContextVar[Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None] = \
+    ContextVar("fedecouple_optimizer_hook", default=None)
+
+
+@contextmanager
+def optimizer_hook(hook: Callable[[torch.optim.Optimizer], torch.optim.Optimizer]) -> Iterator[None]:
+    """While active, ``sgd`` returns ``hook(torch.optim.SGD(...))`` instead of the plain optimizer."""
+    token = _OPTIMIZER_HOOK.set(hook)
+    try:
+        yield
+    finally:
+        _OPTIMIZER_HOOK.reset(token)
+
+
+def sgd(params, config: TrainConfig) -> torch.optim.Optimizer:
+    opt = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    hook = _OPTIMIZER_HOOK.get()
+    return opt if hook is None else hook(opt)
 
 
 def train_supervised(ctx: ClientContext, module_params, epochs: int, phase: str,

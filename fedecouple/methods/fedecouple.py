@@ -109,7 +109,8 @@ class FedeCouple(Method):
         set_params(model, {k: v for k, v in glob.items() if k.startswith("extractor.")})  # θ_i ← θ^t
         anchors = None
         if self.gfa:
-            anchors, _ = class_means(extract_features(model, ctx.images), ctx.labels, ctx.num_classes)
+            anchors, counts = class_means(extract_features(model, ctx.images), ctx.labels, ctx.num_classes)
+            ctx.private["anchors"] = anchors[counts > 0].clone()
         frozen_global = copy.deepcopy(model.classifier)
         frozen_global.load_state_dict(global_classifier)
         if self.glf:

@@ -1,0 +1,233 @@
+"""Execution backends: where a round's client updates run.
+
+The driver (``Federation.run_round``) sends every download through the server channel, hands the
+round's client updates to a backend, then sends the uploads back through the channel in client
+order. A backend only runs ``method.client_update`` for a list of ``ClientJob`` objects and returns
+one ``ClientResult`` per job, in the same order:
+
+* ``SequentialBackend``: one after another in this process, on the driver's workspace model (the
+  default; what the engine always did);
+* ``RayBackend``: one Ray task per client. The data set's tensors go into the object store once
+  (``ray.put``), each task rebuilds its workspace model from a ``ModelSpec``, and the client's
+  persistent state travels with the task and comes back with the result.
+
+Both build the client's context and seed it the same way (``run_update``): the batch-order
+generator is seeded with ``derive_seed(seed, round, client, 1)`` and torch's global generator with
+``derive_seed(seed, round, client, 2)`` right before the update, so the same seed gives the same
+numbers under either backend — provided the torch thread count is the same too (floating-point
+reductions in convolutions depend on it). Ray workers use ``threads`` torch threads (default 1,
+one per reserved CPU); the driver uses the process's setting (``--threads``), so pass
+``--threads 1`` for results bit-identical to a sequential run.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from .channel import Download, Upload
+from .data.dataset import ImageDataset
+from .errors import UserError
+from .methods.base import ClientContext, Method, State, TrainConfig
+from .models import SplitModel, build_model
+
+BACKENDS = ("sequential", "ray")
+RAY_HINT = "pip install 'fedsec[ray]'"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Enough to rebuild the workspace model anywhere (its weights are always set by the method)."""
+
+    arch: str
+    channels: int
+    image_size: int
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def build(self) -> SplitModel:
+        return build_model(self.arch, self.channels, self.image_size, self.num_classes, self.mean, self.std)
+
+
+@dataclass
+class ClientJob:
+    """One client update: what the client received, its kept state, which of the pooled samples it
+    trains on, its training config and its seeds."""
+
+    client_id: int
+    round: int
+    download: Download
+    state: State
+    indices: np.ndarray
+    config: TrainConfig
+    generator_seed: int  # batch order: torch.Generator().manual_seed(generator_seed)
+    torch_seed: int  # torch.manual_seed(torch_seed) right before client_update (augmentation draws)
+    steps_per_phase: int | None = None
+
+
+@dataclass
+class ClientResult:
+    client_id: int
+    state: State
+    upload: Upload
+    batch_log: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    private: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def make_context(client_id: int, round: int, images: torch.Tensor, labels: torch.Tensor, indices: np.ndarray,
+                 model: SplitModel, config: TrainConfig, num_classes: int, generator_seed: int,
+                 steps_per_phase: int | None = None) -> ClientContext:
+    """A client's context over ``images``/``labels`` (already restricted to ``indices``)."""
+    gen = torch.Generator().manual_seed(generator_seed)
+    return ClientContext(client_id, round, images, labels, indices, model, config, num_classes, gen,
+                         steps_per_phase=steps_per_phase)
+
+
+def run_update(method: Method, job: ClientJob, images: torch.Tensor, labels: torch.Tensor, model: SplitModel,
+               num_classes: int) -> ClientResult:
+    """Run one client update exactly as the engine always has (same context, same seeding)."""
+    ctx = make_context(job.client_id, job.round, images, labels, job.indices, model, job.config, num_classes,
+                       job.generator_seed, job.steps_per_phase)
+    torch.manual_seed(job.torch_seed)
+    state, upload = method.client_update(ctx, job.state, job.download)
+    return ClientResult(job.client_id, state, upload, ctx.batch_log, ctx.private)
+
+
+class Backend:
+    """Runs a round's client updates; results come back in job order.
+
+    ``jobs`` may be a lazy iterable (the engine passes each download through the channel as the
+    backend asks for the next job): a backend must not assume it can iterate it twice.
+    """
+
+    name = "backend"
+
+    def run_updates(self, method: Method, dataset: ImageDataset, spec: ModelSpec, workspace: SplitModel,
+                    jobs: Iterable[ClientJob]) -> list[ClientResult]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release whatever the backend started (idempotent)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class SequentialBackend(Backend):
+    """Every update in this process, one after another, on the driver's workspace model."""
+
+    name = "sequential"
+
+    def run_updates(self, method, dataset, spec, workspace, jobs):
+        results = []
+        for job in jobs:
+            idx = torch.from_numpy(job.indices)
+            results.append(run_update(method, job, dataset.images[idx], dataset.labels[idx], workspace,
+                                      dataset.num_classes))
+        return results
+
+
+def import_ray():
+    """``ray``, or a UserError naming the extra that installs it."""
+    try:
+        import ray
+    except ImportError:
+        raise UserError(f"--backend ray needs Ray, which is not installed: {RAY_HINT}") from None
+    return ray
+
+
+def _ray_task(method: Method, spec: ModelSpec, images: np.ndarray, labels: np.ndarray, job: ClientJob,
+              threads: int) -> ClientResult:
+    """Body of one Ray task (runs in a worker). ``images``/``labels`` arrive from the object store
+    as read-only zero-copy arrays; indexing copies out just this client's samples."""
+    torch.set_num_threads(threads)
+    model = spec.build()  # before seeding: building draws from torch's generator
+    x = torch.from_numpy(images[job.indices])
+    y = torch.from_numpy(labels[job.indices])
+    return run_update(method, job, x, y, model, spec.num_classes)
+
+
+def _ray_warmup(threads: int) -> int:
+    torch.set_num_threads(threads)
+    import fedecouple.methods  # noqa: F401  (import the package once per worker)
+    return os.getpid()
+
+
+def local_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class RayBackend(Backend):
+    """One Ray task per client update.
+
+    ``address`` joins an existing cluster (``ray.init(address=...)``; every node needs fedsec
+    installed); without it a local Ray starts with ``num_cpus`` CPUs (default: this machine's
+    cores). A Ray already initialised in this process is reused and left running. Each task
+    reserves ``threads`` CPUs and runs torch with that many threads.
+    """
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, threads: int | None = None, num_cpus: int | None = None):
+        self.ray = import_ray()
+        self.threads = int(threads) if threads else 1
+        if self.threads < 1:
+            raise UserError(f"--threads must be at least 1, got {threads}")
+        self._started = False
+        if not self.ray.is_initialized():
+            import logging
+
+            kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+            if address:
+                self.ray.init(address=address, **kwargs)
+            else:
+                self.ray.init(num_cpus=num_cpus or local_cpus(), **kwargs)
+            self._started = True
+        self._task = self.ray.remote(_ray_task).options(num_cpus=self.threads)
+        self._data: tuple[ImageDataset, object, object] | None = None
+
+    def workers(self) -> int:
+        """How many updates can run at once on the cluster."""
+        return max(1, int(self.ray.cluster_resources().get("CPU", 1)) // self.threads)
+
+    def warm_up(self) -> None:
+        """Start the worker processes and import torch and fedecouple in each (first-round latency)."""
+        task = self.ray.remote(_ray_warmup).options(num_cpus=self.threads)
+        self.ray.get([task.remote(self.threads) for _ in range(self.workers())])
+
+    def _dataset_refs(self, dataset: ImageDataset):
+        if self._data is None or self._data[0] is not dataset:
+            self._data = (dataset, self.ray.put(dataset.images.numpy()), self.ray.put(dataset.labels.numpy()))
+        return self._data[1], self._data[2]
+
+    def run_updates(self, method, dataset, spec, workspace, jobs):
+        images, labels = self._dataset_refs(dataset)
+        method_ref, spec_ref = self.ray.put(method), self.ray.put(spec)
+        refs = [self._task.remote(method_ref, spec_ref, images, labels, job, self.threads) for job in jobs]
+        return self.ray.get(refs) if refs else []
+
+    def close(self) -> None:
+        self._data = None
+        if self._started and self.ray.is_initialized():
+            self.ray.shutdown()
+        self._started = False
+
+
+def make_backend(name: str = "sequential", address: str | None = None, threads: int | None = None) -> Backend:
+    if name == "sequential":
+        if address:
+            raise UserError("--ray-address needs --backend ray")
+        return SequentialBackend()
+    if name == "ray":
+        return RayBackend(address=address, threads=threads)
+    raise UserError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")

@@ -1,0 +1,555 @@
+"""DP-SGD (Opacus) for any method's local training, as a wrapper around the method.
+
+``DPMethod(method, DPConfig(...))`` is a ``Method`` whose ``client_update`` runs the wrapped
+method's own ``client_update`` inside a ``DPSession``; nothing inside the algorithms changes (the
+same idea as Flower adding DP as a mod around a client). During the session:
+
+* every optimizer the method builds with ``fedecouple.methods.base.sgd`` comes back as a ``DPSGD``
+  (an ``opacus.optimizers.DPOptimizer``): per-sample gradients clipped to ``max_grad_norm`` C,
+  summed, Gaussian noise of std σ·C added, divided by the expected batch size (Opacus' rule);
+* per-sample gradients come from Opacus' per-layer grad samplers (``GradSampleHooks.GRAD_SAMPLERS``,
+  functorch for other layers), fed by *global* module hooks installed for the session only. Not
+  ``GradSampleModule``: methods deep-copy modules mid-update (FedeCouple's teacher and frozen
+  global classifier) and hand ``sgd`` bare parameter iterators, so the hooks must reach every
+  module whose parameters a DP optimizer trains, wherever it was created;
+* ``ctx.batches`` draws **Poisson** batches (each sample independently with probability
+  q = batch_size / n; ceil(n / batch_size) steps per epoch, Opacus' ``DPDataLoader`` convention),
+  which is what the accountant assumes; an empty draw still takes a noise-only step;
+* the client's data can be read only through ``ctx.batches``: reading ``ctx.images``,
+  ``ctx.labels`` or ``ctx.class_counts()`` (whole-data statistics such as FedeCouple's anchors,
+  FedPAC's statistics, prototypes) raises ``UserError``, because DP-SGD would not cover it;
+* on the first batch of every phase (every ``ctx.batches`` call) a **per-sample probe** takes the
+  method's steps without applying them (parameters unchanged, nothing released) on the whole batch
+  and on single samples of it and compares each sample's gradient: a loss that mixes samples
+  (batch statistics, batch prototypes computed inside the loss) gives a different gradient for a
+  sample alone than inside the batch, and the run is refused. An empirical check, not a proof.
+
+Accounting. One accountant per client (``opacus.accountants.RDPAccountant``, or ``PRVAccountant``),
+stored in the client's persistent state as ``dp.accountant`` (rows: noise multiplier, sample rate,
+steps), so ε is cumulative across rounds, survives checkpoints, and the client update stays a
+function of (state, download). One accountant step per drawn batch: when k optimizer steps use
+the same batch (FedeCouple trains its personal classifier and its teacher on each batch), their
+joint release is one Gaussian mechanism with L2 sensitivity √k·C and noise σ·C per coordinate, so
+the step is accounted with noise multiplier σ/√k. ε at δ (default 1e-5) per client; the report
+gives every client's ε and the maximum. Sample-level ("one training example") add/remove DP of
+everything the client uploads; the client's sample count n is treated as public (it sets q and is
+uploaded by most methods).
+
+Data augmentation (FedeCouple's DA: every batch is the originals followed by one augmented copy of
+each): an augmented copy belongs to the same person as its original, so per-sample gradients are
+summed over the pair *before* clipping (one clipped gradient per original sample); the sensitivity
+is therefore still C per person.
+
+Which loss terms are per-sample (``PER_SAMPLE``, also in the refusal messages):
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+import torch
+from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.grad_sample import GradSampleHooks
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
+from opacus.optimizers import DPOptimizer
+from torch.nn.modules.module import register_module_forward_hook
+
+from fedecouple.data.augment import BatchAugmenter
+from fedecouple.errors import UserError
+from fedecouple.methods.base import ClientContext, Method, State, optimizer_hook
+
+ACCOUNT_KEY = "dp.accountant"
+ACCOUNTANTS = ("rdp", "prv")
+PROBE_TOLERANCE = 1e-3
+
+PER_SAMPLE = {
+    "fedavg": "cross-entropy only: per-sample.",
+    "ft-fedavg": "cross-entropy only: per-sample (the fine-tuning before evaluation is never uploaded and runs "
+                 "outside DP-SGD).",
+    "fedper": "cross-entropy on base and head jointly: per-sample.",
+    "fedrep": "cross-entropy (head phase, then base phase): per-sample.",
+    "local": "cross-entropy only: per-sample (nothing is uploaded).",
+    "fedecouple": "CE and λ·KL(teacher ‖ student) (the teacher's logits of the same sample, detached) are per-sample; "
+                  "the adapted teacher's CE is per-sample and is trained under DP-SGD on the same batch (accounted "
+                  "as one mechanism, σ/√2); the centre loss is per-sample in form but its anchors are class means "
+                  "of ALL the client's features, computed outside DP-SGD — not covered, so GFA is refused "
+                  "(--no-gfa); DA: original + augmented copy clipped together.",
+    "fedpac": "CE and the prototype term are per-sample, but it uploads class counts, prototypes and feature "
+              "statistics computed from all its data outside DP-SGD — refused.",
+    "fedproto": "CE and the prototype term are per-sample, but it uploads prototypes and class counts computed "
+                "from all its data outside DP-SGD — refused.",
+}
+__doc__ += "\n".join(f"\n* ``{k}``: {v}" for k, v in PER_SAMPLE.items()) + "\n"
+
+
+@dataclass(frozen=True)
+class DPConfig:
+    noise_multiplier: float
+    max_grad_norm: float = 1.0
+    delta: float = 1e-5
+    accountant: str = "rdp"
+    probe: int = 3  # samples compared by the per-sample probe of each phase's first batch (0: no probe)
+
+    def validate(self) -> None:
+        if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
+            raise UserError(f"DP-SGD noise multiplier must be a finite number >= 0, got {self.noise_multiplier}")
+        if not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
+            raise UserError(f"--max-grad-norm must be positive, got {self.max_grad_norm}")
+        if not 0 < self.delta < 1:
+            raise UserError(f"--delta must be in (0, 1), got {self.delta}")
+        if self.accountant not in ACCOUNTANTS:
+            raise UserError(f"unknown accountant {self.accountant!r}; choose one of: {', '.join(ACCOUNTANTS)}")
+        if self.probe < 0:
+            raise UserError(f"the per-sample probe size must be >= 0, got {self.probe}")
+
+
+# ---------------------------------------------------------------------------------------------
+# accounting
+
+
+def empty_history() -> torch.Tensor:
+    return torch.zeros(0, 3, dtype=torch.float64)
+
+
+def history_rows(history: torch.Tensor | None) -> list[tuple[float, float, int]]:
+    if history is None:
+        return []
+    return [(float(s), float(q), int(round(float(n)))) for s, q, n in history.tolist()]
+
+
+def history_tensor(rows: dict[tuple[float, float], int]) -> torch.Tensor:
+    if not rows:
+        return empty_history()
+    return torch.tensor([[s, q, float(n)] for (s, q), n in sorted(rows.items())], dtype=torch.float64)
+
+
+def make_accountant(kind: str = "rdp"):
+    if kind == "rdp":
+        return RDPAccountant()
+    if kind == "prv":
+        return PRVAccountant()
+    raise UserError(f"unknown accountant {kind!r}; choose one of: {', '.join(ACCOUNTANTS)}")
+
+
+def epsilon(history: torch.Tensor | list | None, delta: float, kind: str = "rdp") -> float:
+    """ε at δ of the steps in ``history`` (tensor rows or (σ, q, steps) tuples); 0 without steps,
+    inf when any step had no noise."""
+    rows = history if isinstance(history, list) else history_rows(history)
+    rows = [r for r in rows if r[2] > 0]
+    if not rows:
+        return 0.0
+    if any(s <= 0 for s, _, _ in rows):
+        return math.inf
+    accountant = make_accountant(kind)
+    accountant.history = [(float(s), float(q), int(n)) for s, q, n in rows]
+    return float(accountant.get_epsilon(delta=delta))
+
+
+def privacy_report(clients: dict[int, State], config: DPConfig) -> dict:
+    """Per-client cumulative ε (from the accountants kept in client state) and the maximum."""
+    per_client, steps = {}, {}
+    for cid in sorted(clients):
+        hist = clients[cid].get(ACCOUNT_KEY)
+        if hist is None:
+            continue
+        rows = history_rows(hist)
+        per_client[str(cid)] = epsilon(rows, config.delta, config.accountant)
+        steps[str(cid)] = sum(n for _, _, n in rows)
+    values = list(per_client.values())
+    return {**asdict(config), "epsilon_max": max(values) if values else 0.0, "epsilon_per_client": per_client,
+            "accountant_steps_per_client": steps}
+
+
+# ---------------------------------------------------------------------------------------------
+# the optimizer
+
+
+class DPSGD(DPOptimizer):
+    """Opacus' DPOptimizer driven by a ``DPSession``: per-sample gradients are grouped by person
+    (original + augmented copy), clipped per person, summed, noised, divided by the expected
+    batch size; the session counts the step for its accountant (or, in the probe, records the
+    per-sample gradients and leaves the parameters untouched)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, session: "DPSession"):
+        super().__init__(optimizer, noise_multiplier=session.config.noise_multiplier,
+                         max_grad_norm=session.config.max_grad_norm, expected_batch_size=session.expected_batch,
+                         generator=session.noise_generator)
+        self.session = session
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.params:
+            p.grad_sample = None
+            p.summed_grad = None
+        self.original_optimizer.zero_grad(set_to_none)
+
+    def per_sample_gradients(self) -> torch.Tensor:
+        """(persons, D): each person's gradient of the (row-mean) loss, over this optimizer's parameters."""
+        s = self.session
+        groups, persons = s.groups, s.persons
+        columns = []
+        for p in self.params:
+            gs = getattr(p, "grad_sample", None)
+            if gs is None:
+                if p.grad is not None and bool(p.grad.ne(0).any()):
+                    raise UserError(f"DP-SGD ({s.method}): a parameter of shape {tuple(p.shape)} got a gradient but no "
+                                    f"per-sample gradient (it is not trained through a supported layer)")
+                columns.append(torch.zeros(persons, p.numel(), dtype=p.dtype))
+                continue
+            if gs.shape[0] != groups.numel():
+                raise UserError(f"DP-SGD ({s.method}): a layer saw {gs.shape[0]} rows but the batch drawn from the "
+                                f"client's data had {groups.numel()}; the loss must be computed on the batch that "
+                                f"ctx.batches yields")
+            per = torch.zeros((persons,) + tuple(gs.shape[1:]), dtype=gs.dtype).index_add_(0, groups, gs) * persons
+            columns.append(per.reshape(persons, -1).to(p.dtype))
+        return torch.cat(columns, dim=1)
+
+    def _write(self, flat: torch.Tensor) -> None:
+        pos = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[pos:pos + n].reshape(p.shape).to(p.dtype).clone()
+            pos += n
+
+    def _noisy_sum(self, per_sample: torch.Tensor) -> torch.Tensor:
+        c = self.max_grad_norm
+        if per_sample.shape[0]:
+            factor = (c / (per_sample.norm(dim=1) + 1e-6)).clamp(max=1.0)
+            summed = (factor.unsqueeze(1) * per_sample).sum(dim=0)
+        else:
+            summed = torch.zeros(per_sample.shape[1], dtype=per_sample.dtype)
+        if self.noise_multiplier > 0:
+            summed = summed + torch.normal(0.0, self.noise_multiplier * c, summed.shape, generator=self.generator,
+                                           dtype=summed.dtype)
+        return summed / self.expected_batch_size
+
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        mode = self.session.on_step(self)
+        per_sample = self.per_sample_gradients()
+        if mode == "probe":
+            self.session.record_probe(self, per_sample)
+            self.zero_grad()
+            return None
+        self._write(self._noisy_sum(per_sample))
+        return self.original_optimizer.step()
+
+    def noise_only_step(self) -> None:
+        """The step of an empty Poisson batch: noise only (nothing of anyone's data)."""
+        dim = sum(p.numel() for p in self.params)
+        self._write(self._noisy_sum(torch.zeros(0, dim)))
+        self.original_optimizer.step()
+        self.zero_grad()
+
+
+# ---------------------------------------------------------------------------------------------
+# the client context seen by the wrapped method
+
+
+class _PrivateContext(ClientContext):
+    """The engine's ClientContext, except that the data can only be read through ``batches``."""
+
+    def __init__(self, base: ClientContext, session: "DPSession"):  # noqa: D107 — no dataclass init
+        state = dict(base.__dict__)
+        self.__dict__["_dp_images"] = state.pop("images")
+        self.__dict__["_dp_labels"] = state.pop("labels")
+        self.__dict__["_dp_session"] = session
+        self.__dict__.update(state)
+
+    def _refuse(self, what: str):
+        raise UserError(self._dp_session.refusal(what))
+
+    images = property(lambda self: self._refuse("ctx.images"), lambda self, v: None)
+    labels = property(lambda self: self._refuse("ctx.labels"), lambda self, v: None)
+
+    @property
+    def num_samples(self) -> int:  # public: it sets the sample rate and is uploaded by most methods
+        return int(self._dp_labels.shape[0])
+
+    def class_counts(self) -> torch.Tensor:
+        self._refuse("ctx.class_counts()")
+
+    def batches(self, epochs: int, phase: str, augment: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self._dp_session.batches(epochs, phase, augment)
+
+    def __repr__(self) -> str:
+        return f"PrivateClientContext(client={self.client_id}, round={self.round})"
+
+
+REFUSAL_HINTS = {
+    "fedecouple": "its GFA anchors are class means of all its training features; rerun with --no-gfa",
+    "fedpac": "it uploads class counts, prototypes and feature statistics computed from all its data",
+    "fedproto": "it uploads prototypes and class counts computed from all its data",
+}
+
+
+class DPSession:
+    """DP-SGD for one client update: optimizer hook, per-sample-gradient hooks, Poisson batches,
+    probe and accountant steps. Use as a context manager around the method's ``client_update``."""
+
+    def __init__(self, method: str, ctx: ClientContext, config: DPConfig, history: torch.Tensor | None = None):
+        self.method, self.config = method, config
+        self.base = ctx
+        self.n = ctx.num_samples
+        self.batch_size = min(ctx.config.batch_size, self.n) if self.n else 0
+        self.sample_rate = self.batch_size / self.n if self.n else 0.0
+        self.expected_batch = max(self.batch_size, 1)
+        seed = int(torch.randint(0, 2 ** 62, (1,), generator=ctx.generator))
+        self.noise_generator = torch.Generator().manual_seed(seed)
+        self.ctx = _PrivateContext(ctx, self)
+        self.rows: dict[tuple[float, float], int] = {}
+        for s, q, n in history_rows(history):
+            self.rows[(s, q)] = self.rows.get((s, q), 0) + n
+        self.optimizers: list[DPSGD] = []
+        self._unclaimed: list[DPSGD] = []
+        self._augmenter: BatchAugmenter | None = None
+        self.groups: torch.Tensor | None = None
+        self.persons = 0
+        self.mode = "idle"
+        self._stepped: list[DPSGD] = []
+        self._probe_records: list[tuple[DPSGD, torch.Tensor]] = []
+        self._stack: ExitStack | None = None
+        self.probe_results: list[dict] = []
+
+    # -- context management --------------------------------------------------------------------
+    def __enter__(self) -> "DPSession":
+        stack = ExitStack()
+        stack.enter_context(optimizer_hook(self.wrap))
+        handle = register_module_forward_hook(self._forward_hook)
+        stack.callback(handle.remove)
+        stack.callback(self._clear)
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    def _clear(self) -> None:
+        for opt in self.optimizers:
+            for p in opt.params:
+                p.grad_sample = None
+                p.summed_grad = None
+
+    def wrap(self, optimizer: torch.optim.Optimizer) -> DPSGD:
+        dp = DPSGD(optimizer, self)
+        self.optimizers.append(dp)
+        self._unclaimed.append(dp)
+        return dp
+
+    def refusal(self, what: str) -> str:
+        hint = REFUSAL_HINTS.get(self.method, "it computes statistics of the whole data set")
+        return (f"DP-SGD cannot cover {self.method}: it reads the client's whole training set ({what}) outside the "
+                f"per-sample training loop — {hint}; its upload would not be covered by ε, so the run is refused")
+
+    # -- per-sample gradients --------------------------------------------------------------------
+    def _forward_hook(self, module, inputs, output) -> None:
+        if self.groups is None or not torch.is_grad_enabled():
+            return
+        if not any(p.requires_grad for p in module.parameters(recurse=False)):
+            return
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        activations = [t.detach() for t in inputs if isinstance(t, torch.Tensor)]
+
+        def on_grad(grad, module=module, activations=activations):
+            self._grad_sample(module, activations, grad.detach())
+
+        output.register_hook(on_grad)
+
+    @staticmethod
+    def _grad_sample(module, activations, backprops) -> None:
+        sampler = GradSampleHooks.GRAD_SAMPLERS.get(type(module))
+        if sampler is None:
+            if not hasattr(module, "ft_compute_sample_grad"):
+                prepare_layer(module)
+            sampler = ft_compute_per_sample_gradient
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            samples = sampler(module, activations, backprops)
+        for p, gs in samples.items():
+            if not p.requires_grad:
+                continue
+            existing = getattr(p, "grad_sample", None)
+            p.grad_sample = gs if existing is None or existing.shape != gs.shape else existing + gs
+
+    # -- batches ----------------------------------------------------------------------------------
+    def _set_batch(self, groups: torch.Tensor | None, persons: int, mode: str) -> None:
+        self._clear()  # per-sample gradients never carry over from one batch to the next
+        self.groups, self.persons, self.mode = groups, persons, mode
+        self._stepped = []
+        self._probe_records = []
+
+    def on_step(self, optimizer: DPSGD) -> str:
+        if self.groups is None:
+            raise UserError(f"DP-SGD ({self.method}): an optimizer stepped outside a batch drawn with ctx.batches; "
+                            f"only gradients of drawn batches can be clipped and accounted")
+        if self.mode == "train":
+            self._stepped.append(optimizer)
+        return self.mode
+
+    def record_probe(self, optimizer: DPSGD, per_sample: torch.Tensor) -> None:
+        self._probe_records.append((optimizer, per_sample.detach().clone()))
+
+    def _account(self, k: int) -> None:
+        sigma = self.config.noise_multiplier / math.sqrt(max(k, 1))
+        key = (float(sigma), float(self.sample_rate))
+        self.rows[key] = self.rows.get(key, 0) + 1
+
+    def history_tensor(self) -> torch.Tensor:
+        return history_tensor(self.rows)
+
+    def _augment(self, x: torch.Tensor) -> torch.Tensor:
+        if self._augmenter is None:
+            self._augmenter = BatchAugmenter(x.shape[-1])
+        return self._augmenter(x)
+
+    def batches(self, epochs: int, phase: str, augment: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Poisson batches (see the module docstring), probe on the first one, one accountant step each."""
+        phase_optimizers, self._unclaimed = self._unclaimed, []
+        n = self.n
+        if n == 0:
+            return
+        ctx = self.base
+        steps = ctx.steps_per_phase if ctx.steps_per_phase is not None else epochs * math.ceil(n / self.batch_size)
+        q = self.sample_rate
+        probe = self.config.probe > 0
+        previous: list[DPSGD] = []
+        for _ in range(steps):
+            draw = torch.rand(n, generator=ctx.generator)
+            sel = torch.arange(n) if q >= 1 else torch.nonzero(draw < q).flatten()
+            if sel.numel() == 0:
+                known = list(dict.fromkeys(previous or phase_optimizers))
+                for opt in known:
+                    opt.noise_only_step()
+                self._account(len(known))
+                continue
+            ctx.batch_log.append((phase, ctx.indices[sel.numpy()]))
+            x, y = ctx.images[sel], ctx.labels[sel]
+            persons = int(sel.numel())
+            groups = torch.arange(persons)
+            if augment:
+                x = torch.cat([x, self._augment(x)])
+                y = torch.cat([y, y])
+                groups = torch.cat([groups, groups])
+            if probe and persons >= 2:
+                probe = False
+                yield from self._probe(x, y, groups, persons, phase)
+            self._set_batch(groups, persons, "train")
+            try:
+                yield x, y
+            finally:
+                stepped = self._stepped
+                self._set_batch(None, 0, "idle")
+            if not stepped:
+                raise UserError(f"DP-SGD ({self.method}): a batch of the client's data was used in phase {phase!r} "
+                                f"without a DP-SGD step; whatever was computed from it is not covered by ε")
+            self._account(len(stepped))
+            previous = stepped
+
+    def _probe(self, x, y, groups, persons: int, phase: str):
+        self._set_batch(groups, persons, "probe")
+        try:
+            yield x, y
+            full = self._probe_records
+            if not full:
+                return
+            checked = list(range(min(self.config.probe, persons)))
+            singles = []
+            for j in checked:
+                rows = torch.nonzero(groups == j).flatten()
+                self._set_batch(torch.zeros(rows.numel(), dtype=torch.long), 1, "probe")
+                yield x[rows], y[rows]
+                singles.append(self._probe_records)
+        finally:
+            self._set_batch(None, 0, "idle")
+        order = [id(o) for o, _ in full]
+        for j, single in zip(checked, singles):
+            if [id(o) for o, _ in single] != order:
+                raise UserError(f"DP-SGD ({self.method}): in phase {phase!r} the method takes different optimizer "
+                                f"steps on a one-sample batch than on a full batch; its loss is not per-sample")
+        for i, (_, whole) in enumerate(full):
+            a = whole[checked]
+            b = torch.stack([single[i][1][0] for single in singles])
+            a64, b64 = a.to(torch.float64), b.to(torch.float64)
+            denom = float((b64 * b64).sum())
+            scale = float((a64 * b64).sum()) / denom if denom > 0 else 1.0
+            resid = float((a64 - scale * b64).norm()) / max(float(a64.norm()), 1e-12)
+            self.probe_results.append({"phase": phase, "step": i, "samples": len(checked), "scale": scale,
+                                       "relative_difference": resid})
+            if float(a64.norm()) > 1e-12 and resid > PROBE_TOLERANCE:
+                raise UserError(
+                    f"DP-SGD ({self.method}): the loss in phase {phase!r} is not per-sample — a sample's gradient "
+                    f"inside the batch differs from its gradient alone (relative difference {resid:.3g}), so "
+                    f"per-sample clipping would not bound one sample's influence; refusing instead of reporting a "
+                    f"meaningless ε")
+
+
+# ---------------------------------------------------------------------------------------------
+# the wrapper
+
+
+def check_supported(method: Method) -> None:
+    """Refuse, before any training, the configurations known not to be coverable (see PER_SAMPLE)."""
+    name = method.name
+    if name == "fedecouple" and getattr(method, "gfa", False):
+        raise UserError("DP-SGD cannot cover FedeCouple with GFA: its anchors are class means of all the client's "
+                        "features, computed outside DP-SGD and used in every sample's centre loss; rerun with "
+                        "--no-gfa (DA is fine: an original and its augmented copy are clipped together)")
+    if name in ("fedpac", "fedproto"):
+        raise UserError(f"DP-SGD cannot cover {name}: {REFUSAL_HINTS[name]}, outside DP-SGD; its ε would be "
+                        f"meaningless (use an upload filter such as noise or exclude instead)")
+
+
+class DPMethod(Method):
+    """``method`` with DP-SGD local training and one accountant per client in its state."""
+
+    def __init__(self, method: Method, config: DPConfig):
+        config.validate()
+        check_supported(method)
+        self.inner, self.dp = method, config
+        self.name = method.name
+        self.summary = method.summary + " [DP-SGD]"
+        self.persistent_groups = tuple(getattr(method, "persistent_groups", ()))
+        self.communicates = getattr(method, "communicates", True)
+
+    def __getattr__(self, item):
+        if item in ("inner", "__setstate__", "__getstate__"):
+            raise AttributeError(item)
+        return getattr(self.inner, item)
+
+    @staticmethod
+    def _strip(state: State) -> State:
+        return {k: v for k, v in state.items() if not k.startswith("dp.")}
+
+    def manifest(self, model):
+        return self.inner.manifest(model)
+
+    def init_server(self, model):
+        return self.inner.init_server(model)
+
+    def init_client(self, model, client_id: int) -> State:
+        return {**self.inner.init_client(model, client_id), ACCOUNT_KEY: empty_history()}
+
+    def download(self, server, client_id, round):
+        return self.inner.download(server, client_id, round)
+
+    def client_update(self, ctx, state, download):
+        session = DPSession(self.name, ctx, self.dp, state.get(ACCOUNT_KEY))
+        with session:
+            new_state, upload = self.inner.client_update(session.ctx, self._strip(state), download)
+        return {**new_state, ACCOUNT_KEY: session.history_tensor()}, upload
+
+    def aggregate(self, server, uploads, round):
+        return self.inner.aggregate(server, uploads, round)
+
+    def personalized(self, ctx, server, state):
+        return self.inner.personalized(ctx, server, self._strip(state))
+
+    def hyperparameters(self) -> dict:
+        return {**self.inner.hyperparameters(), "dp": asdict(self.dp)}

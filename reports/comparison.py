@@ -1,0 +1,416 @@
+"""Render a method-by-method privacy comparison: tables in, file contents out.
+
+Pure rendering: nothing here trains, attacks or touches the disk. ``render`` takes the tables
+``fedsec.report`` assembled and returns the contents of every output file; the caller writes them
+(atomically). This package never imports ``fedsec``: imports flow ``fedsec`` → ``reports``.
+
+Inputs
+------
+``summary``  one row per method: ``method, accuracy_mean, accuracy_std, upload_mb_per_round,
+             upload_kib_per_client_round``, for every attack ``a`` in ``meta["attacks"]``:
+             ``a_status`` (``done`` or ``not applicable: <reason>`` / ``unavailable: <reason>``),
+             ``a_mean_psnr, a_median_psnr, a_max_psnr, a_prior_psnr, a_ssim, a_label_accuracy``;
+             then ``label_inference_accuracy`` and ``findings_high, findings_medium,
+             findings_low, findings_info``.
+``results``  one row per scored image (and, for ``labels``, per class): at least ``method,
+             attack, psnr, prior_psnr`` for image attacks.
+``findings`` one row per finding: ``method, severity, code, finding, evidence, measured``.
+``grids``    ``{(method, attack): {"png": bytes, "path": "relative/path.png"}}``: reconstruction
+             figures to embed (HTML) or link (Markdown).
+``meta``     ``title, command, methods, attacks, image_attacks, config, method_hyperparameters,
+             seeds, attack_settings, versions, psnr_definition, notes, stages`` (see ``render``).
+
+Outputs (``render`` returns ``{filename: str | bytes}``)
+-------------------------------------------------------
+``report.md``, ``report.html`` (self-contained: images are base64 PNG data URIs, no external
+reference; every string taken from the data passes ``html.escape``), ``psnr_by_method.png`` and
+``accuracy_vs_leakage.png``.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+
+SEVERITIES = ("high", "medium", "low", "info")
+PLOT_PSNR = "psnr_by_method.png"
+PLOT_SCATTER = "accuracy_vs_leakage.png"
+IMAGE_ATTACKS = ("dlg", "idlg", "ig", "proto")
+
+
+# ----------------------------------------------------------------------------------------------
+# formatting helpers
+# ----------------------------------------------------------------------------------------------
+def _num(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def fmt(x: Any, digits: int = 1, unit: str = "") -> str:
+    v = _num(x)
+    return "n/a" if v is None else f"{v:.{digits}f}{unit}"
+
+
+def accuracy_cell(mean: Any, std: Any) -> str:
+    m, s = _num(mean), _num(std)
+    if m is None:
+        return "n/a"
+    return f"{100 * m:.1f} ± {100 * s:.1f}" if s is not None else f"{100 * m:.1f}"
+
+
+def status_of(row: Mapping, attack: str) -> str:
+    return str(row.get(f"{attack}_status", "not run"))
+
+
+def psnr_cell(row: Mapping, attack: str) -> str:
+    status = status_of(row, attack)
+    if status != "done":
+        return "n/a"
+    return (f"{fmt(row.get(f'{attack}_mean_psnr'))} / {fmt(row.get(f'{attack}_median_psnr'))} / "
+            f"{fmt(row.get(f'{attack}_max_psnr'))} (prior {fmt(row.get(f'{attack}_prior_psnr'))})")
+
+
+def findings_cell(row: Mapping) -> str:
+    return " / ".join(str(int(_num(row.get(f"findings_{s}")) or 0)) for s in SEVERITIES)
+
+
+def headline_rows(summary: pd.DataFrame, meta: Mapping) -> tuple[list[str], list[list[str]]]:
+    """The headline table as plain strings: (header, rows). Shared by Markdown and HTML."""
+    image_attacks = [a for a in meta["attacks"] if a in IMAGE_ATTACKS]
+    header = ["method", "accuracy (%) mean ± std", "upload MB / round"]
+    for a in image_attacks:
+        header += [f"{a} PSNR dB mean / median / max (prior)", f"{a} SSIM"]
+    header += ["label-inference accuracy", "findings high / medium / low / info"]
+    rows = []
+    for _, r in summary.iterrows():
+        row = [str(r["method"]), accuracy_cell(r.get("accuracy_mean"), r.get("accuracy_std")),
+               fmt(r.get("upload_mb_per_round"), 3)]
+        for a in image_attacks:
+            row += [psnr_cell(r, a), fmt(r.get(f"{a}_ssim"), 2) if status_of(r, a) == "done" else "n/a"]
+        row += [fmt(r.get("label_inference_accuracy"), 2), findings_cell(r)]
+        rows.append(row)
+    return header, rows
+
+
+def skipped(summary: pd.DataFrame, meta: Mapping) -> list[tuple[str, str, str]]:
+    """(method, attack, reason) for every attack that was not run or did not apply."""
+    out = []
+    for _, r in summary.iterrows():
+        for a in meta["attacks"]:
+            status = status_of(r, a)
+            if status != "done":
+                out.append((str(r["method"]), a, status))
+    return out
+
+
+def settings_rows(meta: Mapping) -> tuple[list[str], list[list[str]]]:
+    """The attack settings as a table: one row per attack, one column per setting."""
+    settings = meta.get("attack_settings") or {}
+    keys = list(dict.fromkeys(k for v in settings.values() for k in v))
+    rows = [[a] + [", ".join(map(str, v[k])) if isinstance(v.get(k), (list, tuple)) else str(v.get(k, ""))
+                   for k in keys] for a, v in settings.items()]
+    return ["attack"] + [k.replace("_", " ") for k in keys], rows
+
+
+def _md_cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(_md_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# plots (matplotlib's object API with the Agg canvas: no pyplot, no global state)
+# ----------------------------------------------------------------------------------------------
+def _png(fig) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
+    return buf.getvalue()
+
+
+def psnr_plot(summary: pd.DataFrame, results: pd.DataFrame, meta: Mapping) -> bytes:
+    """Mean PSNR per method and attack (bars), every scored image (dots), the prior (black dash)."""
+    from matplotlib.figure import Figure
+
+    attacks = [a for a in meta["attacks"] if a in IMAGE_ATTACKS]
+    methods = [str(m) for m in summary["method"]]
+    fig = Figure(figsize=(max(6.0, 1.6 * len(methods) + 2), 4.2))
+    ax = fig.add_subplot(1, 1, 1)
+    if not attacks or not methods:
+        ax.text(0.5, 0.5, "no image attack in this report", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return _png(fig)
+    width = 0.8 / len(attacks)
+    colors = [f"C{i}" for i in range(len(attacks))]
+    rng = np.random.default_rng(0)
+    prior_drawn = False
+    top = 1.0
+    for j, a in enumerate(attacks):
+        for i, (_, r) in enumerate(summary.iterrows()):
+            x = i - 0.4 + width * (j + 0.5)
+            if status_of(r, a) != "done" or _num(r.get(f"{a}_mean_psnr")) is None:
+                ax.text(x, 0.5, "n/a", ha="center", va="bottom", fontsize=7, rotation=90, color="0.4")
+                continue
+            mean = _num(r.get(f"{a}_mean_psnr"))
+            ax.bar(x, mean, width * 0.9, color=colors[j], alpha=0.55, label=a)
+            top = max(top, mean)
+            if len(results) and {"method", "attack", "psnr"} <= set(results.columns):
+                sel = results[(results["method"] == r["method"]) & (results["attack"] == a)]["psnr"]
+                vals = pd.to_numeric(sel, errors="coerce").to_numpy(dtype=float)
+                vals = np.where(np.isinf(vals), 100.0, vals)
+                vals = vals[np.isfinite(vals)]
+                if len(vals):
+                    jitter = rng.uniform(-width * 0.25, width * 0.25, size=len(vals))
+                    ax.scatter(x + jitter, vals, s=10, color=colors[j], edgecolor="black", linewidth=0.3, zorder=3)
+                    top = max(top, float(vals.max()))
+            prior = _num(r.get(f"{a}_prior_psnr"))
+            if prior is not None:
+                top = max(top, prior)
+                ax.hlines(prior, x - width * 0.45, x + width * 0.45, colors="black", linestyles="--", linewidth=1.2,
+                          label="prior baseline (mean image)" if not prior_drawn else None, zorder=4)
+                prior_drawn = True
+    handles, labels = ax.get_legend_handles_labels()
+    seen, keep = set(), []
+    for h, lab in zip(handles, labels):
+        if lab and lab not in seen:
+            seen.add(lab)
+            keep.append((h, lab))
+    if keep:
+        ax.legend([h for h, _ in keep], [lab for _, lab in keep], fontsize=8, loc="upper right")
+    ax.set_xticks(range(len(methods)))
+    ax.set_xticklabels(methods)
+    ax.set_ylim(0, top * 1.18 + 1)
+    ax.set_ylabel("PSNR (dB) — higher = more leakage")
+    ax.set_title("Reconstruction PSNR by method (bars: mean; dots: images; dashes: prior)", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def leakage_points(summary: pd.DataFrame, meta: Mapping) -> list[dict]:
+    """One point per method × image attack that ran: accuracy (%) and mean PSNR gain over the prior (dB)."""
+    points = []
+    for _, r in summary.iterrows():
+        acc = _num(r.get("accuracy_mean"))
+        for a in meta["attacks"]:
+            if a not in IMAGE_ATTACKS or status_of(r, a) != "done":
+                continue
+            mean, prior = _num(r.get(f"{a}_mean_psnr")), _num(r.get(f"{a}_prior_psnr"))
+            if acc is None or mean is None or prior is None:
+                continue
+            points.append({"method": str(r["method"]), "attack": a, "accuracy": 100 * acc, "gain": mean - prior})
+    return points
+
+
+def scatter_plot(summary: pd.DataFrame, meta: Mapping) -> bytes:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.4))
+    ax = fig.add_subplot(1, 1, 1)
+    points = leakage_points(summary, meta)
+    if not points:
+        ax.text(0.5, 0.5, "no leakage measured (no image attack applied)", ha="center", va="center",
+                transform=ax.transAxes)
+        ax.set_axis_off()
+        return _png(fig)
+    methods = list(dict.fromkeys(str(m) for m in summary["method"]))
+    attacks = [a for a in meta["attacks"] if a in IMAGE_ATTACKS]
+    markers = dict(zip(attacks, "osD^v"))
+    for p in points:
+        c = f"C{methods.index(p['method']) % 10}"
+        ax.scatter(p["gain"], p["accuracy"], s=60, color=c, marker=markers.get(p["attack"], "o"), edgecolor="black",
+                   linewidth=0.5, zorder=3)
+        ax.annotate(f"{p['method']} ({p['attack']})", (p["gain"], p["accuracy"]), textcoords="offset points",
+                    xytext=(5, 4), fontsize=7)
+    ax.axvline(0.0, color="black", linestyle="--", linewidth=1)
+    ax.axvline(3.0, color="0.5", linestyle=":", linewidth=1)
+    ymin, ymax = ax.get_ylim()
+    ax.text(0.1, ymin + 0.02 * (ymax - ymin), "prior", fontsize=7)
+    ax.text(3.1, ymin + 0.02 * (ymax - ymin), "+3 dB", fontsize=7, color="0.4")
+    ax.set_xlabel("leakage: mean PSNR above the prior baseline (dB)")
+    ax.set_ylabel("mean client test accuracy (%)")
+    ax.set_title("Accuracy versus leakage (up-left is better)", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# Markdown
+# ----------------------------------------------------------------------------------------------
+def _json_block(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True, default=str)
+
+
+def render_markdown(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, meta: Mapping) -> str:
+    header, rows = headline_rows(summary, meta)
+    out = [f"# {meta.get('title', 'Privacy comparison')}", ""]
+    if meta.get("command"):
+        out += ["```", str(meta["command"]), "```", ""]
+    out += ["## Headline", "", md_table(header, rows), "",
+            "Accuracy: mean ± std over clients of each client's personalised model on its own test split (last "
+            "round). PSNR: mean / median / max over the reconstructed images, in dB, with the prior baseline "
+            "(the data set's mean image scored the same way); leakage means *above the prior*. Upload: all "
+            "clients' uploads per round.", ""]
+    skips = skipped(summary, meta)
+    if skips:
+        out += ["Not run:", ""] + [f"* {_md_cell(m)} × {_md_cell(a)}: {_md_cell(why)}" for m, a, why in skips] + [""]
+    out += ["## Plots", "", f"![PSNR by method]({PLOT_PSNR})", "", f"![Accuracy versus leakage]({PLOT_SCATTER})", ""]
+    out += ["## Reconstructions", "", "Ground truth (top) above reconstruction (bottom), PSNR under each.", ""]
+    if not grids:
+        out += ["No reconstruction was made.", ""]
+    for (method, attack), g in grids.items():
+        out += [f"### {method}: {attack}", "", f"![{attack} on {method}]({g['path']})", ""]
+    out += ["## Audit findings", ""]
+    if meta.get("findings_note"):
+        out += [str(meta["findings_note"]), ""]
+    for method in meta["methods"]:
+        sub = findings[findings["method"] == method] if len(findings) else findings
+        out += [f"### {method}", ""]
+        if sub.empty:
+            out += ["No findings recorded.", ""]
+            continue
+        out.append(md_table(["severity", "code", "finding", "measured in this report"],
+                            [[r["severity"], r["code"], r["finding"], r.get("measured", "") or ""]
+                             for _, r in sub.iterrows()]))
+        out.append("")
+    out += ["## PSNR definition", "", str(meta.get("psnr_definition", "")).strip(), ""]
+    out += ["## Configuration", "", "Shared run configuration (every method: the same partition and seeds; only "
+            "`method` and its own hyperparameters differ):", "", "```json", _json_block(meta.get("config", {})), "```", "",
+            "Method hyperparameters:", "", "```json", _json_block(meta.get("method_hyperparameters", {})), "```", "",
+            "Seeds:", "", "```json", _json_block(meta.get("seeds", {})), "```", "",
+            "Attack settings:", "", md_table(*settings_rows(meta)), "",
+            "Package versions:", "", "```json", _json_block(meta.get("versions", {})), "```", ""]
+    stages = meta.get("stages") or []
+    if stages:
+        out += ["## Stages", "", md_table(["method", "stage", "status", "seconds", "source"],
+                                          [[s.get("method", ""), s.get("stage", ""), s.get("status", ""),
+                                            fmt(s.get("seconds"), 1), s.get("source", "")] for s in stages]), ""]
+    for note in meta.get("notes") or []:
+        out.append(f"* {_md_cell(note)}")
+    return "\n".join(out).rstrip() + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# HTML (self-contained; every data string escaped)
+# ----------------------------------------------------------------------------------------------
+CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1150px;color:#222;
+line-height:1.4;padding:0 12px}
+h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:3px;margin-top:1.8em}
+table{border-collapse:collapse;margin:8px 0 16px;font-size:0.88em}
+th,td{border:1px solid #ccc;padding:4px 7px;text-align:left;vertical-align:top}
+th{background:#f0f0f0}td.num{text-align:right;white-space:nowrap}
+pre{background:#f6f6f6;padding:8px;overflow-x:auto;font-size:0.82em}
+img{max-width:100%;border:1px solid #ddd;margin:4px 0}
+figure{margin:8px 0 18px}figcaption{font-size:0.85em;color:#555}
+.sev-high{color:#fff;background:#b3261e}.sev-medium{background:#f6c26b}.sev-low{background:#e6eef7}
+.sev-info{background:#eee}.muted{color:#666;font-size:0.9em}
+"""
+
+
+def e(text: Any) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def html_table(header: list[str], rows: list[list[str]], numeric_from: int = 1, classes: list[str] | None = None) -> str:
+    parts = ["<table>", "<tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>"]
+    for i, row in enumerate(rows):
+        cls = f' class="{e(classes[i])}"' if classes else ""
+        cells = "".join(f'<td class="num">{e(c)}</td>' if j >= numeric_from else f"<td>{e(c)}</td>"
+                        for j, c in enumerate(row))
+        parts.append(f"<tr{cls}>{cells}</tr>")
+    parts.append("</table>")
+    return "\n".join(parts)
+
+
+def render_html(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, meta: Mapping,
+                plots: Mapping[str, bytes]) -> str:
+    title = meta.get("title", "Privacy comparison")
+    header, rows = headline_rows(summary, meta)
+    h = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{e(title)}</title>",
+         f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>"]
+    if meta.get("command"):
+        h.append(f"<pre>{e(meta['command'])}</pre>")
+    h += ["<h2>Headline</h2>", html_table(header, rows),
+          '<p class="muted">Accuracy: mean ± std over clients of each client\'s personalised model on its own test '
+          "split (last round). PSNR: mean / median / max over the reconstructed images, in dB, with the prior "
+          "baseline (the data set's mean image scored the same way); leakage means <em>above the prior</em>. "
+          "Upload: all clients' uploads per round.</p>"]
+    skips = skipped(summary, meta)
+    if skips:
+        h.append("<p>Not run:</p><ul>" + "".join(f"<li>{e(m)} × {e(a)}: {e(why)}</li>" for m, a, why in skips)
+                 + "</ul>")
+    h.append("<h2>Plots</h2>")
+    for name, alt in ((PLOT_PSNR, "PSNR by method"), (PLOT_SCATTER, "Accuracy versus leakage")):
+        if name in plots:
+            h.append(f'<figure><img src="{data_uri(plots[name])}" alt="{e(alt)}"><figcaption>{e(alt)}</figcaption></figure>')
+    h += ["<h2>Reconstructions</h2>", "<p>Ground truth (top) above reconstruction (bottom), PSNR under each.</p>"]
+    if not grids:
+        h.append("<p>No reconstruction was made.</p>")
+    for (method, attack), g in grids.items():
+        h.append(f"<h3>{e(method)}: {e(attack)}</h3>"
+                 f'<figure><img src="{data_uri(g["png"])}" alt="{e(attack)} on {e(method)}">'
+                 f"<figcaption>{e(g.get('path', ''))}</figcaption></figure>")
+    h.append("<h2>Audit findings</h2>")
+    if meta.get("findings_note"):
+        h.append(f'<p class="muted">{e(meta["findings_note"])}</p>')
+    for method in meta["methods"]:
+        sub = findings[findings["method"] == method] if len(findings) else findings
+        h.append(f"<h3>{e(method)}</h3>")
+        if sub.empty:
+            h.append("<p>No findings recorded.</p>")
+            continue
+        h.append("<table><tr><th>severity</th><th>code</th><th>finding</th><th>measured in this report</th>"
+                 "<th>evidence</th></tr>")
+        for _, r in sub.iterrows():
+            sev = str(r["severity"])
+            h.append(f'<tr><td class="sev-{e(sev)}">{e(sev)}</td><td>{e(r["code"])}</td><td>{e(r["finding"])}</td>'
+                     f'<td>{e(r.get("measured", "") or "")}</td><td><code>{e(r.get("evidence", "") or "")}</code></td></tr>')
+        h.append("</table>")
+    h += ["<h2>PSNR definition</h2>", f"<pre>{e(str(meta.get('psnr_definition', '')).strip())}</pre>",
+          "<h2>Configuration</h2>",
+          "<p>Shared run configuration (every method: the same partition and seeds; only <code>method</code> and its "
+          "own hyperparameters differ):</p>", f"<pre>{e(_json_block(meta.get('config', {})))}</pre>",
+          "<p>Method hyperparameters:</p>", f"<pre>{e(_json_block(meta.get('method_hyperparameters', {})))}</pre>",
+          "<p>Seeds:</p>", f"<pre>{e(_json_block(meta.get('seeds', {})))}</pre>",
+          "<p>Attack settings:</p>", html_table(*settings_rows(meta), numeric_from=99),
+          "<p>Package versions:</p>", f"<pre>{e(_json_block(meta.get('versions', {})))}</pre>"]
+    stages = meta.get("stages") or []
+    if stages:
+        h += ["<h2>Stages</h2>", html_table(["method", "stage", "status", "seconds", "source"],
+                                            [[s.get("method", ""), s.get("stage", ""), s.get("status", ""),
+                                              fmt(s.get("seconds"), 1), s.get("source", "")] for s in stages],
+                                            numeric_from=99)]
+    notes = meta.get("notes") or []
+    if notes:
+        h.append("<ul>" + "".join(f"<li>{e(n)}</li>" for n in notes) + "</ul>")
+    h.append("</body></html>")
+    return "\n".join(h) + "\n"
+
+
+def render(summary: pd.DataFrame, results: pd.DataFrame, findings: pd.DataFrame, grids: Mapping,
+           meta: Mapping) -> dict[str, str | bytes]:
+    """Every output file's content: ``report.md``, ``report.html`` and the two plots."""
+    plots = {PLOT_PSNR: psnr_plot(summary, results, meta), PLOT_SCATTER: scatter_plot(summary, meta)}
+    return {"report.md": render_markdown(summary, findings, grids, meta),
+            "report.html": render_html(summary, findings, grids, meta, plots), **plots}

@@ -1,0 +1,249 @@
+"""``fedsec report``: outputs, HTML escaping and self-containment, resume after a crash, reuse, bad input.
+
+Everything runs on the 8×8 ``digits`` data set with 4 clients, 1 round and 3-step attacks; the
+methods are FedPer (DLG applies) and FedProto (proto and labels apply), so every kind of stage —
+done, not applicable — appears.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from fedsec import report as rep
+from fedsec.cli import main
+from fedsec.runner import RunConfig
+
+METHODS = ["fedper", "fedproto"]
+ATTACKS = ["dlg", "proto", "labels"]
+HEADLINE = ["method", "accuracy_mean", "accuracy_std", "upload_mb_per_round", "dlg_mean_psnr", "dlg_median_psnr",
+            "dlg_max_psnr", "dlg_prior_psnr", "dlg_ssim", "proto_mean_psnr", "proto_prior_psnr",
+            "label_inference_accuracy", "findings_high", "findings_medium", "findings_low", "findings_info"]
+
+
+def base_config(**kw) -> RunConfig:
+    return RunConfig(**{"dataset": "digits", "clients": 4, "rounds": 1, "threads": 1, **kw})
+
+
+def settings() -> rep.AttackSettings:
+    return rep.AttackSettings(targets=1, iterations={a: 3 for a in rep.ATTACK_CHOICES})
+
+
+def build(out, **kw):
+    return rep.build_report(base_config(), METHODS, out, attacks=ATTACKS, settings=settings(), progress=False, **kw)
+
+
+class Calls:
+    """Counts the stage functions fedsec.report calls; ``crash`` maps (kind, method) to an exception."""
+
+    def __init__(self, monkeypatch, crash: dict | None = None):
+        self.count = {"train": [], "audit": [], "attack": []}
+        self.crash = crash or {}
+        real_train, real_audit, real_attack = rep.runner.train, rep.run_audit, rep.run_attack
+
+        def train(config, out, *a, **k):
+            return self._call("train", config.method, lambda: real_train(config, out, *a, **k), out)
+
+        def audit(config, out, *a, **k):
+            return self._call("audit", config.method, lambda: real_audit(config, out, *a, **k), out)
+
+        def attack(config, name, *a, **k):
+            return self._call("attack", f"{config.method}/{name}", lambda: real_attack(config, name, *a, **k),
+                              k.get("out"))
+
+        monkeypatch.setattr(rep.runner, "train", train)
+        monkeypatch.setattr(rep, "run_audit", audit)
+        monkeypatch.setattr(rep, "run_attack", attack)
+
+    def _call(self, kind, who, real, out):
+        self.count[kind].append(who)
+        exc = self.crash.get((kind, who))
+        if exc is not None:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / "audit.csv").write_text("method,round,cli")  # a half-written file, as a crash leaves it
+            raise exc
+        return real()
+
+    def total(self) -> int:
+        return sum(len(v) for v in self.count.values())
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    result = build(out)
+    return out, result
+
+
+def test_report_writes_every_output(built):
+    out, result = built
+    assert result["failed"] == {}
+    for name in ("report.md", "report.html", "results.csv", "summary.csv", "findings.csv", "psnr_by_method.png",
+                 "accuracy_vs_leakage.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    for name in ("psnr_by_method.png", "accuracy_vs_leakage.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = pd.read_csv(out / "summary.csv")
+    assert list(summary["method"]) == METHODS
+    assert set(HEADLINE) <= set(summary.columns)
+    row = summary.set_index("method")
+    assert 0 <= row.loc["fedper", "accuracy_mean"] <= 1 and row.loc["fedper", "upload_mb_per_round"] > 0
+    assert row.loc["fedper", "dlg_status"] == "done" and pd.notna(row.loc["fedper", "dlg_mean_psnr"])
+    assert row.loc["fedproto", "dlg_status"].startswith("not applicable: fedproto uploads no model weights")
+    assert row.loc["fedproto", "proto_status"] == "done" and pd.notna(row.loc["fedproto", "proto_prior_psnr"])
+    assert row.loc["fedper", "proto_status"].startswith("not applicable")
+    assert row.loc["fedproto", "findings_high"] + row.loc["fedproto", "findings_medium"] >= 1
+
+    results = pd.read_csv(out / "results.csv")
+    images = results[results["attack"].isin(["dlg", "proto"])]
+    assert set(zip(images["method"], images["attack"])) == {("fedper", "dlg"), ("fedproto", "proto")}
+    assert images[["round", "client", "image", "psnr", "prior_psnr"]].notna().all().all()
+    # results.csv is the attack.csv files concatenated
+    parts = sum(len(pd.read_csv(p)) for p in out.glob("*/attack-*/attack.csv"))
+    assert len(results) == parts
+
+    md = (out / "report.md").read_text(encoding="utf-8")
+    for text in ("## Headline", "PSNR definition", "data_range=1", "psnr_by_method.png",
+                 "fedper/attack-dlg/reconstructions.png", "Package versions", '"seed": 0', "## Audit findings"):
+        assert text in md, text
+    # every stage marked complete with its identity, and nothing half-written
+    assert len(list(out.glob("*/*/done.json"))) == len(METHODS) * (2 + len(ATTACKS))
+    assert not list(out.rglob("*.tmp")) and not list(out.rglob(".*.partial"))
+
+
+def test_html_is_self_contained(built):
+    out, _ = built
+    page = (out / "report.html").read_text(encoding="utf-8")
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:|//|file:)""", page, re.I)
+    assert "<link" not in page and "<script" not in page
+    sources = re.findall(r'<img src="([^"]+)"', page)
+    assert len(sources) >= 4  # two plots, two reconstruction grids
+    assert all(s.startswith("data:image/png;base64,") for s in sources)
+
+
+def test_html_escapes_strings_from_the_data(built, tmp_path, monkeypatch):
+    out = tmp_path / "copy"
+    shutil.copytree(built[0], out)
+    evil = "<script>alert(1)</script>"
+    findings_file = out / "fedproto" / "audit" / "findings.json"
+    findings = json.loads(findings_file.read_text())
+    findings.append({"severity": "high", "code": "EVIL", "finding": f"leaks {evil}", "evidence": {"x": evil}})
+    findings_file.write_text(json.dumps(findings))
+    calls = Calls(monkeypatch)
+    build(out)
+    assert calls.total() == 0  # every stage was complete: only the report was re-rendered
+    page = (out / "report.html").read_text(encoding="utf-8")
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "<script" not in page
+
+
+def test_renderer_escapes_method_names():
+    from reports.comparison import render
+
+    evil = '<script>alert("x")</script>'
+    summary = pd.DataFrame([{"method": evil, "accuracy_mean": 0.5, "accuracy_std": 0.1, "upload_mb_per_round": 1.0,
+                             "dlg_status": "done", "dlg_mean_psnr": 20.0, "dlg_median_psnr": 20.0, "dlg_max_psnr": 22.0,
+                             "dlg_prior_psnr": 10.0, "dlg_ssim": 0.5}])
+    results = pd.DataFrame([{"method": evil, "attack": "dlg", "psnr": 20.0, "prior_psnr": 10.0}])
+    findings = pd.DataFrame([{"method": evil, "severity": "high", "code": evil, "finding": evil, "measured": evil,
+                              "evidence": evil}])
+    files = render(summary, results, findings, {}, {"methods": [evil], "attacks": ["dlg"], "title": evil,
+                                                    "command": evil, "notes": [evil], "config": {"x": evil}})
+    page = files["report.html"]
+    assert "<script" not in page and page.count("&lt;script&gt;") >= 6
+    assert files["psnr_by_method.png"][:4] == b"\x89PNG"
+
+
+def test_resume_after_a_crash_recomputes_nothing_that_was_complete(tmp_path, monkeypatch):
+    out = tmp_path / "r"
+    # crash in the second method's audit, after it left a half-written file behind
+    with monkeypatch.context() as m:
+        calls = Calls(m, crash={("audit", "fedproto"): KeyboardInterrupt()})
+        with pytest.raises(KeyboardInterrupt):
+            build(out)
+        assert calls.count["train"] == ["fedper", "fedproto"]
+    complete = {p.parent.relative_to(out).as_posix(): p.stat().st_mtime_ns for p in out.glob("*/*/done.json")}
+    assert set(complete) == {"fedper/train", "fedper/audit", "fedper/attack-dlg", "fedper/attack-proto",
+                             "fedper/attack-labels", "fedproto/train"}
+    assert not (out / "fedproto" / "audit" / "done.json").exists() and not (out / "report.html").exists()
+
+    # an attack that fails is reported, not fatal; the report is written and marks it
+    with monkeypatch.context() as m:
+        calls = Calls(m, crash={("attack", "fedproto/proto"): RuntimeError("simulated failure")})
+        result = build(out)
+        assert calls.count["train"] == [] and calls.count["audit"] == ["fedproto"]
+        assert calls.count["attack"] == ["fedproto/proto", "fedproto/labels"]  # dlg: not applicable, known up front
+    assert list(result["failed"]) == [("fedproto", "attack-proto")]
+    assert "failed: RuntimeError: simulated failure" in (out / "report.html").read_text(encoding="utf-8")
+
+    # the rerun does only the failed stage
+    calls = Calls(monkeypatch)
+    result = build(out)
+    assert calls.count == {"train": [], "audit": [], "attack": ["fedproto/proto"]}
+    assert result["failed"] == {}
+    for rel, mtime in complete.items():
+        assert (out / rel / "done.json").stat().st_mtime_ns == mtime, rel
+    summary = pd.read_csv(out / "summary.csv")
+    assert list(summary["method"]) == METHODS and summary.loc[1, "proto_status"] == "done"
+    assert not list(out.rglob("*.tmp")) and not list(out.rglob(".*.partial"))
+    assert pd.read_csv(out / "fedproto" / "audit" / "audit.csv").shape[1] == 8  # the half-written file was redone
+
+
+def test_reuse_copies_matching_stages(built, tmp_path, monkeypatch):
+    calls = Calls(monkeypatch)
+    out = tmp_path / "again"
+    result = build(out, reuse=[built[0].parent])  # any folder above an earlier report works
+    assert calls.total() == 0
+    assert {r["source"] for r in result["stages"]} == {"reused"}
+    done = json.loads((out / "fedper" / "train" / "done.json").read_text())
+    assert done["reused_from"].endswith("fedper/train")
+    assert pd.read_csv(out / "summary.csv").equals(pd.read_csv(built[0] / "summary.csv"))
+
+
+def _cli(args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["report", "--dataset", "digits", "--threads", "1", *args])
+    return exc.value.code, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "fedper,nope"], "unknown method nope"),
+    (["--attacks", "dlg,zap"], "unknown attack zap"),
+    (["--method", "fedper"], "report takes --methods"),
+    (["--iterations", "dlg=0"], "--iterations must be at least 1"),
+    (["--attack-rounds", "x"], "--attack-rounds expects"),
+    (["--reuse", "/nonexistent/fedsec-report"], "--reuse /nonexistent/fedsec-report: not a directory"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, args, message):
+    out = tmp_path / "never"
+    code, err = _cli([*args, "--out", str(out)], capsys)
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_a_stage_folder_with_another_configuration_is_an_error(built, tmp_path, capsys):
+    out = tmp_path / "copy"
+    shutil.copytree(built[0], out)
+    before = sorted(p.as_posix() for p in out.rglob("*"))
+    code, err = _cli(["--methods", ",".join(METHODS), "--attacks", ",".join(ATTACKS), "--clients", "5",
+                      "--rounds", "1", "--out", str(out)], capsys)
+    assert code == 2 and "different configuration" in err
+    assert sorted(p.as_posix() for p in out.rglob("*")) == before
+
+
+def test_reuse_takes_a_plain_train_run(tmp_path, monkeypatch):
+    from fedsec import runner
+
+    cfg = base_config(method="fedproto")
+    runner.train(cfg, tmp_path / "runs" / "fedproto-train")
+    calls = Calls(monkeypatch)
+    out = tmp_path / "r"
+    result = rep.build_report(base_config(), ["fedproto"], out, attacks=["dlg"], settings=settings(), progress=False,
+                              reuse=[tmp_path / "runs"])
+    assert calls.count["train"] == [] and calls.count["audit"] == ["fedproto"]
+    assert [r["source"] for r in result["stages"]] == ["reused", "computed", "computed"]
+    assert (out / "fedproto" / "train" / "metrics.csv").is_file() and (out / "fedproto" / "train" / "done.json").is_file()
