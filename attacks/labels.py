@@ -42,6 +42,12 @@ instead of auxiliary data, i.e. assuming the model's predicted share is similar 
 and π̂_k ∝ s_k + o over the present classes. Proportions are therefore approximate; presence is
 the reliable part (see ``tests/test_proto_labels.py``).
 
+Result: ``images`` is an empty (0, C, H, W) tensor and ``labels`` an empty tensor; ``trace`` holds
+``label_distribution`` ((C,) float64 proportions summing to 1), ``source`` (above; also as
+``mode``), ``present_classes`` (proportion > 1/(2C), the scoring rule), ``support`` (proportion
+> 0), ``label_counts`` (exact counts, or proportions × the uploaded sample count when there is
+one), ``classifier_scores`` (s_k, when used) and ``seconds``.
+
 ``score_label_distribution(predicted, true_counts)`` scores a prediction against the client's
 true class counts (see its docstring).
 """
@@ -285,6 +291,7 @@ def label_inference(observation: Observation, budget: Budget, seed: int, referen
         trace["label_counts"] = distribution * float(sample_count)
     trace.update({"label_distribution": distribution.to(torch.float64), "source": source,
                   "present_classes": torch.nonzero(distribution > presence_threshold(c)).flatten().tolist(),
+                  "support": torch.nonzero(distribution > 0).flatten().tolist(),
                   "mode": source, "seconds": time.perf_counter() - start})
     return AttackResult(images=_empty_images(observation), labels=torch.zeros(0, dtype=torch.int64),
                         trace=trace, notes=notes)

@@ -201,7 +201,7 @@ def invert_prototype(model: SplitModel, target: torch.Tensor, image_shape: tuple
                      contrast: float | None = CONTRAST) -> tuple[torch.Tensor, float, list[float]]:
     """One class-typical image (C, H, W) in [0, 1] for one prototype (D,).
 
-    Returns (image, objective of the kept set, objective after each L-BFGS call of the kept set)."""
+    Returns (image, objective of the kept set, the kept set's objective at each function evaluation)."""
     model = model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -267,7 +267,7 @@ def prototype_inversion(observation: Observation, budget: Budget, seed: int) -> 
     images, objectives, histories = [], [], []
     for i, c in enumerate(classes):
         image, objective, history = invert_prototype(model, protos[c], shape, budget.iterations, budget.restarts,
-                                                     seed=int(seed) * 1009 + i)
+                                                     seed=(int(seed) * 1009 + i) % 2**63)
         images.append(image)
         objectives.append(objective)
         histories.append(history)

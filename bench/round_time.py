@@ -3,9 +3,11 @@ of the same round (same losses, same batches, same augmentation draws, no channe
 
 Both run in this process on the same data (mnist5k, 20 clients, pathological K=3, 1 local
 epoch, batch 10); they also must end with the same global model, which this script checks.
+Before that, one framework round of every method (``--methods``) is timed on the same setup,
+sequential backend (one line per method: round seconds, of which client updates and evaluation).
 Last line: ``ratio <framework seconds / straight-line seconds>`` (target <= 1.15).
 
-    python bench/round_time.py [--clients 20] [--repeats 2]
+    python bench/round_time.py [--clients 20] [--repeats 2] [--methods all|none|fedavg,fedper,...] [--threads 1]
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedecouple.backends import SequentialBackend
 from fedecouple.data import BatchAugmenter, load_dataset, make_partition
 from fedecouple.engine import Federation, FederationConfig, derive_seed
-from fedecouple.methods import make_method
+from fedecouple.methods import METHODS, make_method
 from fedecouple.methods.base import TrainConfig
 
 
@@ -40,6 +43,8 @@ def straight_line_round(images, labels, partition, model, states, server, seed, 
             order = torch.randperm(n, generator=gen)
             for s in range(0, n, bs):
                 sel = order[s:s + bs]
+                if len(sel) < bs:
+                    break  # ragged last batch dropped, as the framework does
                 x, y = x_all[sel], y_all[sel]
                 yield torch.cat([x, aug(x)]), torch.cat([y, y])
 
@@ -101,14 +106,49 @@ def straight_line_round(images, labels, partition, model, states, server, seed, 
     return states, server, accs
 
 
+class TimedBackend(SequentialBackend):
+    """The sequential backend, remembering how long the client updates of its last round took."""
+
+    seconds = 0.0
+
+    def run_updates(self, *args):
+        start = time.perf_counter()
+        out = super().run_updates(*args)
+        self.seconds = time.perf_counter() - start
+        return out
+
+
+def time_methods(names, ds, part, cfg) -> None:
+    """One framework round per method (fresh federation, round 0), one line each."""
+    for name in names:
+        backend = TimedBackend()
+        fed = Federation(make_method(name), ds, part, cfg, backend=backend)
+        start = time.perf_counter()
+        rows = fed.run_round()
+        total = time.perf_counter() - start
+        acc = np.nanmean([r["accuracy"] for r in rows])
+        print(f"round {name:<11} {total:6.2f} s (client updates {backend.seconds:6.2f} s, aggregation + evaluation "
+              f"{total - backend.seconds:5.2f} s; mean acc {acc:.4f})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=2, help="alternating timed repeats of each; the best is kept")
+    ap.add_argument("--methods", default="all", help="methods timed one round each first: all, none, or a comma list")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (0: torch's default; on a shared machine more threads can be much slower)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ds = load_dataset("mnist5k")
     part = make_partition(ds.labels.numpy(), args.clients, "pathological", classes_per_client=3, seed=0)
     cfg = FederationConfig(rounds=1, seed=0, train=TrainConfig(lr=0.05, batch_size=10, local_epochs=1))
+    names = list(METHODS) if args.methods == "all" else [] if args.methods == "none" else args.methods.split(",")
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    time_methods(names, ds, part, cfg)
     best_fw, best_sl = float("inf"), float("inf")
     for _ in range(args.repeats):
         fed = Federation(make_method("fedecouple"), ds, part, cfg)

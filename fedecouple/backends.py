@@ -160,6 +160,18 @@ def _ray_warmup(threads: int) -> int:
     return os.getpid()
 
 
+def start_local_ray(num_cpus: int | None = None, **kwargs) -> None:
+    """``ray.init`` a local Ray with ``num_cpus`` CPUs (default: this machine's cores), quiet, no
+    dashboard, and workers at normal priority: Ray runs workers at niceness 15 by default, which on
+    a machine shared with other jobs starves client updates that the sequential backend would run
+    at niceness 0."""
+    import logging
+
+    ray = import_ray()
+    ray.init(num_cpus=num_cpus or local_cpus(), include_dashboard=False, logging_level=logging.WARNING,
+             _system_config={"worker_niceness": 0}, **kwargs)
+
+
 def local_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -185,13 +197,12 @@ class RayBackend(Backend):
             raise UserError(f"--threads must be at least 1, got {threads}")
         self._started = False
         if not self.ray.is_initialized():
-            import logging
-
-            kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
             if address:
-                self.ray.init(address=address, **kwargs)
+                import logging
+
+                self.ray.init(address=address, logging_level=logging.WARNING)
             else:
-                self.ray.init(num_cpus=num_cpus or local_cpus(), **kwargs)
+                start_local_ray(num_cpus)
             self._started = True
         self._task = self.ray.remote(_ray_task).options(num_cpus=self.threads)
         self._data: tuple[ImageDataset, object, object] | None = None

@@ -86,7 +86,9 @@ def gradient_free_message(method, attack: str, model) -> str | None:
     manifest = method.manifest(model)
     if any(f.kind in ("extractor", "classifier") for f in manifest):
         return None
-    sent = sorted({f.kind.replace("_", " ") for f in manifest}) or ["nothing"]
+    words = {"prototype": "class prototypes", "class_counts": "class counts", "statistic": "statistics",
+             "sample_count": "its sample count"}
+    sent = sorted({words.get(f.kind, f.kind) for f in manifest}) or ["nothing"]
     return (f"{method.name} uploads no model weights (only {', '.join(sent)}), so there is no gradient for "
             f"{attack} to invert; use `fedsec attack proto --method {method.name}` (prototype inversion) or "
             f"`fedsec attack labels --method {method.name}`")
@@ -112,9 +114,11 @@ def run_attack(config: RunConfig, attack: str, attack_rounds: Iterable[int] = (0
                budget: Budget | None = None, victim_batch: int = 1, victim_steps: int = 1, seed: int | None = None,
                out: str | Path | None = None, hyperparameters_known: bool = True, head_known: bool = True,
                mode: str = "auto", train_rounds: int | None = None, threads: int | None = None,
-               progress: bool = True, interceptors: Iterable = (), dp=None) -> dict:
+               progress: bool = True, interceptors: Iterable = (), dp=None, images: int | None = None) -> dict:
     """Train ``config``, attack ``targets`` clients in each of ``attack_rounds``, score, write; returns the summary.
 
+    ``images`` is the number of images rebuilt per target (default: ``victim_batch``, or ``budget.batch``
+    without a victim setting; e.g. 2 for one image trained as original + augmented copy).
     ``seed`` (default: ``config.seed``) picks the targets and seeds the attacks; ``threads`` sets
     torch's thread count for training and attack (default: ``config.threads``, else ``ATTACK_THREADS`` = 1).
     ``interceptors`` (e.g. a ``fedsec.defenses.FilterChain``) sit in the channel before the recorder,
@@ -137,7 +141,7 @@ def run_attack(config: RunConfig, attack: str, attack_rounds: Iterable[int] = (0
     if victim_batch < 0 or victim_steps < 1:
         raise UserError(f"--victim-batch must be >= 0 and --victim-steps >= 1 (got {victim_batch}, {victim_steps})")
     budget = budget or Budget(iterations=DEFAULT_ITERATIONS[attack])
-    if budget.iterations < 1 or budget.restarts < 1 or budget.batch < 1:
+    if budget.iterations < 1 or budget.restarts < 1 or budget.batch < 1 or (images is not None and images < 1):
         raise UserError("--iterations, --restarts and the number of images must be at least 1")
     n_rounds = max(rounds) + 1 if train_rounds is None else int(train_rounds)
     if n_rounds <= max(rounds):
@@ -147,13 +151,15 @@ def run_attack(config: RunConfig, attack: str, attack_rounds: Iterable[int] = (0
     previous_threads = torch.get_num_threads()
     try:
         return _run(config, attack, rounds, targets, budget, victim_batch, victim_steps, seed, out,
-                    hyperparameters_known, head_known, mode, progress, start, interceptors=interceptors, dp=dp)
+                    hyperparameters_known, head_known, mode, progress, start, interceptors=interceptors, dp=dp,
+                    images=images)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _run(config: RunConfig, attack, rounds, targets, budget, victim_batch, victim_steps, seed, out,
-         hyperparameters_known, head_known, mode, progress, start, interceptors=(), dp=None) -> dict:
+         hyperparameters_known, head_known, mode, progress, start, interceptors=(), dp=None,
+         images: int | None = None) -> dict:
     n_rounds = config.rounds
 
     prep = prepare(config)
@@ -199,6 +205,7 @@ def _run(config: RunConfig, attack, rounds, targets, budget, victim_batch, victi
     modes_used: set[str] = set()
     per_target: list[dict] = []
     pairs = [(r, c) for r in rounds for c in chosen[r]]
+    target_notes: dict[str, list[tuple[int, int]]] = {}  # note → the targets it applies to
     for r, c in tqdm(pairs, desc=f"{attack} on {config.method}", unit="target", disable=not progress):
         upload = recorder.get(r, c)
         if upload is None or upload.upload is None:
@@ -215,7 +222,7 @@ def _run(config: RunConfig, attack, rounds, targets, budget, victim_batch, victi
                 hp = LocalHyperparameters(lr=config.lr, steps=steps, batch_size=config.batch_size)
         obs = observe(recorder, r, c, method=method, make_model=make_model, image_shape=image_shape,
                       num_classes=dataset.num_classes, known_hyperparameters=hp, head_known=head_known)
-        target_budget = replace(budget, batch=victim_batch if victim_batch > 0 else budget.batch)
+        target_budget = replace(budget, batch=images or (victim_batch if victim_batch > 0 else budget.batch))
         kwargs = {"mode": mode} if attack in GRADIENT_ATTACKS else {}
         try:
             result = ATTACKS[attack](obs, target_budget, derive_seed(seed, r, c, 0xA7) % 2**31, **kwargs)
@@ -227,9 +234,7 @@ def _run(config: RunConfig, attack, rounds, targets, budget, victim_batch, victi
         used = str(result.trace.get("mode", "n/a"))
         modes_used.add(used)
         for note in result.notes:
-            text = f"round {r} client {c}: {note}"
-            if text not in notes:
-                notes.append(text)
+            target_notes.setdefault(note, []).append((r, c))
         per_target.append({"round": r, "client": c, "mode": used,
                            "objective": _finite(float(result.trace.get("objective", float("nan")))),
                            "seconds": round(float(result.trace.get("seconds", float("nan"))), 3)})
@@ -260,11 +265,19 @@ def _run(config: RunConfig, attack, rounds, targets, budget, victim_batch, victi
             if len(panels) < MAX_PANELS:
                 panels.append((truths[j], result.images[i], row["psnr"], f"r{r} c{c}"))
 
+    attacked = [(t["round"], t["client"]) for t in per_target]
+    for text, where in target_notes.items():
+        if where == attacked and len(attacked) > 0:
+            notes.append(text if len(attacked) == 1 else f"every target: {text}")
+        else:
+            notes.append(", ".join(f"round {r} client {c}" for r, c in where) + f": {text}")
+
     columns = LABEL_COLUMNS if attack == "labels" else IMAGE_COLUMNS
     frame = pd.DataFrame(rows, columns=columns)
     summary = _summary(config, attack, rows, label_scores, budget, seed, rounds, chosen, victim_batch, victim_steps,
                        hyperparameters_known, head_known, mode, sorted(modes_used), notes, per_target,
                        time.perf_counter() - start, train_seconds)
+    summary["budget"]["images_per_target"] = images or (victim_batch if victim_batch > 0 else budget.batch)
     if dp is not None:
         from .defenses.dp import privacy_report
 

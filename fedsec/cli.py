@@ -201,8 +201,9 @@ def compare(ctx, methods, seeds, out, **opts):
               help="B: attacked clients train on B of their images in the attacked round, and B images are rebuilt "
                    "[1 for dlg/idlg/ig; 0 (= the method's real local training) for proto/labels].")
 @click.option("--victim-steps", type=int, default=1, show_default=True, help="T: local steps per phase in the victim setting.")
-@click.option("--images", type=int, default=1, show_default=True,
-              help="Images to rebuild per target when --victim-batch 0.")
+@click.option("--images", type=int, default=None,
+              help="Images rebuilt per target [--victim-batch; 1 with --victim-batch 0]; e.g. 2 for a method that "
+                   "trains on each image and an augmented copy.")
 @click.option("--attack-seed", type=int, default=None, help="Seed for target choice and attack starts [--seed].")
 @click.option("--mode", type=click.Choice(["auto", "replay", "scaled"]), default="auto", show_default=True,
               help="Gradient attacks: replay the local SGD steps (needs known hyperparameters), or read the update "
@@ -229,12 +230,11 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     config = config_from_options(ctx, **opts)
     if victim_batch is None:
         victim_batch = 1 if attack in ("dlg", "idlg", "ig") else 0
-    budget = Budget(iterations=iterations if iterations is not None else DEFAULT_ITERATIONS[attack], restarts=restarts,
-                    batch=images)
+    budget = Budget(iterations=iterations if iterations is not None else DEFAULT_ITERATIONS[attack], restarts=restarts)
     out = out or default_out(attack, config.method)
     summary = run_attack(config, attack, rounds, targets=targets, budget=budget, victim_batch=victim_batch,
                          victim_steps=victim_steps, seed=attack_seed, out=out, hyperparameters_known=hyperparameters_known,
-                         head_known=head_known, mode=mode, train_rounds=train_rounds)
+                         head_known=head_known, mode=mode, train_rounds=train_rounds, images=images)
 
     def fmt(x, unit=""):
         return "n/a" if x is None else f"{x:.2f}{unit}"
@@ -292,7 +292,7 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
 @click.option("--targets", type=int, default=2, show_default=True, help="Clients attacked per attacked round.")
 @click.option("--iterations", default=None, metavar="N|ATTACK=N,...",
               help="Optimiser steps per reconstruction, for every attack (N) or per attack (dlg=300,ig=1000) "
-                   "[300 each, as `fedsec attack`].")
+                   "[dlg, idlg, proto, labels 300; ig 1000].")
 @click.option("--reuse", multiple=True, type=click.Path(), metavar="DIR",
               help="Earlier report (or `fedsec train`) folder whose finished stages with the same configuration are "
                    "copied instead of recomputed (repeatable).")
@@ -309,8 +309,8 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, reuse, out
     accuracy_vs_leakage.png. Each stage writes <out>/<method>/<stage>/ and a done.json last, so an
     interrupted report resumes where it stopped.
 
-    The defaults (10 clients, 3 rounds; 2 clients attacked in round 0 with 300 steps) finish on
-    mnist5k in about 10 CPU-minutes; training dominates. Scale up with the train flags (--clients,
+    The defaults (10 clients, 3 rounds; 2 clients attacked in round 0, `fedsec attack`'s step budgets)
+    take about 6-7 CPU-minutes on mnist5k (single-threaded); training dominates. Scale up with the train flags (--clients,
     --rounds, --local-epochs: train and audit grow linearly) and the attack budget (--targets,
     --iterations, --attack-rounds 0,9: each attack retrains up to its last round), e.g.
     --clients 20 --rounds 20 --targets 5 --iterations 1000.

@@ -48,9 +48,9 @@ from fedecouple.errors import UserError
 from fedecouple.methods import METHODS
 
 from . import io, runner
-from .attack import DEFAULT_ITERATIONS as ATTACK_DEFAULT_ITERATIONS, IMAGE_COLUMNS, LABEL_COLUMNS, parse_rounds, run_attack
+from .attack import IMAGE_COLUMNS, LABEL_COLUMNS, parse_rounds, run_attack
 from .audit import SEVERITIES, run_audit
-from .compare import _comparable, _shared_datasets, method_config, parse_list, parse_methods, run_status
+from .compare import _shared_datasets, method_config, parse_list, parse_methods, run_status
 from .runner import RunConfig
 from .versions import package_versions
 
@@ -59,10 +59,11 @@ ATTACK_CHOICES = ("dlg", "idlg", "ig", "proto", "labels")
 DEFAULT_ATTACKS = ("dlg", "ig", "proto", "labels")
 GRADIENT = ("dlg", "idlg", "ig")
 IMAGE_ATTACKS = ("dlg", "idlg", "ig", "proto")
-# `fedsec attack`'s budgets (300 steps; 2 clients attacked in round 0). Training dominates the
-# cost (train + audit + one round per attack stage), so the four mission methods finish on
-# mnist5k in about 10 CPU-minutes (BENCHMARKS.md, "Report (defaults)").
-DEFAULT_ITERATIONS = dict(ATTACK_DEFAULT_ITERATIONS)
+# The budgets `fedsec attack` uses by default (dlg/idlg: 300 L-BFGS steps; ig: 1000 Adam steps;
+# proto, labels: 300), pinned here so that a report's stages stay comparable (and reusable) when
+# those defaults move. Training dominates the cost (train + audit + one round per attack stage):
+# the four mission methods take about 6-7 CPU-minutes on mnist5k (BENCHMARKS.md, "Report (defaults)").
+DEFAULT_ITERATIONS = {"dlg": 300, "idlg": 300, "ig": 1000, "proto": 300, "labels": 300}
 DEFAULT_TARGETS = 2
 DONE = "done.json"
 LEAK_GAP_DB = 3.0  # fedsec.audit's rule: measured leakage within 3 dB of the prior is "low"
@@ -136,6 +137,15 @@ def parse_iterations(text: str | None) -> dict[str, int]:
 
 def _normal(obj) -> dict:
     return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+# settings that do not change a stage's result (where the data lives, how many threads or which
+# execution backend computes it: backends give the same numbers for the same seed and threads)
+IRRELEVANT = ("threads", "data_dir", "download", "backend", "ray_address")
+
+
+def _comparable(config: dict) -> dict:
+    return {k: v for k, v in _normal(config).items() if k not in IRRELEVANT}
 
 
 def stage_identity(kind: str, config: RunConfig, attack: str | None = None,
@@ -274,6 +284,9 @@ def _precheck(stage: Stage, out: Path) -> str | None:
         return f"{stage.method} uploads no model weights (only {', '.join(sorted(kinds)) or 'nothing'})"
     if stage.attack == "proto" and "prototype" not in kinds:
         return f"{stage.method} uploads no prototypes (it sends: {', '.join(sorted(kinds)) or 'nothing'})"
+    if stage.attack == "labels" and not kinds & {"classifier", "class_counts", "statistic", "prototype"}:
+        return (f"{stage.method}'s upload carries no label information: no class counts, label statistics, "
+                f"prototypes or classifier update (it sends: {', '.join(sorted(kinds)) or 'nothing'})")
     return None
 
 
@@ -365,6 +378,8 @@ def _measured(code: str, attacks: dict[str, dict]) -> tuple[str, str | None]:
 
 
 def _brief_evidence(evidence) -> str:
+    if isinstance(evidence, dict):  # drop what the audit left unmeasured (its evidence attacks are off)
+        evidence = {k: v for k, v in evidence.items() if v is not None}
     if not evidence:
         return ""
     text = json.dumps(evidence, sort_keys=True, default=str)

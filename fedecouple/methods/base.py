@@ -96,9 +96,10 @@ class ClientContext:
     def batches(self, epochs: int, phase: str, augment: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Mini-batches drawn by index from the in-memory tensors.
 
-        ``epochs`` passes over shuffled data, or exactly ``steps_per_phase`` batches in the victim
-        setting. With ``augment`` each batch is the originals followed by one augmented copy of each
-        (the paper trains on original + augmented data). Every batch's pool indices go to the
+        ``epochs`` passes over shuffled data (a last batch smaller than the batch size is dropped;
+        a client with fewer samples than the batch size trains on one batch of all of them), or
+        exactly ``steps_per_phase`` batches in the victim setting. With ``augment`` each batch is the
+        originals followed by one augmented copy of each (the paper trains on original + augmented data). Every batch's pool indices go to the
         ground-truth log, which only the harness reads.
         """
         n = self.num_samples
@@ -107,7 +108,7 @@ class ClientContext:
         bs = min(self.config.batch_size, n)
         if self.steps_per_phase is not None:
             total = self.steps_per_phase
-            epochs = -(-total * bs // n)
+            epochs = -(-total // (n // bs))
         else:
             total = None
         emitted = 0
@@ -117,6 +118,10 @@ class ClientContext:
                 if total is not None and emitted >= total:
                     return
                 sel = order[start:start + bs]
+                if len(sel) < bs:
+                    # drop a ragged last batch, as torch's drop_last=True (PFLlib's loaders do the
+                    # same): a one-image SGD step at the end of every epoch can wreck a model
+                    break
                 self.batch_log.append((phase, self.indices[sel.numpy()]))
                 x, y = self.images[sel], self.labels[sel]
                 if augment:
