@@ -98,8 +98,8 @@ def _run_dlg(obs: Observation, budget: Budget, seed: int, mode: str, fixed_label
     b = max(1, int(budget.batch))
     c, h, w = obs.image_shape
     k = obs.num_classes
-    trace: dict = {"mode": matcher.mode, "attacked_parameters": list(matcher.names), "optimizer": "L-BFGS",
-                   "lr": LBFGS_LR}
+    trace: dict = {"attack": name, "mode": matcher.mode, "attacked_parameters": list(matcher.names),
+                   "optimizer": "L-BFGS", "lr": LBFGS_LR}
 
     labels = None
     if fixed_labels:

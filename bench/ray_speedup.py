@@ -4,7 +4,7 @@ checks that both end with identical metrics, server model and client states.
 
 Both sides use ``--threads`` torch threads per update (default 1: bit-identical results need the
 same thread count, and 2 workers x 1 thread fill 2 cores). Ray is started locally with
-``--workers`` CPUs and warmed up (worker processes started, torch imported) before timing; the
+``--workers`` CPUs (workers at niceness 0, like the driver) and warmed up (worker processes started, torch imported) before timing; the
 start-up time is printed separately. A round includes the driver's evaluation of every client,
 which stays sequential under both backends; the updates alone are timed too.
 Last line: ``ratio <ray round seconds / sequential round seconds>`` (target <= 0.6 on 2 cores).
@@ -14,13 +14,12 @@ Last line: ``ratio <ray round seconds / sequential round seconds>`` (target <= 0
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 
 import numpy as np
 import torch
 
-from fedecouple.backends import Backend, RayBackend, SequentialBackend, import_ray
+from fedecouple.backends import Backend, RayBackend, SequentialBackend, import_ray, start_local_ray
 from fedecouple.data import load_dataset, make_partition
 from fedecouple.engine import Federation, FederationConfig
 from fedecouple.methods import make_method
@@ -69,7 +68,7 @@ def main() -> None:
     part = make_partition(ds.labels.numpy(), args.clients, "pathological", classes_per_client=3, seed=0)
 
     start = time.perf_counter()
-    ray.init(num_cpus=args.workers, include_dashboard=False, logging_level=logging.WARNING)
+    start_local_ray(args.workers)  # as RayBackend does: workers at normal priority (Ray's default is nice 15)
     backend = RayBackend(threads=args.threads)
     backend.warm_up()
     startup = time.perf_counter() - start

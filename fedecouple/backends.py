@@ -204,6 +204,11 @@ class RayBackend(Backend):
             else:
                 start_local_ray(num_cpus)
             self._started = True
+        cpus = self.ray.cluster_resources().get("CPU", 0)
+        if self.threads > cpus:
+            self.close()
+            raise UserError(f"--threads {self.threads} asks more CPUs per client update than the Ray cluster has "
+                            f"({cpus:g}); lower --threads")
         self._task = self.ray.remote(_ray_task).options(num_cpus=self.threads)
         self._data: tuple[ImageDataset, object, object] | None = None
 
@@ -225,7 +230,12 @@ class RayBackend(Backend):
         images, labels = self._dataset_refs(dataset)
         method_ref, spec_ref = self.ray.put(method), self.ray.put(spec)
         refs = [self._task.remote(method_ref, spec_ref, images, labels, job, self.threads) for job in jobs]
-        return self.ray.get(refs) if refs else []
+        try:
+            return self.ray.get(refs) if refs else []
+        except self.ray.exceptions.RayTaskError as exc:
+            if isinstance(getattr(exc, "cause", None), UserError):
+                raise exc.cause from None  # e.g. "training diverged ...; lower --lr": one line, as sequentially
+            raise
 
     def close(self) -> None:
         self._data = None

@@ -355,6 +355,14 @@ def _fmt(x, digits=2, pct=False) -> str:
     return f"{100 * x:.1f}" if pct else f"{x:.{digits}f}"
 
 
+def _fmt_eps(x) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    if math.isinf(float(x)):
+        return "∞"
+    return f"{float(x):.3g}"
+
+
 def claim_check(frame: pd.DataFrame, settings: DefendSettings) -> str | None:
     """For noise and prune with DLG: where the DLG paper's claim (REFERENCE §4) lands here."""
     if settings.defense not in ("noise", "prune") or "dlg" not in settings.attacks:
@@ -464,7 +472,7 @@ def markdown(frame: pd.DataFrame, settings: DefendSettings, config: RunConfig, c
     for _, r in frame.iterrows():
         cells = [str(r["value"]), f"{_fmt(r['accuracy'], pct=True)} ± {_fmt(r['accuracy_std'], pct=True)}"]
         if settings.defense == "dp":
-            cells += [_fmt(r["epsilon"]), _fmt(r["epsilon_attacked"])]
+            cells += [_fmt_eps(r["epsilon"]), _fmt_eps(r["epsilon_attacked"])]
         cells += [_fmt(r[f"mean_psnr_{a}"]) for a in image] + ([_fmt(r["prior_psnr"])] if image else [])
         if "labels" in settings.attacks:
             cells.append(_fmt(r.get("label_accuracy")))

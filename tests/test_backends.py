@@ -151,3 +151,14 @@ def test_cli_backend_flag_is_one_line_error_without_ray(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "pip install 'fedsec[ray]'" in res.stderr
+
+
+@needs_ray
+@pytest.mark.timeout(300)
+def test_user_errors_in_a_ray_task_reach_the_driver_as_user_errors(digits, ray_local):
+    with RayBackend(threads=1) as backend:
+        fed = tiny_federation(digits, method="fedavg", clients=2, lr=1e9, backend=backend)
+        with pytest.raises(UserError, match="diverged"):
+            fed.run_round()
+    with pytest.raises(UserError, match="lower --threads"):
+        RayBackend(threads=64)
