@@ -14,6 +14,7 @@ Last line: ``ratio <ray round seconds / sequential round seconds>`` (target <= 0
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -43,9 +44,9 @@ def one_round(ds, part, backend: Backend) -> tuple[Federation, float, float]:
     cfg = FederationConfig(rounds=1, seed=0, train=TrainConfig(lr=0.05, batch_size=10, local_epochs=1))
     timed = Timed(backend)
     fed = Federation(make_method("fedecouple"), ds, part, cfg, backend=timed)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     fed.run_round()
-    return fed, time.perf_counter() - start, timed.seconds
+    return fed, time.perf_counter() - start, timed.seconds, time.process_time() - cpu
 
 
 def same(a: Federation, b: Federation) -> bool:
@@ -73,12 +74,15 @@ def main() -> None:
     backend.warm_up()
     startup = time.perf_counter() - start
     seq_best = ray_best = seq_upd = ray_upd = float("inf")
+    load_before = os.getloadavg()[0]
     try:
         for _ in range(args.repeats):
-            seq, t_seq, u_seq = one_round(ds, part, SequentialBackend())
-            par, t_ray, u_ray = one_round(ds, part, backend)
+            seq, t_seq, u_seq, cpu_seq = one_round(ds, part, SequentialBackend())
+            par, t_ray, u_ray, _ = one_round(ds, part, backend)
             if not same(seq, par):
                 raise SystemExit("Ray and sequential rounds differ: results must be identical")
+            if t_seq < seq_best:
+                seq_cpu = cpu_seq
             seq_best, ray_best = min(seq_best, t_seq), min(ray_best, t_ray)
             seq_upd, ray_upd = min(seq_upd, u_seq), min(ray_upd, u_ray)
     finally:
@@ -87,7 +91,9 @@ def main() -> None:
     acc = np.mean([r["accuracy"] for r in seq.metrics])
     print(f"{args.clients} clients, fedecouple, 1 round (mean acc {acc:.4f}, identical under both backends); "
           f"torch threads per update {args.threads}; Ray start-up + warm-up {startup:.1f} s (not in the ratio)")
-    print(f"sequential round {seq_best:.2f} s (updates {seq_upd:.2f} s); "
+    print(f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs "
+          f"(other jobs on the machine take CPUs from the workers)")
+    print(f"sequential round {seq_best:.2f} s (updates {seq_upd:.2f} s, {seq_cpu:.2f} s CPU); "
           f"ray x{args.workers} round {ray_best:.2f} s (updates {ray_upd:.2f} s); updates ratio {ray_upd / seq_upd:.3f}")
     print(f"ratio {ray_best / seq_best:.3f}")
 

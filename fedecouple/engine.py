@@ -61,12 +61,22 @@ class GroundTruth:
         self.rounds = None if rounds is None else set(rounds)
         self.batches: dict[tuple[int, int], list[tuple[str, np.ndarray]]] = {}
         self.private: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.local_data: dict[tuple[int, int], np.ndarray] = {}
 
     def record(self, round: int, client_id: int, batches: list[tuple[str, np.ndarray]],
-               private: dict[str, torch.Tensor] | None = None) -> None:
+               private: dict[str, torch.Tensor] | None = None, local_data: np.ndarray | None = None) -> None:
         if self.rounds is None or round in self.rounds:
             self.batches[(round, client_id)] = list(batches)
+            if local_data is not None:
+                self.local_data[(round, client_id)] = np.asarray(local_data, dtype=np.int64).copy()
             self.private[(round, client_id)] = {k: v.detach().clone() for k, v in (private or {}).items()}
+
+    def training_set(self, round: int, client_id: int) -> np.ndarray:
+        """Pool indices of the client's whole local training set in that round (what its label
+        distribution is measured on; a ragged last batch may leave a few out of ``samples``)."""
+        if (round, client_id) in self.local_data:
+            return self.local_data[(round, client_id)]
+        return self.samples(round, client_id)
 
     def samples(self, round: int, client_id: int) -> np.ndarray:
         """Distinct pool indices the client trained on in that round, in first-use order."""
@@ -177,7 +187,8 @@ class Federation:
             results[i] = None  # drop each result once handled (1,000 clients: one round's traffic, not two)
             cid = result.client_id
             self.clients[cid] = {k: v.detach().clone() for k, v in result.state.items()}
-            self.ground_truth.record(t, cid, result.batch_log, result.private)
+            self.ground_truth.record(t, cid, result.batch_log, result.private,
+                                     self._client_data(cid, t, "train")[0])
             received = self.channel.upload(result.upload) if talks else None
             if received is not None:
                 uploads.append(received)

@@ -242,9 +242,10 @@ def _run(config: RunConfig, attack, rounds, targets, budget, victim_batch, victi
         idx = torch.from_numpy(ground_truth.samples(r, c))
         truths, truth_labels = dataset.images[idx], dataset.labels[idx]
         base = {"method": config.method, "attack": attack, "mode": used, "round": r, "client": c}
-        if attack == "labels":
+        if attack == "labels":  # the label distribution of the client's whole local training set
             predicted = torch.as_tensor(result.trace["label_distribution"], dtype=torch.float64)
-            true_counts = torch.bincount(truth_labels, minlength=dataset.num_classes)
+            local = dataset.labels[torch.from_numpy(ground_truth.training_set(r, c))]
+            true_counts = torch.bincount(local, minlength=dataset.num_classes)
             score = score_label_distribution(predicted, true_counts)
             label_scores.append(score)
             total = max(int(true_counts.sum()), 1)

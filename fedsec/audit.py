@@ -189,7 +189,7 @@ def run_audit(config: RunConfig, out: str | Path, evidence: bool = True, evidenc
             for s in per_class:
                 pat = field_pattern(s)
                 keys |= {int(m.group(1)) for n in up.tensors if (m := pat.match(n))}
-            truth = set(torch.unique(labels[torch.from_numpy(ground_truth.samples(up.round, up.client_id))]).tolist())
+            truth = set(torch.unique(labels[torch.from_numpy(ground_truth.training_set(up.round, up.client_id))]).tolist())
             agree += int(keys == truth)
             total += 1
         findings.append(_finding("medium", "CLASS_PRESENCE_DISCLOSED",
@@ -239,7 +239,7 @@ def run_audit(config: RunConfig, out: str | Path, evidence: bool = True, evidenc
     if config.method == "fedecouple" or checked:
         count_like = 0
         for up in recorder.uploads():
-            truth = torch.bincount(labels[torch.from_numpy(ground_truth.samples(up.round, up.client_id))],
+            truth = torch.bincount(labels[torch.from_numpy(ground_truth.training_set(up.round, up.client_id))],
                                    minlength=num_classes)
             for t in up.tensors.values():
                 if t.numel() == num_classes and torch.equal(t.reshape(-1).round().to(torch.int64), truth):

@@ -50,7 +50,7 @@ def _observe(fed, make_model, round, client, ds):
 
 
 def _true_counts(fed, ds, round, client):
-    idx = torch.from_numpy(fed.ground_truth.samples(round, client))
+    idx = torch.from_numpy(fed.ground_truth.training_set(round, client))
     return torch.bincount(ds.labels[idx], minlength=ds.num_classes)
 
 

@@ -13,8 +13,9 @@ same idea as Flower adding DP as a mod around a client). During the session:
   global classifier) and hand ``sgd`` bare parameter iterators, so the hooks must reach every
   module whose parameters a DP optimizer trains, wherever it was created;
 * ``ctx.batches`` draws **Poisson** batches (each sample independently with probability
-  q = batch_size / n; ceil(n / batch_size) steps per epoch, Opacus' ``DPDataLoader`` convention),
-  which is what the accountant assumes; an empty draw still takes a noise-only step;
+  q = batch_size / n; ceil(n / batch_size) steps per epoch, Opacus' ``DPDataLoader`` convention —
+  the non-DP loop instead drops a ragged last batch), which is what the accountant assumes; an empty
+  draw still takes a noise-only step;
 * the client's data can be read only through ``ctx.batches``: reading ``ctx.images``,
   ``ctx.labels`` or ``ctx.class_counts()`` (whole-data statistics such as FedeCouple's anchors,
   FedPAC's statistics, prototypes) raises ``UserError``, because DP-SGD would not cover it;
@@ -145,7 +146,9 @@ def epsilon(history: torch.Tensor | list | None, delta: float, kind: str = "rdp"
         return math.inf
     accountant = make_accountant(kind)
     accountant.history = [(float(s), float(q), int(n)) for s, q, n in rows]
-    return float(accountant.get_epsilon(delta=delta))
+    with warnings.catch_warnings():  # "optimal order is the smallest alpha": only for huge ε (tiny σ)
+        warnings.simplefilter("ignore")
+        return float(accountant.get_epsilon(delta=delta))
 
 
 def privacy_report(clients: dict[int, State], config: DPConfig) -> dict:
