@@ -100,15 +100,6 @@ def pick_targets(participants: list[int], k: int, seed: int, round: int) -> list
     return sorted(int(c) for c in rng.choice(participants, size=k, replace=False))
 
 
-def _finite(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
-
 
 def run_attack(config: RunConfig, attack: str, attack_rounds: Iterable[int] = (0,), targets: int = 2,
                budget: Budget | None = None, victim_batch: int = 1, victim_steps: int = 1, seed: int | None = None,
@@ -236,7 +227,7 @@ def _run(config: RunConfig, attack, rounds, targets, budget, victim_batch, victi
         for note in result.notes:
             target_notes.setdefault(note, []).append((r, c))
         per_target.append({"round": r, "client": c, "mode": used,
-                           "objective": _finite(float(result.trace.get("objective", float("nan")))),
+                           "objective": io.finite(float(result.trace.get("objective", float("nan")))),
                            "seconds": round(float(result.trace.get("seconds", float("nan"))), 3)})
         # ---- scoring: ground truth is read only here, after the attack returned ----
         idx = torch.from_numpy(ground_truth.samples(r, c))
@@ -282,7 +273,7 @@ def _run(config: RunConfig, attack, rounds, targets, budget, victim_batch, victi
     if dp is not None:
         from .defenses.dp import privacy_report
 
-        summary["dp"] = _finite(privacy_report(fed.clients, dp))
+        summary["dp"] = io.finite(privacy_report(fed.clients, dp))
     if out is not None:
         out = Path(out)
         io.write_csv(out / "attack.csv", frame)
@@ -338,7 +329,7 @@ def _summary(config: RunConfig, attack, rows, label_scores, budget, seed, rounds
     }
     if label_scores:
         summary["label_scores"] = label_scores
-    return _finite(summary)
+    return io.finite(summary)
 
 
 def write_figure(path: Path, panels: list[tuple], title: str) -> None:

@@ -251,7 +251,7 @@ def _train(config: RunConfig, settings: DefendSettings, value, out: Path) -> dic
         defense = {"kind": "filter", "filters": chain.summary()}
     else:
         defense = {"kind": "none"}
-    defense = _finite(defense)
+    defense = io.finite(defense)
     io.write_json(out / "defense.json", defense)
     return {**summary, "defense": defense}
 
@@ -270,15 +270,6 @@ def _attack(config: RunConfig, settings: DefendSettings, value, attack: str, out
                       victim_batch=victim, victim_steps=settings.victim_steps, seed=settings.attack_seed, out=out,
                       progress=False, interceptors=chain, dp=dp)
 
-
-def _finite(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
 
 
 def _num(x) -> float:
@@ -541,7 +532,7 @@ def defend(config: RunConfig, settings: DefendSettings, out: str | Path, progres
                 row = run_value(config, settings, value, path,
                                 on_part=lambda part, v=value: bar.set_postfix_str(f"{v}: {part}"))
                 stored_row = {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in row.items()}
-                io.write_json(done, {"key": key, "row": _finite(stored_row)})
+                io.write_json(done, {"key": key, "row": io.finite(stored_row)})
             for k in ("epsilon", "epsilon_attacked"):
                 if row.get(k) == "inf":
                     row[k] = math.inf

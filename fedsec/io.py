@@ -3,6 +3,7 @@ so an interrupted run never leaves a half-written result."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from contextlib import contextmanager
@@ -34,6 +35,17 @@ def write_text(target: str | Path, text: str) -> None:
 
 def write_json(target: str | Path, obj) -> None:
     write_text(target, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
+
+
+def finite(x):
+    """``x`` with every non-finite float (NaN, ±inf) replaced by None, recursively: valid JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite(v) for v in x]
+    return x
 
 
 def _json_default(obj):

@@ -25,7 +25,7 @@ from torch import nn
 from ..channel import Download, Upload
 from ..models import SplitModel, get_params, set_params
 from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, cross_entropy_loss, make_upload,
-                   model_fields, sample_weighted_average, sgd, strip_prefix, train_supervised)
+                   model_fields, sample_weighted_average, strip_prefix, train_supervised)
 from .fedavg import by_client
 
 
@@ -49,19 +49,12 @@ def only_group(tensors, group: str) -> dict[str, torch.Tensor]:
 def train_head(ctx: ClientContext, model: SplitModel, epochs: int, phase: str = "classifier") -> float:
     """``epochs`` of cross-entropy on the classifier alone; the extractor is frozen (features are
     computed without gradient)."""
-    opt = sgd(model.classifier.parameters(), ctx.config)
-    total, count = 0.0, 0
-    for x, y in ctx.batches(epochs, phase):
+    def loss_fn(x, y):
         with torch.no_grad():
             feats = model.features(x)
-        loss = F.cross_entropy(model.classifier(feats), y)
-        ctx.check_finite(loss)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        total += float(loss.detach())
-        count += 1
-    return total / max(count, 1)
+        return F.cross_entropy(model.classifier(feats), y)
+
+    return train_supervised(ctx, model.classifier.parameters(), epochs, phase, loss_fn)
 
 
 def train_extractor(ctx: ClientContext, model: SplitModel, epochs: int, phase: str = "extractor",
