@@ -14,7 +14,7 @@ FAST = dict(method="fedecouple", dataset="digits", partition="pathological", cli
 
 def fedsec(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "fedsec.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+                          timeout=800)
 
 
 def test_outputs_and_determinism(tmp_path):
@@ -76,11 +76,12 @@ def test_nan_training_is_reported_not_crashed(tmp_path):
     assert result.returncode == 2 and "diverged" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.timeout(900)
 def test_issue_acceptance_fedecouple_mnist5k_pathological(tmp_path):
     """The issue's acceptance command: 10 clients, 3 rounds, 1 local epoch reaches >= 0.80."""
     result = fedsec("train", "--method", "fedecouple", "--dataset", "mnist5k", "--partition", "pathological",
                     "--classes-per-client", "3", "--clients", "10", "--rounds", "3", "--local-epochs", "1",
-                    "--seed", "0", "--out", str(tmp_path / "acc"))
+                    "--seed", "0", "--threads", "1", "--out", str(tmp_path / "acc"))
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "acc" / "summary.json").read_text())
     assert summary["mean_accuracy"] >= 0.80
