@@ -1,72 +1,56 @@
 """Attacks on what the channel carried. Every attack is ``attack(observation, budget, seed) -> AttackResult``
 (see ``attacks.base``); gradient attacks also take ``mode`` (auto, replay, scaled).
 
-``ATTACKS`` maps the CLI names to the functions. ``proto`` and ``labels`` live in
-``attacks/proto.py`` and ``attacks/labels.py`` and are imported on first use.
+``ATTACKS`` maps the CLI names to the one-target functions. ``attack_many`` runs an attack on a
+list of observations: the gradient attacks batch the targets that share a model
+(``attacks.batching``), the others run one by one.
 """
 from __future__ import annotations
 
-from .base import AttackResult, Budget, LocalHyperparameters, NotApplicable, Observation
+from typing import Sequence
+
 from . import dlg as _dlg, ig as _ig  # the submodules keep their names: attacks.dlg is the module
+from .base import AttackResult, Budget, LocalHyperparameters, NotApplicable, Observation
+from .batching import build_each, group_by_model
+from .observation import GradientMatcher
+from .labels import label_inference, score_label_distribution
+from .proto import prototype_inversion
 
 GRADIENT_ATTACKS = ("dlg", "idlg", "ig")
 
-
-class AttackUnavailable(RuntimeError):
-    """The attack's module is not part of this installation."""
-
-
-def _proto_attack(observation: Observation, budget: Budget, seed: int, **_) -> AttackResult:
-    """Prototype inversion (``attacks.proto.prototype_inversion``), imported on first use."""
-    try:
-        from .proto import prototype_inversion
-    except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installation
-        if exc.name != "attacks.proto":
-            raise
-        raise AttackUnavailable("the proto attack is not available (attacks/proto.py is missing)") from exc
-    return prototype_inversion(observation, budget, seed)
+ATTACKS = {"dlg": _dlg.dlg, "idlg": _dlg.idlg, "ig": _ig.inverting_gradients, "proto": prototype_inversion,
+           "labels": label_inference}
+_MANY = {"dlg": _dlg.dlg_many, "idlg": _dlg.idlg_many, "ig": _ig.inverting_gradients_many}
 
 
-def _labels_attack(observation: Observation, budget: Budget, seed: int, **_) -> AttackResult:
-    """Label-distribution inference (``attacks.labels.label_inference``), imported on first use."""
-    try:
-        from .labels import label_inference
-    except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installation
-        if exc.name != "attacks.labels":
-            raise
-        raise AttackUnavailable("the labels attack is not available (attacks/labels.py is missing)") from exc
-    return label_inference(observation, budget, seed)
+def plan_batches(name: str, observations: Sequence[Observation], mode: str = "auto",
+                 batched: bool = True) -> list[list[int]]:
+    """How ``attack_many`` would group ``observations``: index lists, each attacked in one optimisation
+    (targets sharing a model, for the gradient attacks; one each otherwise). A harness can hand each
+    group to ``attack_many`` separately (e.g. as parallel tasks) and get the same numbers."""
+    if name not in _MANY or not batched:
+        return [[i] for i in range(len(observations))]
+    matchers = build_each(lambda obs: GradientMatcher(obs, mode), observations)
+    usable = [m if isinstance(m, GradientMatcher) else None for m in matchers]
+    groups = group_by_model(usable) + [[i] for i, m in enumerate(usable) if m is None]
+    return sorted(groups)
 
 
-def score_label_distribution(predicted, true_counts) -> dict:
-    """``attacks.labels.score_label_distribution``, imported on first use."""
-    try:
-        from .labels import score_label_distribution as score
-    except ModuleNotFoundError as exc:  # pragma: no cover
-        if exc.name != "attacks.labels":
-            raise
-        raise AttackUnavailable("label scoring is not available (attacks/labels.py is missing)") from exc
-    return score(predicted, true_counts)
+def attack_many(name: str, observations: Sequence[Observation], budget: Budget, seeds: Sequence[int],
+                mode: str = "auto", batched: bool = True) -> list[AttackResult | NotApplicable]:
+    """``ATTACKS[name]`` on every observation (seed i for observation i): one result per observation,
+    or the ``NotApplicable`` it raised. ``batched`` lets the gradient attacks optimise the targets
+    that share a model together (same numbers as one by one, to float rounding)."""
+    if name in _MANY:
+        return _MANY[name](observations, budget, seeds, mode=mode, batched=batched)
+    out: list[AttackResult | NotApplicable] = []
+    for obs, seed in zip(observations, seeds):
+        try:
+            out.append(ATTACKS[name](obs, budget, seed))
+        except NotApplicable as exc:
+            out.append(exc)
+    return out
 
 
-def check_available(name: str) -> None:
-    """Raise ``AttackUnavailable`` if the module behind attack ``name`` cannot be imported."""
-    module = {"proto": "proto", "labels": "labels"}.get(name)
-    if module is None:
-        return
-    import importlib
-
-    try:
-        importlib.import_module(f"{__name__}.{module}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{module}":
-            raise
-        raise AttackUnavailable(f"the {name} attack is not available (attacks/{module}.py is missing)") from None
-
-
-ATTACKS = {"dlg": _dlg.dlg, "idlg": _dlg.idlg, "ig": _ig.inverting_gradients, "proto": _proto_attack,
-           "labels": _labels_attack}
-
-__all__ = ["ATTACKS", "GRADIENT_ATTACKS", "AttackResult", "AttackUnavailable", "Budget", "LocalHyperparameters",
-           "check_available",
-           "NotApplicable", "Observation", "score_label_distribution"]
+__all__ = ["ATTACKS", "GRADIENT_ATTACKS", "AttackResult", "Budget", "LocalHyperparameters", "NotApplicable",
+           "Observation", "attack_many", "plan_batches", "score_label_distribution"]

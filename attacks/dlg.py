@@ -25,15 +25,24 @@ practice (the trace records the row sums; the bias gradient, p_k − 1[k = y], g
 pattern exactly). For a batch of B > 1 images (not covered by iDLG) the classes with negative row
 sums are taken, B labels spread over them in proportion to |row sum| (a heuristic, noted).
 Without a classifier update (private head) iDLG falls back to DLG's joint label and says so.
+
+**Many targets.** ``dlg_many``/``idlg_many`` attack a list of observations. Targets that share a
+model (``attacks.batching``) are optimised together: torch's L-BFGS algorithm with one state per
+target, vectorised (``BatchedLBFGS``), their objectives evaluated in one ``torch.func.vmap`` call.
+One target is a batch of one: ``dlg`` runs the same code.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
+from torch.func import grad_and_value, vmap
 
 from .base import AttackResult, Budget, Observation
+from .batching import BatchedLBFGS, build_each, group_by_model, stack_targets
 from .observation import GradientMatcher
 
 LBFGS_LR = 1.0
@@ -86,66 +95,192 @@ def gradient_distance(dummy: list[torch.Tensor], target: list[torch.Tensor], sca
     return sum(((a - s * b) ** 2).sum() for a, b in zip(dummy, target))
 
 
-class _Diverged(Exception):
-    pass
+@dataclass
+class _Setup:
+    """One target's attack, ready to optimise: the matcher, its observed target, the fixed labels
+    (iDLG) or None (joint soft label), and what goes into the result's trace and notes."""
+
+    matcher: GradientMatcher
+    target: list[torch.Tensor]
+    labels: torch.Tensor | None
+    shape: tuple[int, int, int, int]
+    num_classes: int
+    trace: dict
+    notes: list[str]
+
+    def objective(self, x: torch.Tensor, y: torch.Tensor, target: list[torch.Tensor]) -> torch.Tensor:
+        """DLG's objective for one target; ``y`` is the fixed labels or the label logits."""
+        soft = y if self.labels is not None else torch.softmax(y, dim=-1)
+        return gradient_distance(self.matcher.dummy(x, soft), target, self.matcher.scale_known)
+
+    def gradient_and_value(self):
+        """torch.func transform of ``objective``: (∂/∂x[, ∂/∂y]), value."""
+        return grad_and_value(self.objective, argnums=0 if self.labels is not None else (0, 1))
 
 
-def _run_dlg(obs: Observation, budget: Budget, seed: int, mode: str, fixed_labels: bool, name: str) -> AttackResult:
-    start_time = time.perf_counter()
+def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name: str) -> _Setup:
     matcher = GradientMatcher(obs, mode)
-    target = [t.detach() for t in matcher.target]
     notes = list(matcher.notes)
     b = max(1, int(budget.batch))
-    c, h, w = obs.image_shape
-    k = obs.num_classes
     trace: dict = {"attack": name, "mode": matcher.mode, "attacked_parameters": list(matcher.names),
                    "optimizer": "L-BFGS", "lr": LBFGS_LR}
-
     labels = None
     if fixed_labels:
         weight = matcher.classifier_weight_target()
         if weight is None:
             notes.append("no classifier update is available (private or excluded head): iDLG cannot read the "
                           "label, so the label is optimised jointly as in DLG")
-            fixed_labels = False
         else:
             labels, label_notes = idlg_labels(weight, b)
             notes += label_notes
             trace["classifier_row_sums"] = weight.detach().sum(dim=1).tolist()
             trace["label_source"] = "idlg-rule"
-    if not fixed_labels:
+    if labels is None:
         trace["label_source"] = "joint (soft label optimised with the image)"
+    return _Setup(matcher, [t.detach() for t in matcher.target], labels, (b, *obs.image_shape), obs.num_classes,
+                  trace, notes)
 
-    best = {"objective": float("inf"), "images": None, "labels": None}
-    restart_objectives, histories, evaluations, stalled = [], [], 0, []
-    for restart in range(max(1, int(budget.restarts))):
-        gen = torch.Generator().manual_seed(_seed(seed, restart, 0xD16))
-        x = torch.rand((b, c, h, w), generator=gen).requires_grad_(True)
-        variables = [x]
-        y_logits = None
-        if not fixed_labels:
-            y_logits = torch.randn((b, k), generator=gen).requires_grad_(True)
-            variables.append(y_logits)
-        opt = torch.optim.LBFGS(variables, lr=LBFGS_LR)
-        run = {"objective": float("inf"), "images": None, "labels": None, "evals": 0}
 
-        def closure():
-            opt.zero_grad()
-            y = labels if fixed_labels else torch.softmax(y_logits, dim=-1)
-            loss = gradient_distance(matcher.dummy(x, y), target, matcher.scale_known)
-            value = float(loss.detach())
+def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int]) -> list[AttackResult]:
+    """DLG's L-BFGS on targets that share a model (``setups[0]``'s), all at once.
+
+    Per target what ``_optimise_one`` does with torch's L-BFGS (``attacks.batching.BatchedLBFGS``):
+    up to ``budget.iterations`` steps from each of ``budget.restarts`` starts, the lowest-objective
+    iterate kept, a start ended early when it converged, stalled or diverged."""
+    if len(setups) == 1:
+        return [_optimise_one(setups[0], budget, seeds[0])]
+    start_time = time.perf_counter()
+    lead, n = setups[0], len(setups)
+    fixed = lead.labels is not None
+    b, c, h, w = lead.shape
+    image_size, label_size = b * c * h * w, b * lead.num_classes
+    size = image_size + (0 if fixed else label_size)
+    transform = vmap(lead.gradient_and_value())
+    targets = stack_targets([s.target for s in setups])
+    labels = torch.stack([s.labels for s in setups]) if fixed else None
+    lbfgs = BatchedLBFGS(n, size, lr=LBFGS_LR)
+    notes = [list(s.notes) for s in setups]
+    restart = [0] * n
+    best = [{"objective": float("inf"), "images": None, "labels": None} for _ in setups]
+    runs: list[dict] = [{} for _ in setups]
+    record: list[dict] = [{"objectives": [], "histories": [], "evaluations": 0, "stalled": []} for _ in setups]
+
+    def begin(k: int) -> None:
+        gen = torch.Generator().manual_seed(_seed(seeds[k], restart[k], 0xD16))
+        x0 = [torch.rand(lead.shape, generator=gen).reshape(-1)]
+        if not fixed:
+            x0.append(torch.randn((b, lead.num_classes), generator=gen).reshape(-1))
+        lbfgs.start(k, torch.cat(x0))
+        runs[k] = {"objective": float("inf"), "images": None, "labels": None, "evals": 0, "history": []}
+
+    def finish(k: int) -> None:
+        run = runs[k]
+        record[k]["evaluations"] += run["evals"]
+        record[k]["objectives"].append(run["objective"])
+        record[k]["histories"].append(run["history"])
+        if run["images"] is not None and run["objective"] < best[k]["objective"]:
+            best[k] = run
+        restart[k] += 1
+        if restart[k] < max(1, int(budget.restarts)):
+            begin(k)
+        else:
+            lbfgs.stop(k)
+
+    for k in range(n):
+        begin(k)
+    while pending := lbfgs.pending():
+        rows = torch.tensor(pending)
+        flat = lbfgs.x[rows]
+        x = flat[:, :image_size].reshape(len(pending), *lead.shape)
+        target = [t[rows] for t in targets]
+        if fixed:
+            gx, values = transform(x, labels[rows], target)
+            grads = gx.reshape(len(pending), -1)
+        else:
+            y = flat[:, image_size:].reshape(len(pending), b, lead.num_classes)
+            (gx, gy), values = transform(x, y, target)
+            grads = torch.cat([gx.reshape(len(pending), -1), gy.reshape(len(pending), -1)], dim=1)
+        told, losses, told_rows = [], [], []
+        for j, k in enumerate(pending):
+            value = float(values[j])
+            run = runs[k]
             run["evals"] += 1
             if not np.isfinite(value):
-                raise _Diverged
+                notes[k].append(f"restart {restart[k]}: the objective became non-finite; the best iterate before it "
+                                f"is kept")
+                finish(k)
+                continue
             if value < run["objective"]:
                 run["objective"] = value
-                run["images"] = x.detach().clone()
-                run["labels"] = labels.clone() if fixed_labels else y_logits.detach().argmax(dim=-1)
-            loss.backward()
-            return loss
+                run["images"] = x[j].detach().clone()
+                run["labels"] = labels[rows[j]].clone() if fixed else y[j].argmax(dim=-1)
+            told.append(k)
+            losses.append(value)
+            told_rows.append(j)
+        for k in lbfgs.tell(told, losses, grads[told_rows]):  # these finished one torch L-BFGS step
+            history = runs[k]["history"]
+            history.append(runs[k]["objective"])
+            verdict = _after_step(history)
+            if verdict == "stalled":
+                record[k]["stalled"].append(len(history))
+            if verdict or len(history) >= int(budget.iterations):
+                finish(k)
 
-        history = []
-        first = None
+    share = (time.perf_counter() - start_time) / n
+    return [_result(setup, best[k], notes[k], {"restart_objectives": record[k]["objectives"],
+                                               "history": record[k]["histories"],
+                                               "evaluations": record[k]["evaluations"],
+                                               "stalled_at_steps": record[k]["stalled"], "seconds": share,
+                                               "batched_with": n, "optimizer": "L-BFGS (batched)"})
+            for k, setup in enumerate(setups)]
+
+
+def _run_dlg_many(observations: Sequence[Observation], budget: Budget, seeds: Sequence[int], mode: str,
+                  fixed_labels: bool, name: str, batched: bool = True) -> list:
+    """DLG on several targets; those that share a model are optimised together (``batched``).
+    Returns one ``AttackResult`` per observation, or the ``NotApplicable`` it raised."""
+    setups = build_each(lambda obs: _setup(obs, budget, mode, fixed_labels, name), observations)
+    results: list = list(setups)  # NotApplicable stays where a target had nothing to attack
+    for group in group_by_model([getattr(s, "matcher", None) for s in setups], batched=batched):
+        for i, result in zip(group, _optimise([setups[i] for i in group], budget, [seeds[i] for i in group])):
+            results[i] = result
+    return results
+
+
+def _optimise_one(setup: _Setup, budget: Budget, seed: int) -> AttackResult:
+    """One target with torch's own L-BFGS (the reference ``BatchedLBFGS`` reproduces)."""
+    start_time = time.perf_counter()
+    notes, labels = list(setup.notes), setup.labels
+    fixed = labels is not None
+    b = setup.shape[0]
+    transform = setup.gradient_and_value()
+    best = {"objective": float("inf"), "images": None, "labels": None}
+    objectives, histories, evaluations, stalled = [], [], 0, []
+    for restart in range(max(1, int(budget.restarts))):
+        gen = torch.Generator().manual_seed(_seed(seed, restart, 0xD16))
+        x = torch.rand(setup.shape, generator=gen).requires_grad_(True)
+        y = None if fixed else torch.randn((b, setup.num_classes), generator=gen).requires_grad_(True)
+        opt = torch.optim.LBFGS([x] if fixed else [x, y], lr=LBFGS_LR)
+        run = {"objective": float("inf"), "images": None, "labels": None, "evals": 0, "diverged": False}
+
+        def closure():
+            if fixed:
+                gx, value = transform(x.detach(), labels, setup.target)
+            else:
+                (gx, gy), value = transform(x.detach(), y.detach(), setup.target)
+                y.grad = gy
+            x.grad = gx
+            objective = float(value)
+            run["evals"] += 1
+            if not np.isfinite(objective):
+                run["diverged"] = True
+                raise _Diverged
+            if objective < run["objective"]:
+                run.update(objective=objective, images=x.detach().clone(),
+                           labels=labels.clone() if fixed else y.detach().argmax(dim=-1))
+            return value
+
+        history: list[float] = []
         for _ in range(int(budget.iterations)):
             try:
                 opt.step(closure)
@@ -153,26 +288,46 @@ def _run_dlg(obs: Observation, budget: Budget, seed: int, mode: str, fixed_label
                 notes.append(f"restart {restart}: the objective became non-finite; the best iterate before it is kept")
                 break
             history.append(run["objective"])
-            first = run["objective"] if first is None else first
-            if run["objective"] <= 1e-12 * max(first, 1e-30) or run["objective"] == 0.0:
-                break  # converged to the observed gradient
-            if len(history) > STALL_STEPS and run["objective"] > (1 - STALL_TOLERANCE) * history[-1 - STALL_STEPS]:
+            verdict = _after_step(history)
+            if verdict == "stalled":
                 stalled.append(len(history))
-                break  # stuck: the best iterate so far is what more steps would return
+            if verdict:
+                break
         evaluations += run["evals"]
-        restart_objectives.append(run["objective"])
+        objectives.append(run["objective"])
         histories.append(history)
         if run["images"] is not None and run["objective"] < best["objective"]:
             best = run
+    return _result(setup, best, notes, {"restart_objectives": objectives, "history": histories,
+                                        "evaluations": evaluations, "stalled_at_steps": stalled,
+                                        "seconds": time.perf_counter() - start_time})
+
+
+def _after_step(history: list[float]) -> str | None:
+    """After an L-BFGS step: "converged" (objective 1e-12 of its first value), "stalled" (less than
+    STALL_TOLERANCE better than STALL_STEPS steps ago), or None to go on."""
+    if history[-1] <= 1e-12 * max(history[0], 1e-30) or history[-1] == 0.0:
+        return "converged"
+    if len(history) > STALL_STEPS and history[-1] > (1 - STALL_TOLERANCE) * history[-1 - STALL_STEPS]:
+        return "stalled"
+    return None
+
+
+def _result(setup: _Setup, best: dict, notes: list[str], trace: dict) -> AttackResult:
     if best["images"] is None:  # every start diverged at once
-        best = {"objective": float("nan"), "images": torch.full((b, c, h, w), 0.5),
-                "labels": torch.full((b,), -1, dtype=torch.int64)}
-        notes.append("the optimisation failed from every start: the output is a grey image")
-    trace.update({"objective": best["objective"], "restart_objectives": restart_objectives,
-                  "history": histories, "evaluations": evaluations, "stalled_at_steps": stalled,
-                  "seconds": time.perf_counter() - start_time})
-    return AttackResult(images=best["images"].clamp(0, 1), labels=best["labels"].to(torch.int64), trace=trace,
-                        notes=notes)
+        best = {"objective": float("nan"), "images": torch.full(setup.shape, 0.5),
+                "labels": torch.full((setup.shape[0],), -1, dtype=torch.int64)}
+        notes = notes + ["the optimisation failed from every start: the output is a grey image"]
+    return AttackResult(images=best["images"].clamp(0, 1), labels=best["labels"].to(torch.int64),
+                        trace={**setup.trace, "objective": best["objective"], **trace}, notes=notes)
+
+
+class _Diverged(Exception):
+    pass
+
+
+def _run_dlg(obs: Observation, budget: Budget, seed: int, mode: str, fixed_labels: bool, name: str) -> AttackResult:
+    return _optimise_one(_setup(obs, budget, mode, fixed_labels, name), budget, seed)
 
 
 def dlg(observation: Observation, budget: Budget, seed: int, mode: str = "auto") -> AttackResult:
@@ -183,3 +338,15 @@ def dlg(observation: Observation, budget: Budget, seed: int, mode: str = "auto")
 def idlg(observation: Observation, budget: Budget, seed: int, mode: str = "auto") -> AttackResult:
     """iDLG: label from the classifier's weight-gradient rows, then DLG with the label fixed."""
     return _run_dlg(observation, budget, seed, mode, fixed_labels=True, name="idlg")
+
+
+def dlg_many(observations: Sequence[Observation], budget: Budget, seeds: Sequence[int], mode: str = "auto",
+             batched: bool = True) -> list[AttackResult]:
+    """``dlg`` on every observation (seed i for observation i), batched where targets share a model."""
+    return _run_dlg_many(observations, budget, seeds, mode, False, "dlg", batched)
+
+
+def idlg_many(observations: Sequence[Observation], budget: Budget, seeds: Sequence[int], mode: str = "auto",
+              batched: bool = True) -> list[AttackResult]:
+    """``idlg`` on every observation (seed i for observation i), batched where targets share a model."""
+    return _run_dlg_many(observations, budget, seeds, mode, True, "idlg", batched)

@@ -24,6 +24,10 @@ weight was chosen among {0.1, 0.01, 0.001} on a *tuning* federation (mnist5k, se
 round 0, one image, one step, 1000 iterations: 21.8 / 33.9 / 30.1 dB) and is reported on seed 0
 (BENCHMARKS.md, with the whole sweep).
 
+Many targets: ``inverting_gradients_many`` optimises the targets that share a model
+(``attacks.batching``) as one stacked batch; Adam and the sign step are element-wise, so each target
+gets the same optimisation as alone. One target is simply a batch of one.
+
 Labels: for one image with a classifier update, iDLG's rule (``attacks.dlg.idlg_labels``);
 otherwise label logits are optimised jointly with the images (same optimiser), as in the authors'
 code for batches.
@@ -31,11 +35,15 @@ code for batches.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.func import grad_and_value, vmap
 
 from .base import AttackResult, Budget, Observation
+from .batching import build_each, group_by_model
 from .dlg import _seed, idlg_labels
 from .observation import GradientMatcher, flat
 
@@ -55,21 +63,23 @@ def milestones(iterations: int) -> list[int]:
     return sorted({max(1, int(iterations * f)) for f in (3 / 8, 5 / 8, 7 / 8)})
 
 
-def inverting_gradients(observation: Observation, budget: Budget, seed: int, mode: str = "auto",
-                        tv_weight: float = TV_WEIGHT, lr: float = LR) -> AttackResult:
-    start_time = time.perf_counter()
+@dataclass
+class _Setup:
+    matcher: GradientMatcher
+    target: torch.Tensor  # the observed update, flattened
+    labels: torch.Tensor | None  # fixed labels (iDLG's rule) or None (label logits optimised jointly)
+    notes: list[str]
+    trace: dict
+
+
+def _setup(observation: Observation, budget: Budget, mode: str, tv_weight: float, lr: float) -> _Setup:
     matcher = GradientMatcher(observation, mode)
-    target = flat([t.detach() for t in matcher.target])
     notes = list(matcher.notes)
-    b = max(1, int(budget.batch))
-    c, h, w = observation.image_shape
-    k = observation.num_classes
     trace: dict = {"mode": matcher.mode, "attacked_parameters": list(matcher.names), "optimizer": "Adam (signed)",
                    "lr": lr, "tv_weight": tv_weight}
-
     labels = None
     weight = matcher.classifier_weight_target()
-    if b == 1 and weight is not None:
+    if max(1, int(budget.batch)) == 1 and weight is not None:
         labels, _ = idlg_labels(weight, 1)
         trace["label_source"] = "idlg-rule"
     else:
@@ -77,48 +87,118 @@ def inverting_gradients(observation: Observation, budget: Budget, seed: int, mod
         if weight is None:
             notes.append("no classifier update is available (private or excluded head): the label is optimised "
                          "jointly with the image")
+    return _Setup(matcher, flat([t.detach() for t in matcher.target]), labels, notes, trace)
 
-    best = {"objective": float("inf")}
-    restart_objectives, histories = [], []
+
+def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int], tv_weight: float,
+              lr: float) -> list[AttackResult]:
+    """IG on targets that share a model (``setups[0]``'s), as one Adam over their stacked images.
+
+    Adam and the sign step act element-wise and the targets' objectives are independent, so this is
+    the same optimisation per target as running each alone (a batch of one)."""
+    start_time = time.perf_counter()
+    lead = setups[0]
+    n = len(setups)
+    b = max(1, int(budget.batch))
+    c, h, w = lead.matcher.observation.image_shape
+    k = lead.matcher.observation.num_classes
+    fixed = lead.labels is not None
+    targets = torch.stack([s.target for s in setups])
+    labels = torch.stack([s.labels for s in setups]) if fixed else None
+
+    def objective(x: torch.Tensor, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        soft = y if fixed else torch.softmax(y, dim=-1)
+        return cosine_objective(lead.matcher.dummy(x, soft), target) + tv_weight * total_variation(x)
+
+    transform = vmap(grad_and_value(objective, argnums=0 if fixed else (0, 1)))
+    notes = [list(s.notes) for s in setups]
+    best: list[dict] = [{"objective": float("inf")} for _ in setups]
+    restart_objectives: list[list[float]] = [[] for _ in setups]
+    histories: list[list[list[float]]] = [[] for _ in setups]
     iterations = max(1, int(budget.iterations))
     for restart in range(max(1, int(budget.restarts))):
-        gen = torch.Generator().manual_seed(_seed(seed, restart, 0x16))
-        x = torch.rand((b, c, h, w), generator=gen).requires_grad_(True)
-        variables = [x]
-        y_logits = None
-        if labels is None:
-            y_logits = torch.randn((b, k), generator=gen).requires_grad_(True)
-            variables.append(y_logits)
+        xs, ys = [], []
+        for seed in seeds:
+            gen = torch.Generator().manual_seed(_seed(seed, restart, 0x16))
+            xs.append(torch.rand((b, c, h, w), generator=gen))
+            if not fixed:
+                ys.append(torch.randn((b, k), generator=gen))
+        x = torch.stack(xs).requires_grad_(True)
+        y_logits = None if fixed else torch.stack(ys).requires_grad_(True)
+        variables = [x] if fixed else [x, y_logits]
         opt = torch.optim.Adam(variables, lr=lr)
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones(iterations), gamma=0.1)
+        stopped = torch.zeros(n, dtype=torch.bool)
+        history: list[list[float]] = [[] for _ in setups]
 
-        def objective():
-            y = labels if labels is not None else torch.softmax(y_logits, dim=-1)
-            return cosine_objective(matcher.dummy(x, y), target) + tv_weight * total_variation(x)
+        def evaluate():
+            if fixed:
+                gx, values = transform(x.detach(), labels, targets)
+                return values, [gx]
+            (gx, gy), values = transform(x.detach(), y_logits.detach(), targets)
+            return values, [gx, gy]
 
-        history = []
         for it in range(iterations):
-            opt.zero_grad()
-            loss = objective()
-            if not torch.isfinite(loss):
-                notes.append(f"restart {restart}: the objective became non-finite at step {it}; stopped there")
+            values, grads = evaluate()
+            newly = ~torch.isfinite(values) & ~stopped
+            if bool(newly.any()):
+                for i in torch.nonzero(newly).flatten().tolist():
+                    notes[i].append(f"restart {restart}: the objective became non-finite at step {it}; stopped there")
+                stopped |= newly
+            if bool(stopped.all()):
                 break
-            loss.backward()
-            for v in variables:
-                v.grad.sign_()
+            kept = [v.detach().clone() for v in variables] if bool(stopped.any()) else None
+            for v, g in zip(variables, grads):
+                v.grad = g.sign()
             opt.step()
             sched.step()
             with torch.no_grad():
                 x.clamp_(0.0, 1.0)
+                if kept is not None:  # a stopped target keeps the iterate it stopped at
+                    for v, old in zip(variables, kept):
+                        v[stopped] = old[stopped]
             if it % max(1, iterations // 50) == 0:
-                history.append(float(loss.detach()))
-        final = float(objective().detach())
-        restart_objectives.append(final)
-        histories.append(history)
-        if final < best["objective"] or "images" not in best:
-            best = {"objective": final, "images": x.detach().clone(),
-                    "labels": labels.clone() if labels is not None else y_logits.detach().argmax(dim=-1)}
-    trace.update({"objective": best["objective"], "restart_objectives": restart_objectives, "history": histories,
-                  "seconds": time.perf_counter() - start_time})
-    return AttackResult(images=best["images"].clamp(0, 1), labels=best["labels"].to(torch.int64), trace=trace,
-                        notes=notes)
+                for i, value in enumerate(values.tolist()):
+                    if not stopped[i]:
+                        history[i].append(value)
+        finals, _ = evaluate()
+        for i in range(n):
+            final = float(finals[i])
+            restart_objectives[i].append(final)
+            histories[i].append(history[i])
+            if final < best[i]["objective"] or "images" not in best[i]:
+                best[i] = {"objective": final, "images": x[i].detach().clone(),
+                           "labels": labels[i].clone() if fixed else y_logits[i].detach().argmax(dim=-1)}
+    share = (time.perf_counter() - start_time) / n
+    results = []
+    for i, setup in enumerate(setups):
+        trace = {**setup.trace, "objective": best[i]["objective"], "restart_objectives": restart_objectives[i],
+                 "history": histories[i], "seconds": share}
+        if n > 1:
+            trace["batched_with"] = n
+        results.append(AttackResult(images=best[i]["images"].clamp(0, 1), labels=best[i]["labels"].to(torch.int64),
+                                    trace=trace, notes=notes[i]))
+    return results
+
+
+def inverting_gradients(observation: Observation, budget: Budget, seed: int, mode: str = "auto",
+                        tv_weight: float = TV_WEIGHT, lr: float = LR) -> AttackResult:
+    """IG on one target (see the module docstring)."""
+    (result,) = _optimise([_setup(observation, budget, mode, tv_weight, lr)], budget, [seed], tv_weight, lr)
+    return result
+
+
+def inverting_gradients_many(observations: Sequence[Observation], budget: Budget, seeds: Sequence[int],
+                             mode: str = "auto", batched: bool = True, tv_weight: float = TV_WEIGHT,
+                             lr: float = LR) -> list[AttackResult]:
+    """IG on every observation (seed i for observation i); targets that share a model are optimised
+    together (``attacks.batching``), with the same result per target as one by one. Returns one
+    ``AttackResult`` per observation, or the ``NotApplicable`` it raised."""
+    setups = build_each(lambda obs: _setup(obs, budget, mode, tv_weight, lr), observations)
+    groups = group_by_model([getattr(s, "matcher", None) for s in setups], batched=batched)
+    results: list = list(setups)  # NotApplicable stays where a target had nothing to attack
+    for group in groups:
+        for i, result in zip(group, _optimise([setups[i] for i in group], budget, [seeds[i] for i in group],
+                                              tv_weight, lr)):
+            results[i] = result
+    return results

@@ -43,7 +43,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call
+from torch.func import functional_call, grad
 
 from fedecouple.models import SplitModel, group_of
 
@@ -140,13 +140,11 @@ def update_target(obs: Observation) -> UpdateTarget:
                                  f"is measured against the initial {group} (round-0 weights, known to the server)")
         else:  # trained locally but kept private: the forward model needs a stand-in
             if name in obs.download:
-                before[name] = obs.download[name]
-                note_once(group, f"the client's {group} is not uploaded (kept private): the attack uses the last "
-                                 f"global {group} from the download in its place")
+                before[name], stand_in = obs.download[name], f"the last global {group} from the download"
             else:
-                before[name] = init
-                note_once(group, f"the client's {group} is not uploaded (kept private) and the download has none: "
-                                 f"the attack uses the initial {group} (round-0 weights, known to the server) in its place")
+                before[name], stand_in = init, f"the initial {group} (round-0 weights, known to the server)"
+            note_once(group, f"the client's {group} is not uploaded (kept private): the attack uses {stand_in} "
+                             f"in its place")
     names = list(uploaded)
     if not obs.head_known and any(group_of(n) == "classifier" for n in names):
         names = [n for n in names if group_of(n) != "classifier"]
@@ -232,38 +230,52 @@ class GradientMatcher:
                                       f"(phases, extra losses or augmentation): matching it as one is an approximation")
 
     # -- the dummy's side ---------------------------------------------------------------------
-    def _params(self) -> dict[str, torch.Tensor]:
-        return dict(self.update.before)
-
+    # Written with torch.func so that the same code serves one target (ordinary autograd on x and y
+    # differentiates through torch.func.grad) and a batch of targets (torch.func.vmap over x, y).
     def _loss(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return soft_cross_entropy(functional_call(self.model, params, (x,)), y)
 
+    def _gradient(self, params: dict[str, torch.Tensor], names: list[str], x: torch.Tensor,
+                  y: torch.Tensor) -> dict[str, torch.Tensor]:
+        def loss(trained: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self._loss({**params, **trained}, x, y)
+
+        return grad(loss)({n: params[n] for n in names})
+
     def dummy(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-        """The dummy batch's gradient-like quantity for every attacked parameter (create_graph)."""
+        """The dummy batch's gradient-like quantity for every attacked parameter, differentiable in x
+        and y (one target: x (B, C, H, W); under ``torch.func.vmap`` one target per batch row)."""
         if self.mode == "replay":
             return self._replay(x, y)
-        params = self._params()
-        leaves = {n: params[n].clone().requires_grad_(True) for n in self.names}
-        params.update(leaves)
-        grads = torch.autograd.grad(self._loss(params, x, y), [leaves[n] for n in self.names], create_graph=True)
-        return list(grads)
+        gradients = self._gradient(self.update.before, self.names, x, y)
+        return [gradients[n] for n in self.names]
 
     def _replay(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
         hp = self.hyperparameters
-        start = self._params()
+        start = self.update.before
         trained = list(start)  # plain SGD on every parameter (uploaded or kept private)
-        params = {n: (start[n].clone().requires_grad_(True) if n in trained else start[n]) for n in start}
-        current = dict(params)
+        current = dict(start)
         b = x.shape[0]
         bs = max(1, min(hp.batch_size, b))
         for step in range(hp.steps):
             lo = (step * bs) % b
-            sel = slice(lo, lo + bs)
-            loss = self._loss(current, x[sel], y[sel])
-            grads = torch.autograd.grad(loss, [current[n] for n in trained], create_graph=True)
-            current = {**current, **{n: current[n] - hp.lr * g for n, g in zip(trained, grads)}}
+            gradients = self._gradient(current, trained, x[lo:lo + bs], y[lo:lo + bs])
+            current = {n: current[n] - hp.lr * gradients[n] for n in trained}
         factor = -1.0 / (hp.lr * max(hp.steps, 1))
-        return [factor * (current[n] - params[n]) for n in self.names]
+        return [factor * (current[n] - start[n]) for n in self.names]
+
+    def shares_model_with(self, other: "GradientMatcher") -> bool:
+        """Whether ``other``'s dummy quantity is the same function of (x, y) as this one's: same
+        before-state, attacked parameters, mode, hyperparameters and architecture. Targets that share
+        a model can be attacked in one batched optimisation (``attacks.batching``)."""
+        if (self.mode, self.names, self.hyperparameters, self.scale_known, self.observation.image_shape,
+                self.observation.num_classes) != (other.mode, other.names, other.hyperparameters, other.scale_known,
+                                                  other.observation.image_shape, other.observation.num_classes):
+            return False
+        if type(self.model) is not type(other.model) or str(self.model) != str(other.model):
+            return False
+        mine, theirs = self.update.before, other.update.before
+        return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
     # -- labels ---------------------------------------------------------------------------------
     def classifier_weight_target(self) -> torch.Tensor | None:

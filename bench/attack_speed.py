@@ -8,7 +8,7 @@ evaluations each), IG 300 Adam steps; one start each, attack seed 0, one torch t
 Prints one line per attack, then, as the last line, ``seconds <x> psnr <y>``: the mean over the
 two attacks of the seconds per reconstruction and of the PSNR (dB, attacks.metrics).
 
-    python bench/attack_speed.py [--image 0] [--threads 1]
+    python bench/attack_speed.py [--image 0] [--threads 1] [--arch cnn28]
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ BUDGETS = {"dlg": Budget(iterations=50, restarts=1, batch=1), "ig": Budget(itera
 LR = 0.05
 
 
-def classic_observation(dataset, index: int) -> tuple[Observation, torch.Tensor]:
+def classic_observation(dataset, index: int, arch: str = "cnn28") -> tuple[Observation, torch.Tensor]:
     torch.manual_seed(derive_seed(0, 0xC0DE))  # the federation's initialisation for seed 0
-    model = build_model("cnn28", 1, 28, 10, dataset.mean, dataset.std)
+    model = build_model(arch, 1, 28, 10, dataset.mean, dataset.std)
     start = get_params(model)
     x, y = dataset.images[index:index + 1], dataset.labels[index:index + 1]
     params = {k: v.clone().requires_grad_(True) for k, v in start.items()}
@@ -49,10 +49,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--image", type=int, default=0, help="index of the image in mnist5k")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--arch", default="cnn28", help="cnn28 (no padding) or cnn28-same")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dataset = load_dataset("mnist5k")
-    obs, truth = classic_observation(dataset, args.image)
+    obs, truth = classic_observation(dataset, args.image, args.arch)
     prior = dataset.images.mean(dim=0)
     seconds, psnrs = [], []
     for name, budget in BUDGETS.items():

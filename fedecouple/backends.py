@@ -22,8 +22,9 @@ one per reserved CPU); the driver uses the process's setting (``--threads``), so
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -110,6 +111,13 @@ class Backend:
                     jobs: Iterable[ClientJob]) -> list[ClientResult]:
         raise NotImplementedError
 
+    def map(self, function: Callable, arguments: Sequence[tuple], threads: int = 1,
+            on_result: Callable[[int], None] | None = None) -> list:
+        """``[function(*args) for args in arguments]``, run where this backend runs work, each call
+        with ``threads`` torch threads; ``on_result(i)`` is called as call i finishes (e.g. a
+        progress bar). Used to fan attacks on many targets out like client updates."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Release whatever the backend started (idempotent)."""
 
@@ -132,6 +140,23 @@ class SequentialBackend(Backend):
             results.append(run_update(method, job, dataset.images[idx], dataset.labels[idx], workspace,
                                       dataset.num_classes))
         return results
+
+    def map(self, function, arguments, threads=1, on_result=None):
+        out = []
+        for i, args in enumerate(arguments):
+            out.append(_call_with_threads(function, args, threads))
+            if on_result is not None:
+                on_result(i)
+        return out
+
+
+def _call_with_threads(function: Callable, args: tuple, threads: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return function(*args)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def import_ray():
@@ -230,12 +255,32 @@ class RayBackend(Backend):
         images, labels = self._dataset_refs(dataset)
         method_ref, spec_ref = self.ray.put(method), self.ray.put(spec)
         refs = [self._task.remote(method_ref, spec_ref, images, labels, job, self.threads) for job in jobs]
-        try:
+        with self._user_errors():
             return self.ray.get(refs) if refs else []
+
+    @contextmanager
+    def _user_errors(self):
+        """A UserError raised in a task (e.g. "training diverged ...; lower --lr") surfaces as itself:
+        one line, as under the sequential backend."""
+        try:
+            yield
         except self.ray.exceptions.RayTaskError as exc:
             if isinstance(getattr(exc, "cause", None), UserError):
-                raise exc.cause from None  # e.g. "training diverged ...; lower --lr": one line, as sequentially
+                raise exc.cause from None
             raise
+
+    def map(self, function, arguments, threads=1, on_result=None):
+        remote = self.ray.remote(_call_with_threads).options(num_cpus=self.threads)
+        function_ref = self.ray.put(function)
+        refs = [remote.remote(function_ref, args, threads) for args in arguments]
+        position = {ref: i for i, ref in enumerate(refs)}
+        pending = list(refs)
+        with self._user_errors():
+            while pending:
+                done, pending = self.ray.wait(pending, num_returns=1)
+                if on_result is not None:
+                    on_result(position[done[0]])
+            return self.ray.get(refs)
 
     def close(self) -> None:
         self._data = None

@@ -7,6 +7,11 @@ the extractor group and ``classifier.`` the classifier group. A fixed (parameter
 Padding is not stated in the paper. We use no padding in the first two convolutions and padding 1
 (with a ceil-mode max-pool) in the third of the 32x32 model: that gives a 64x3x3 map, an extractor
 of 106,400 parameters = 415.6 KiB, exactly the extractor size in the paper's communication formula.
+The 28x28 model ``cnn28`` follows the same convention (no padding: 28→24→12→8→4, FC 512→128).
+``cnn28-same`` is the other reading, "same" padding 2 in both convolutions (28→28→14→14→7, FC 1568→128).
+The choice matters for gradient inversion far more than for accuracy: on cnn28 the FC layer sees 512
+pooled features of a 784-pixel image and DLG stalls (≈15-20 dB); on cnn28-same it sees 1568 and DLG
+recovers the image (BENCHMARKS.md, "Attacks").
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from torch import nn
 from .errors import UserError
 
 GROUPS = ("extractor", "classifier")
-ARCHITECTURES = ("cnn32", "cnn28", "digits")
+ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "digits")
 
 
 class Normalize(nn.Module):
@@ -67,14 +72,19 @@ def _cnn32(channels: int) -> nn.Sequential:
     ]))
 
 
-def _cnn28(channels: int) -> nn.Sequential:
+def _cnn28(channels: int, padding: int = 0) -> nn.Sequential:
     act = lambda: nn.LeakyReLU(0.01)  # noqa: E731
+    side = ((28 + 2 * padding - 4) // 2 + 2 * padding - 4) // 2  # 4 without padding, 7 with "same" padding
     return nn.Sequential(OrderedDict([
-        ("conv1", nn.Conv2d(channels, 16, 5)), ("act1", act()), ("pool1", nn.MaxPool2d(2)),
-        ("conv2", nn.Conv2d(16, 32, 5)), ("act2", act()), ("pool2", nn.MaxPool2d(2)),
+        ("conv1", nn.Conv2d(channels, 16, 5, padding=padding)), ("act1", act()), ("pool1", nn.MaxPool2d(2)),
+        ("conv2", nn.Conv2d(16, 32, 5, padding=padding)), ("act2", act()), ("pool2", nn.MaxPool2d(2)),
         ("flatten", nn.Flatten()),
-        ("fc", nn.Linear(32 * 4 * 4, 128)), ("act3", act()),
+        ("fc", nn.Linear(32 * side * side, 128)), ("act3", act()),
     ]))
+
+
+def _cnn28_same(channels: int) -> nn.Sequential:
+    return _cnn28(channels, padding=2)
 
 
 def _digits(channels: int) -> nn.Sequential:
@@ -86,7 +96,9 @@ def _digits(channels: int) -> nn.Sequential:
     ]))
 
 
-_BUILDERS = {"cnn32": (_cnn32, 32, 128), "cnn28": (_cnn28, 28, 128), "digits": (_digits, 8, 64)}
+# the first entry of each image size is that size's default
+_BUILDERS = {"cnn32": (_cnn32, 32, 128), "cnn28": (_cnn28, 28, 128), "cnn28-same": (_cnn28_same, 28, 128),
+             "digits": (_digits, 8, 64)}
 
 
 def default_architecture(channels: int, image_size: int) -> str:

@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attacks import ATTACKS, GRADIENT_ATTACKS, AttackUnavailable, check_available, score_label_distribution
+from attacks import ATTACKS, GRADIENT_ATTACKS, attack_many, plan_batches, score_label_distribution
 from attacks.base import Budget, LocalHyperparameters, NotApplicable
 from attacks.metrics import score_reconstructions, summarize_scores
 from attacks.observation import MODES, observe
@@ -105,7 +105,8 @@ def run_attack(config: RunConfig, attack: str, attack_rounds: Iterable[int] = (0
                budget: Budget | None = None, victim_batch: int = 1, victim_steps: int = 1, seed: int | None = None,
                out: str | Path | None = None, hyperparameters_known: bool = True, head_known: bool = True,
                mode: str = "auto", train_rounds: int | None = None, threads: int | None = None,
-               progress: bool = True, interceptors: Iterable = (), dp=None, images: int | None = None) -> dict:
+               progress: bool = True, interceptors: Iterable = (), dp=None, images: int | None = None,
+               batched: bool = True) -> dict:
     """Train ``config``, attack ``targets`` clients in each of ``attack_rounds``, score, write; returns the summary.
 
     ``images`` is the number of images rebuilt per target (default: ``victim_batch``, or ``budget.batch``
@@ -114,7 +115,9 @@ def run_attack(config: RunConfig, attack: str, attack_rounds: Iterable[int] = (0
     torch's thread count for training and attack (default: ``config.threads``, else ``ATTACK_THREADS`` = 1).
     ``interceptors`` (e.g. a ``fedsec.defenses.FilterChain``) sit in the channel before the recorder,
     so the server sees their output; ``dp`` (a ``fedsec.defenses.DPConfig``) trains every client with
-    DP-SGD and adds the per-client ε to the summary (``"dp"``)."""
+    DP-SGD and adds the per-client ε to the summary (``"dp"``). ``batched`` (default) optimises targets
+    that share a model together (``attacks.batching``: the same numbers as one by one, to float
+    rounding, several times faster); with ``config.backend == "ray"`` the batches run as Ray tasks."""
     start = time.perf_counter()
     if attack not in ATTACKS:
         raise UserError(f"unknown attack {attack!r}; choose one of: {', '.join(ATTACKS)}")
@@ -122,10 +125,6 @@ def run_attack(config: RunConfig, attack: str, attack_rounds: Iterable[int] = (0
         raise UserError(f"unknown --mode {mode!r}; choose one of: {', '.join(MODES)}")
     if mode == "replay" and not hyperparameters_known:
         raise UserError("--mode replay needs the local hyperparameters: drop --hyperparameters-unknown or use --mode scaled")
-    try:
-        check_available(attack)
-    except AttackUnavailable as exc:
-        raise UserError(str(exc)) from None
     rounds = parse_rounds(attack_rounds)
     if targets < 1:
         raise UserError(f"--targets must be at least 1, got {targets}")
@@ -143,14 +142,14 @@ def run_attack(config: RunConfig, attack: str, attack_rounds: Iterable[int] = (0
     try:
         return _run(config, attack, rounds, targets, budget, victim_batch, victim_steps, seed, out,
                     hyperparameters_known, head_known, mode, progress, start, interceptors=interceptors, dp=dp,
-                    images=images)
+                    images=images, batched=batched)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _run(config: RunConfig, attack, rounds, targets, budget, victim_batch, victim_steps, seed, out,
          hyperparameters_known, head_known, mode, progress, start, interceptors=(), dp=None,
-         images: int | None = None) -> dict:
+         images: int | None = None, batched: bool = True) -> dict:
     n_rounds = config.rounds
 
     prep = prepare(config)
@@ -164,123 +163,149 @@ def _run(config: RunConfig, attack, rounds, targets, budget, victim_batch, victi
     recorder = Recorder(rounds=rounds)
     ground_truth = GroundTruth(rounds=rounds)
     fed = build_federation(prep, channel=ServerChannel(interceptors, recorder=recorder), ground_truth=ground_truth)
-    initial_model = copy.deepcopy(fed.model)  # the server built it: it knows the initial weights
-    if attack in GRADIENT_ATTACKS:
-        message = gradient_free_message(method, attack, fed.model)
-        if message is not None:
-            raise UserError(message)
+    try:
+        initial_model = copy.deepcopy(fed.model)  # the server built it: it knows the initial weights
+        if attack in GRADIENT_ATTACKS:
+            message = gradient_free_message(method, attack, fed.model)
+            if message is not None:
+                raise UserError(message)
 
-    chosen = {r: pick_targets(fed.sample_clients(r), targets, seed, r) for r in rounds}
-    notes: list[str] = []
-    for r in rounds:
-        if len(chosen[r]) < targets:
-            notes.append(f"round {r}: only {len(chosen[r])} clients take part, fewer than --targets {targets}")
-    if victim_batch > 0:
-        fed.victim = VictimSetting(batch=victim_batch, steps=victim_steps,
-                                   targets={(r, c) for r in rounds for c in chosen[r]})
+        chosen = {r: pick_targets(fed.sample_clients(r), targets, seed, r) for r in rounds}
+        notes: list[str] = []
+        for r in rounds:
+            if len(chosen[r]) < targets:
+                notes.append(f"round {r}: only {len(chosen[r])} clients take part, fewer than --targets {targets}")
+        if victim_batch > 0:
+            fed.victim = VictimSetting(batch=victim_batch, steps=victim_steps,
+                                       targets={(r, c) for r in rounds for c in chosen[r]})
 
+        from tqdm import tqdm
+
+        bar = tqdm(total=n_rounds, desc=f"{config.method} rounds", unit="round", disable=not progress, leave=False)
+        fed.run(n_rounds, on_round=lambda r, rows: bar.update(1))
+        bar.close()
+        train_seconds = time.perf_counter() - start
+
+        dataset = prep.dataset
+        prior = dataset.images.mean(dim=0)
+        image_shape = tuple(dataset.images.shape[1:])
+        make_model = lambda: copy.deepcopy(initial_model)  # noqa: E731
+        rows: list[dict] = []
+        label_scores: list[dict] = []
+        panels: list[tuple] = []
+        modes_used: set[str] = set()
+        per_target: list[dict] = []
+        pairs = [(r, c) for r in rounds for c in chosen[r]]
+        target_notes: dict[str, list[tuple[int, int]]] = {}  # note → the targets it applies to
+        jobs: list[tuple[int, int, object]] = []  # (round, client, observation)
+        for r, c in pairs:
+            upload = recorder.get(r, c)
+            if upload is None or upload.upload is None:
+                notes.append(f"round {r} client {c}: no upload was recorded (dropped)")
+                continue
+            sample_count = upload.upload.tensors.get("sample_count")
+            hp = None
+            if hyperparameters_known:
+                if victim_batch > 0:
+                    hp = LocalHyperparameters(lr=config.lr, steps=victim_steps, batch_size=victim_batch)
+                else:
+                    n = int(sample_count) if sample_count is not None else config.batch_size
+                    steps = config.local_epochs * max(1, math.ceil(n / config.batch_size))
+                    hp = LocalHyperparameters(lr=config.lr, steps=steps, batch_size=config.batch_size)
+            jobs.append((r, c, observe(recorder, r, c, method=method, make_model=make_model, image_shape=image_shape,
+                                       num_classes=dataset.num_classes, known_hyperparameters=hp,
+                                       head_known=head_known)))
+        results = _attack_jobs(fed.backend, attack, jobs, budget, images, victim_batch, seed, mode, batched,
+                               config.threads, progress, f"{attack} on {config.method}")
+        for (r, c, _), result in zip(jobs, results):
+            if isinstance(result, NotApplicable):
+                notes.append(f"round {r} client {c}: {result}")
+                continue
+            used = str(result.trace.get("mode", "n/a"))
+            modes_used.add(used)
+            for note in result.notes:
+                target_notes.setdefault(note, []).append((r, c))
+            per_target.append({"round": r, "client": c, "mode": used,
+                               "objective": io.finite(float(result.trace.get("objective", float("nan")))),
+                               "seconds": round(float(result.trace.get("seconds", float("nan"))), 3)})
+            # ---- scoring: ground truth is read only here, after the attack returned ----
+            idx = torch.from_numpy(ground_truth.samples(r, c))
+            truths, truth_labels = dataset.images[idx], dataset.labels[idx]
+            base = {"method": config.method, "attack": attack, "mode": used, "round": r, "client": c}
+            if attack == "labels":  # the label distribution of the client's whole local training set
+                predicted = torch.as_tensor(result.trace["label_distribution"], dtype=torch.float64)
+                local = dataset.labels[torch.from_numpy(ground_truth.training_set(r, c))]
+                true_counts = torch.bincount(local, minlength=dataset.num_classes)
+                score = score_label_distribution(predicted, true_counts)
+                label_scores.append(score)
+                total = max(int(true_counts.sum()), 1)
+                for k in range(dataset.num_classes):
+                    rows.append({**base, "class": k, "true_count": int(true_counts[k]),
+                                 "true_proportion": float(true_counts[k]) / total,
+                                 "predicted_proportion": float(predicted[k])})
+                continue
+            if len(truths) > len(result.images) or attack == "proto":
+                note = ("each reconstruction is scored against its best match among the images the client trained "
+                        "on in that round (for proto: among the images of its class); the prior against the same image")
+                if note not in notes:
+                    notes.append(note)
+            for i, j, row in _score(attack, result, truths, truth_labels, prior):
+                rows.append({**base, "image": i, "psnr": row["psnr"], "ssim": row["ssim"],
+                             "prior_psnr": row["prior_psnr"], "label_true": int(truth_labels[j]),
+                             "label_pred": int(result.labels[i]) if i < len(result.labels) else -1})
+                if len(panels) < MAX_PANELS:
+                    panels.append((truths[j], result.images[i], row["psnr"], f"r{r} c{c}"))
+
+        attacked = [(t["round"], t["client"]) for t in per_target]
+        for text, where in target_notes.items():
+            if where == attacked and len(attacked) > 0:
+                notes.append(text if len(attacked) == 1 else f"every target: {text}")
+            else:
+                notes.append(", ".join(f"round {r} client {c}" for r, c in where) + f": {text}")
+
+        columns = LABEL_COLUMNS if attack == "labels" else IMAGE_COLUMNS
+        frame = pd.DataFrame(rows, columns=columns)
+        summary = _summary(config, attack, rows, label_scores, budget, seed, rounds, chosen, victim_batch, victim_steps,
+                           hyperparameters_known, head_known, mode, sorted(modes_used), notes, per_target,
+                           time.perf_counter() - start, train_seconds)
+        summary["budget"]["images_per_target"] = images or (victim_batch if victim_batch > 0 else budget.batch)
+        summary["budget"]["batched"] = bool(batched)
+        if dp is not None:
+            from .defenses.dp import privacy_report
+
+            summary["dp"] = io.finite(privacy_report(fed.clients, dp))
+        if out is not None:
+            out = Path(out)
+            io.write_csv(out / "attack.csv", frame)
+            if attack != "labels":
+                write_figure(out / "reconstructions.png", panels, f"{attack} on {config.method}")
+            io.write_json(out / "summary.json", summary)
+        return summary
+    finally:
+        fed.close()  # e.g. shut down the Ray this run started
+
+
+def _attack_jobs(backend, attack: str, jobs: list, budget: Budget, images: int | None, victim_batch: int, seed: int,
+                 mode: str, batched: bool, threads: int, progress: bool, description: str) -> list:
+    """Attack every (round, client, observation) job: grouped by ``attacks.plan_batches`` (targets that
+    share a model are optimised together when ``batched``), each group run by ``backend.map`` (in this
+    process, or as a Ray task). One ``AttackResult`` or ``NotApplicable`` per job, in job order."""
     from tqdm import tqdm
 
-    bar = tqdm(total=n_rounds, desc=f"{config.method} rounds", unit="round", disable=not progress, leave=False)
-    fed.run(n_rounds, on_round=lambda r, rows: bar.update(1))
+    observations = [obs for _, _, obs in jobs]
+    seeds = [derive_seed(seed, r, c, 0xA7) % 2**31 for r, c, _ in jobs]
+    target_budget = replace(budget, batch=images or (victim_batch if victim_batch > 0 else budget.batch))
+    groups = plan_batches(attack, observations, mode, batched)
+    bar = tqdm(total=len(jobs), desc=description, unit="target", disable=not progress)
+    outcomes = backend.map(attack_many, [(attack, [observations[i] for i in g], target_budget, [seeds[i] for i in g],
+                                          mode, batched) for g in groups],
+                           threads=threads, on_result=lambda k: bar.update(len(groups[k])))
     bar.close()
-    train_seconds = time.perf_counter() - start
-
-    dataset = prep.dataset
-    prior = dataset.images.mean(dim=0)
-    image_shape = tuple(dataset.images.shape[1:])
-    make_model = lambda: copy.deepcopy(initial_model)  # noqa: E731
-    rows: list[dict] = []
-    label_scores: list[dict] = []
-    panels: list[tuple] = []
-    modes_used: set[str] = set()
-    per_target: list[dict] = []
-    pairs = [(r, c) for r in rounds for c in chosen[r]]
-    target_notes: dict[str, list[tuple[int, int]]] = {}  # note → the targets it applies to
-    for r, c in tqdm(pairs, desc=f"{attack} on {config.method}", unit="target", disable=not progress):
-        upload = recorder.get(r, c)
-        if upload is None or upload.upload is None:
-            notes.append(f"round {r} client {c}: no upload was recorded (dropped)")
-            continue
-        sample_count = upload.upload.tensors.get("sample_count")
-        hp = None
-        if hyperparameters_known:
-            if victim_batch > 0:
-                hp = LocalHyperparameters(lr=config.lr, steps=victim_steps, batch_size=victim_batch)
-            else:
-                n = int(sample_count) if sample_count is not None else config.batch_size
-                steps = config.local_epochs * max(1, math.ceil(n / config.batch_size))
-                hp = LocalHyperparameters(lr=config.lr, steps=steps, batch_size=config.batch_size)
-        obs = observe(recorder, r, c, method=method, make_model=make_model, image_shape=image_shape,
-                      num_classes=dataset.num_classes, known_hyperparameters=hp, head_known=head_known)
-        target_budget = replace(budget, batch=images or (victim_batch if victim_batch > 0 else budget.batch))
-        kwargs = {"mode": mode} if attack in GRADIENT_ATTACKS else {}
-        try:
-            result = ATTACKS[attack](obs, target_budget, derive_seed(seed, r, c, 0xA7) % 2**31, **kwargs)
-        except NotApplicable as exc:
-            notes.append(f"round {r} client {c}: {exc}")
-            continue
-        except AttackUnavailable as exc:
-            raise UserError(str(exc)) from None
-        used = str(result.trace.get("mode", "n/a"))
-        modes_used.add(used)
-        for note in result.notes:
-            target_notes.setdefault(note, []).append((r, c))
-        per_target.append({"round": r, "client": c, "mode": used,
-                           "objective": io.finite(float(result.trace.get("objective", float("nan")))),
-                           "seconds": round(float(result.trace.get("seconds", float("nan"))), 3)})
-        # ---- scoring: ground truth is read only here, after the attack returned ----
-        idx = torch.from_numpy(ground_truth.samples(r, c))
-        truths, truth_labels = dataset.images[idx], dataset.labels[idx]
-        base = {"method": config.method, "attack": attack, "mode": used, "round": r, "client": c}
-        if attack == "labels":  # the label distribution of the client's whole local training set
-            predicted = torch.as_tensor(result.trace["label_distribution"], dtype=torch.float64)
-            local = dataset.labels[torch.from_numpy(ground_truth.training_set(r, c))]
-            true_counts = torch.bincount(local, minlength=dataset.num_classes)
-            score = score_label_distribution(predicted, true_counts)
-            label_scores.append(score)
-            total = max(int(true_counts.sum()), 1)
-            for k in range(dataset.num_classes):
-                rows.append({**base, "class": k, "true_count": int(true_counts[k]),
-                             "true_proportion": float(true_counts[k]) / total,
-                             "predicted_proportion": float(predicted[k])})
-            continue
-        if len(truths) > len(result.images) or attack == "proto":
-            note = ("each reconstruction is scored against its best match among the images the client trained "
-                    "on in that round (for proto: among the images of its class); the prior against the same image")
-            if note not in notes:
-                notes.append(note)
-        for i, j, row in _score(attack, result, truths, truth_labels, prior):
-            rows.append({**base, "image": i, "psnr": row["psnr"], "ssim": row["ssim"],
-                         "prior_psnr": row["prior_psnr"], "label_true": int(truth_labels[j]),
-                         "label_pred": int(result.labels[i]) if i < len(result.labels) else -1})
-            if len(panels) < MAX_PANELS:
-                panels.append((truths[j], result.images[i], row["psnr"], f"r{r} c{c}"))
-
-    attacked = [(t["round"], t["client"]) for t in per_target]
-    for text, where in target_notes.items():
-        if where == attacked and len(attacked) > 0:
-            notes.append(text if len(attacked) == 1 else f"every target: {text}")
-        else:
-            notes.append(", ".join(f"round {r} client {c}" for r, c in where) + f": {text}")
-
-    columns = LABEL_COLUMNS if attack == "labels" else IMAGE_COLUMNS
-    frame = pd.DataFrame(rows, columns=columns)
-    summary = _summary(config, attack, rows, label_scores, budget, seed, rounds, chosen, victim_batch, victim_steps,
-                       hyperparameters_known, head_known, mode, sorted(modes_used), notes, per_target,
-                       time.perf_counter() - start, train_seconds)
-    summary["budget"]["images_per_target"] = images or (victim_batch if victim_batch > 0 else budget.batch)
-    if dp is not None:
-        from .defenses.dp import privacy_report
-
-        summary["dp"] = io.finite(privacy_report(fed.clients, dp))
-    if out is not None:
-        out = Path(out)
-        io.write_csv(out / "attack.csv", frame)
-        if attack != "labels":
-            write_figure(out / "reconstructions.png", panels, f"{attack} on {config.method}")
-        io.write_json(out / "summary.json", summary)
-    return summary
+    results: list = [None] * len(jobs)
+    for group, outcome in zip(groups, outcomes):
+        for i, result in zip(group, outcome):
+            results[i] = result
+    return results
 
 
 def _score(attack: str, result, truths: torch.Tensor, truth_labels: torch.Tensor, prior: torch.Tensor):

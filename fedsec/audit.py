@@ -115,13 +115,30 @@ def _evidence(config: RunConfig, attack: str, out: Path, iterations: int) -> dic
         return {"not_applicable": str(exc)}
 
 
+LEAK_GAP_DB = 3.0  # measured leakage less than this far above the prior is at chance level: "low"
+
+
+def psnr_gap(summary: dict | None) -> float | None:
+    """Mean PSNR minus mean prior PSNR of an attack summary (None when not measured)."""
+    if not summary or summary.get("mean_psnr") is None or summary.get("mean_prior_psnr") is None:
+        return None
+    return float(summary["mean_psnr"]) - float(summary["mean_prior_psnr"])
+
+
+def at_chance(summary: dict | None) -> bool | None:
+    """Whether an attack's measured leakage is at chance level (within LEAK_GAP_DB of the prior)."""
+    gap = psnr_gap(summary)
+    return None if gap is None else gap < LEAK_GAP_DB
+
+
 def _leak_severity(summary: dict | None, base: str) -> tuple[str, str]:
-    """Downgrade a finding whose measured leakage is at chance level (within 3 dB of the prior)."""
-    if not summary or "mean_psnr" not in summary or summary.get("mean_psnr") is None:
+    """Downgrade a finding whose measured leakage is at chance level (``at_chance``)."""
+    gap = psnr_gap(summary)
+    if gap is None:
         return base, "not measured"
-    gap = summary["mean_psnr"] - summary["mean_prior_psnr"]
-    if gap < 3.0:
-        return "low", f"measured mean PSNR {summary['mean_psnr']:.1f} dB is within 3 dB of the prior ({summary['mean_prior_psnr']:.1f} dB)"
+    if at_chance(summary):
+        return "low", (f"measured mean PSNR {summary['mean_psnr']:.1f} dB is within {LEAK_GAP_DB:.0f} dB of the prior "
+                       f"({summary['mean_prior_psnr']:.1f} dB)")
     return base, f"measured mean PSNR {summary['mean_psnr']:.1f} dB vs prior {summary['mean_prior_psnr']:.1f} dB (+{gap:.1f} dB)"
 
 

@@ -45,7 +45,7 @@ def train_options(func):
         click.option("--lr", type=float, default=0.05, show_default=True, help="SGD learning rate (the paper gives none)."),
         click.option("--batch-size", type=int, default=10, show_default=True, help="Mini-batch size."),
         click.option("--seed", type=int, default=0, show_default=True, help="Seed for partition, init and training."),
-        click.option("--arch", default=None, help="Model: cnn32, cnn28, digits [default: by image size]."),
+        click.option("--arch", default=None, help="Model: cnn32, cnn28, cnn28-same, digits [default: by image size]."),
         click.option("--threads", type=int, default=None, help="torch CPU threads [default: torch's]."),
         click.option("--backend", type=click.Choice(["sequential", "ray"]), default="sequential", show_default=True,
                      help="Where client updates run: in this process, or as Ray tasks (pip install 'fedsec[ray]'). "
@@ -212,11 +212,14 @@ def compare(ctx, methods, seeds, out, **opts):
               help="Whether the server knows the client's lr, steps and batch size.")
 @click.option("--head-known/--head-unknown", default=True, show_default=True,
               help="--head-unknown: the attack does not use the classifier's update (private-head threat model).")
+@click.option("--batched/--no-batched", default=True, show_default=True,
+              help="dlg/idlg/ig: optimise the targets that share a model (e.g. all of round 0) together in one "
+                   "vmapped batch; the same numbers as --no-batched (one by one), to float rounding.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder: attack.csv, summary.json, reconstructions.png [runs/attack-<attack>-<method>].")
 @click.pass_context
 def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_batch, victim_steps, images, attack_seed,
-           mode, hyperparameters_known, head_known, out, **opts):
+           mode, hyperparameters_known, head_known, batched, out, **opts):
     """Train, intercept what the server sees, attack it, and score the result against what the client trained on.
 
     Example: fedsec attack dlg --method fedecouple   (round 0, 2 clients, one image each, one local step)
@@ -234,7 +237,7 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     out = out or default_out(attack, config.method)
     summary = run_attack(config, attack, rounds, targets=targets, budget=budget, victim_batch=victim_batch,
                          victim_steps=victim_steps, seed=attack_seed, out=out, hyperparameters_known=hyperparameters_known,
-                         head_known=head_known, mode=mode, train_rounds=train_rounds, images=images)
+                         head_known=head_known, mode=mode, train_rounds=train_rounds, images=images, batched=batched)
 
     def fmt(x, unit=""):
         return "n/a" if x is None else f"{x:.2f}{unit}"

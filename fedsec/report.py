@@ -49,7 +49,7 @@ from fedecouple.methods import METHODS
 
 from . import io, runner
 from .attack import IMAGE_COLUMNS, LABEL_COLUMNS, parse_rounds, run_attack
-from .audit import SEVERITIES, run_audit
+from .audit import LEAK_GAP_DB, SEVERITIES, at_chance, psnr_gap, run_audit
 from .compare import _shared_datasets, method_config, parse_list, parse_methods, run_status
 from .runner import RunConfig
 from .versions import package_versions
@@ -66,7 +66,6 @@ IMAGE_ATTACKS = ("dlg", "idlg", "ig", "proto")
 DEFAULT_ITERATIONS = {"dlg": 300, "idlg": 300, "ig": 1000, "proto": 300, "labels": 300}
 DEFAULT_TARGETS = 2
 DONE = "done.json"
-LEAK_GAP_DB = 3.0  # fedsec.audit's rule: measured leakage within 3 dB of the prior is "low"
 RESULT_COLUMNS = list(dict.fromkeys(IMAGE_COLUMNS + LABEL_COLUMNS))
 
 
@@ -357,11 +356,11 @@ def _measured(code: str, attacks: dict[str, dict]) -> tuple[str, str | None]:
     def psnr_evidence(names):
         for a in names:
             s = attacks.get(a) or {}
-            if s.get("mean_psnr") is not None and s.get("mean_prior_psnr") is not None:
-                gap = s["mean_psnr"] - s["mean_prior_psnr"]
+            gap = psnr_gap(s)
+            if gap is not None:
                 text = (f"{a}: mean PSNR {s['mean_psnr']:.1f} dB vs prior {s['mean_prior_psnr']:.1f} dB "
                         f"({gap:+.1f} dB), max {s['max_psnr']:.1f} dB")
-                return text, ("low" if gap < LEAK_GAP_DB else None)
+                return text, ("low" if at_chance(s) else None)
         return "", None
 
     if code == "PROTOTYPES_DISCLOSED":

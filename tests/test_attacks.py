@@ -195,19 +195,21 @@ def test_the_harness_reads_ground_truth_only_after_the_attack(monkeypatch, tmp_p
         events.append("ground truth")
         return real_samples(self, round, client_id)
 
-    real_dlg = ATTACKS["dlg"]
+    real_attack_many = harness.attack_many
 
-    def spy_attack(observation, budget, seed, mode="auto"):
+    def spy_attack_many(name, observations, budget, seeds, mode="auto", batched=True):
         events.append("attack")
-        for value in vars(observation).values():  # only plain values, tensors from the channel, the model factory
-            assert not isinstance(value, GroundTruth)
-        return real_dlg(observation, budget, seed, mode=mode)
+        for observation in observations:  # only plain values, tensors from the channel, the model factory
+            for value in vars(observation).values():
+                assert not isinstance(value, GroundTruth)
+        return real_attack_many(name, observations, budget, seeds, mode=mode, batched=batched)
 
     monkeypatch.setattr(GroundTruth, "samples", spy_samples)
-    monkeypatch.setitem(harness.ATTACKS, "dlg", spy_attack)
+    monkeypatch.setattr(harness, "attack_many", spy_attack_many)
     config = RunConfig(method="fedavg", dataset="digits", clients=3)
     summary = harness.run_attack(config, "dlg", [0], targets=2, budget=Budget(iterations=2), progress=False)
-    assert events == ["attack", "ground truth", "attack", "ground truth"]
+    # both targets share round 0's model: one batched attack, then the two truths are read to score it
+    assert events == ["attack", "ground truth", "ground truth"]
     assert summary["images_scored"] == 2 and summary["config"]["rounds"] == 1
 
 

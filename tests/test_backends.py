@@ -11,6 +11,8 @@ import torch
 from fedecouple.backends import RayBackend, SequentialBackend, make_backend
 from fedecouple.channel import Interceptor
 from fedecouple.errors import UserError
+from attacks.base import Budget
+from fedsec.attack import run_attack
 from fedsec.runner import RunConfig, prepare, train
 
 from helpers import tiny_federation
@@ -128,6 +130,21 @@ def test_train_writes_the_same_metrics_csv_under_both_backends(tmp_path, ray_loc
     train(RunConfig(**fast, backend="ray"), tmp_path / "ray")
     assert ray_local.is_initialized()
     assert (tmp_path / "seq" / "metrics.csv").read_text() == (tmp_path / "ray" / "metrics.csv").read_text()
+
+
+@needs_ray
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batched", [True, False])
+def test_attack_writes_the_same_attack_csv_under_both_backends(tmp_path, ray_local, batched):
+    """Attacks fan out as Ray tasks (one per batch of targets sharing a model, or one per target)."""
+    fast = dict(method="fedavg", dataset="digits", clients=4, seed=0, threads=1)
+    for backend in ("sequential", "ray"):
+        run_attack(RunConfig(**fast, backend=backend), "dlg", targets=3, budget=Budget(iterations=8),
+                   out=tmp_path / backend, progress=False, batched=batched)
+    assert ray_local.is_initialized()
+    seq = (tmp_path / "sequential" / "attack.csv").read_text()
+    assert seq == (tmp_path / "ray" / "attack.csv").read_text()
+    assert len(seq.strip().splitlines()) == 4
 
 
 def test_missing_ray_is_a_user_error_naming_the_extra(monkeypatch):

@@ -140,3 +140,16 @@ def test_fedecouple_learns_on_digits(digits):
     rows = fed.run()
     final = np.mean([r["accuracy"] for r in rows if r["round"] == 2])
     assert final > 0.7
+
+
+@pytest.mark.parametrize("arch,extractor_params,fc_in", [("cnn32", 106_400, 576), ("cnn28", 78_912, 512),
+                                                         ("cnn28-same", 214_080, 1568)])
+def test_model_sizes_follow_the_documented_padding(arch, extractor_params, fc_in):
+    """cnn32's extractor is the paper's 415.6 KiB; cnn28 (no padding) and cnn28-same (padding 2) as documented."""
+    channels, size = (3, 32) if arch == "cnn32" else (1, 28)
+    model = build_model(arch, channels, size, 10, [0.5] * channels, [0.25] * channels)
+    assert sum(p.numel() for p in model.extractor.parameters()) == extractor_params
+    assert model.extractor.fc.in_features == fc_in
+    assert model(torch.rand(2, channels, size, size)).shape == (2, 10)
+    if arch == "cnn32":
+        assert extractor_params * 4 / 1024 == pytest.approx(415.6, abs=0.05)
