@@ -6,10 +6,11 @@ jointly with L-BFGS (learning rate 1, torch's default of up to 20 function evalu
 no line search, as in the paper's code) to minimise Σ_layers ‖∇W(x, ŷ) − ∇W(true)‖², the squared
 distance between the dummy's gradient and the observed one. ``budget.iterations`` is the number of
 L-BFGS steps (the paper's 300), ``budget.restarts`` independent starts keep the lowest objective,
-and within a start the lowest-objective iterate is returned. A start stops early when it has
-converged (objective 1e-12 of its first value, or L-BFGS's own gradient tolerance) or stalled
-(less than 0.1 % improvement over 25 steps): DLG on these models either converges or stalls. Pixels are not constrained during
-the optimisation (as in DLG); the result is clamped to [0, 1].
+and within a start the lowest-objective iterate is returned (at least one step is taken). A start
+stops early when it has converged (objective 1e-12 of its first value) or stalled (less than 0.1 %
+improvement over 25 steps; this also ends a start whose L-BFGS has met its own gradient tolerance,
+as every later step then returns at once): DLG on these models either converges or stalls. Pixels
+are not constrained during the optimisation (as in DLG); the result is clamped to [0, 1].
 
 The observed "gradient" comes from ``attacks.observation.GradientMatcher``: the upload's update
 Δ read as g = −Δ/(lr·steps) ("scaled-gradient"), or T local SGD steps replayed on the dummy
@@ -281,7 +282,7 @@ def _optimise_one(setup: _Setup, budget: Budget, seed: int) -> AttackResult:
             return value
 
         history: list[float] = []
-        for _ in range(int(budget.iterations)):
+        for _ in range(max(1, int(budget.iterations))):
             try:
                 opt.step(closure)
             except _Diverged:

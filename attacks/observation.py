@@ -266,13 +266,18 @@ class GradientMatcher:
 
     def shares_model_with(self, other: "GradientMatcher") -> bool:
         """Whether ``other``'s dummy quantity is the same function of (x, y) as this one's: same
-        before-state, attacked parameters, mode, hyperparameters and architecture. Targets that share
+        before-state, buffers, attacked parameters, mode, hyperparameters and architecture. Targets that share
         a model can be attacked in one batched optimisation (``attacks.batching``)."""
         if (self.mode, self.names, self.hyperparameters, self.scale_known, self.observation.image_shape,
                 self.observation.num_classes) != (other.mode, other.names, other.hyperparameters, other.scale_known,
                                                   other.observation.image_shape, other.observation.num_classes):
             return False
-        if type(self.model) is not type(other.model) or str(self.model) != str(other.model):
+        if (type(self.model) is not type(other.model) or str(self.model) != str(other.model)
+                or getattr(self.model, "arch", None) != getattr(other.model, "arch", None)):
+            return False
+        # buffers too: functional_call takes them (e.g. the normalisation's mean and std) from one model
+        buffers, other_buffers = dict(self.model.named_buffers()), dict(other.model.named_buffers())
+        if buffers.keys() != other_buffers.keys() or not all(torch.equal(buffers[k], other_buffers[k]) for k in buffers):
             return False
         mine, theirs = self.update.before, other.update.before
         return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

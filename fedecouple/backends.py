@@ -270,16 +270,26 @@ class RayBackend(Backend):
             raise
 
     def map(self, function, arguments, threads=1, on_result=None):
-        remote = self.ray.remote(_call_with_threads).options(num_cpus=self.threads)
+        cpus = self.ray.cluster_resources().get("CPU", 0)
+        if threads > cpus:
+            raise UserError(f"--threads {threads} asks more CPUs per task than the Ray cluster has ({cpus:g}); "
+                            f"lower --threads")
+        remote = self.ray.remote(_call_with_threads).options(num_cpus=threads)
         function_ref = self.ray.put(function)
         refs = [remote.remote(function_ref, args, threads) for args in arguments]
         position = {ref: i for i, ref in enumerate(refs)}
         pending = list(refs)
         with self._user_errors():
-            while pending:
-                done, pending = self.ray.wait(pending, num_returns=1)
-                if on_result is not None:
-                    on_result(position[done[0]])
+            try:
+                while pending:
+                    done, pending = self.ray.wait(pending, num_returns=1)
+                    self.ray.get(done)  # a failed call raises here, at once, as it would in sequence
+                    if on_result is not None:
+                        on_result(position[done[0]])
+            except BaseException:
+                for ref in pending:
+                    self.ray.cancel(ref)
+                raise
             return self.ray.get(refs)
 
     def close(self) -> None:

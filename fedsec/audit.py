@@ -156,13 +156,16 @@ def run_audit(config: RunConfig, out: str | Path, evidence: bool = True, evidenc
 
     bar = tqdm(total=config.rounds, desc=f"audit {config.method}", unit="round", disable=not progress)
     per_round = []
-    for _ in range(config.rounds):
-        up0, down0 = fed.channel.bytes_up, fed.channel.bytes_down
-        fed.run_round()
-        per_round.append({"round": fed.completed_rounds - 1, "upload_bytes": fed.channel.bytes_up - up0,
-                          "download_bytes": fed.channel.bytes_down - down0})
-        bar.update(1)
-    bar.close()
+    try:
+        for _ in range(config.rounds):
+            up0, down0 = fed.channel.bytes_up, fed.channel.bytes_down
+            fed.run_round()
+            per_round.append({"round": fed.completed_rounds - 1, "upload_bytes": fed.channel.bytes_up - up0,
+                              "download_bytes": fed.channel.bytes_down - down0})
+            bar.update(1)
+    finally:
+        fed.close()  # e.g. shut down the Ray this run started
+        bar.close()
 
     rows = [r for up in recorder.uploads() for r in field_rows(config.method, up, manifest)]
     frame = pd.DataFrame(rows, columns=AUDIT_COLUMNS)

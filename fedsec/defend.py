@@ -239,6 +239,8 @@ def _train(config: RunConfig, settings: DefendSettings, value, out: Path) -> dic
             raise UserError(f"{config.method}'s server cannot aggregate without field {exc.args[0]!r}: "
                             f"excluding {value!r} breaks the method's protocol") from None
         raise
+    finally:
+        fed.close()  # e.g. shut down the Ray this run started
     summary = runner.write_metrics(out, fed, config, time.perf_counter() - start)
     if dp is not None:
         defense = {"kind": "dp", **privacy_report(fed.clients, dp)}

@@ -2,6 +2,7 @@
 one by one (to float rounding); the batched L-BFGS follows torch's; the harness batches by default."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pandas as pd
@@ -114,7 +115,10 @@ def test_targets_of_different_models_are_not_batched(digits):
     c, _, _ = synthetic_observation(digits, [6], steps=2)  # other hyperparameters: another function of x
     moved = {k: v + 0.01 for k, v in b.download.items()}  # another before-state (e.g. a later round's model)
     d = dataclasses.replace(b, download=moved, upload={**b.upload, **{k: v + 0.01 for k, v in moved.items()}})
-    assert plan_batches("dlg", [a, b, c, d]) == [[0, 1], [2], [3]]
+    model = b.make_model()
+    model.normalize.mean.fill_(0.3)  # same weights, another data set's normalisation (a buffer)
+    e = dataclasses.replace(b, make_model=lambda: copy.deepcopy(model))
+    assert plan_batches("dlg", [a, b, c, d, e]) == [[0, 1], [2], [3], [4]]
     assert plan_batches("dlg", [a, b, c, d], batched=False) == [[0], [1], [2], [3]]
     assert plan_batches("proto", [a, b]) == [[0], [1]]
 
