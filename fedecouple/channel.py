@@ -77,16 +77,20 @@ class Recorder(Interceptor):
     """Stores every download as sent and every upload as received, keyed by (round, client).
 
     ``rounds`` limits full recording to those rounds (a 200-round run would otherwise hold every
-    model of every client); each client's two latest uploads are always kept, which is what a
-    server remembers of a part the client keeps across rounds (e.g. a personal classifier).
+    model of every client); with ``remember_latest`` (the default) each client's two latest uploads
+    are kept too, which is what a server remembers of a part the client keeps across rounds (e.g. a
+    personal classifier) and what attacks read as the "previous upload". A channel built without a
+    recorder gets one that records and remembers nothing, so plain training holds no upload per
+    client beyond the round that aggregates it.
     """
 
     name = "recorder"
 
-    def __init__(self, rounds: Iterable[int] | None = None) -> None:
+    def __init__(self, rounds: Iterable[int] | None = None, remember_latest: bool = True) -> None:
         self.rounds = None if rounds is None else set(rounds)
+        self.remember_latest = bool(remember_latest)
         self.exchanges: dict[tuple[int, int], Exchange] = {}
-        self._pending: dict[tuple[int, int], Download] = {}
+        self._pending: set[tuple[int, int]] = set()  # downloads not recorded, awaiting their upload
         self._latest: dict[int, list[tuple[int, Upload]]] = {}
 
     def _keeps(self, round: int) -> bool:
@@ -97,19 +101,22 @@ class Recorder(Interceptor):
         if self._keeps(message.round):
             self.exchanges[key] = Exchange(message.copy())
         else:
-            self._pending[key] = message
+            self._pending.add(key)
         return message
 
     def on_upload(self, message: Upload) -> Upload:
         key = (message.round, message.client_id)
-        if key not in self.exchanges and self._pending.pop(key, None) is None:
-            raise RuntimeError(f"upload from client {message.client_id} in round {message.round} answers no download")
-        stored = message.copy()
         if key in self.exchanges:
-            self.exchanges[key].upload = stored
-        history = self._latest.setdefault(message.client_id, [])
-        history.append((message.round, stored))
-        del history[:-2]
+            stored = self.exchanges[key].upload = message.copy()
+        elif key in self._pending:
+            self._pending.discard(key)
+            stored = message.copy() if self.remember_latest else None
+        else:
+            raise RuntimeError(f"upload from client {message.client_id} in round {message.round} answers no download")
+        if self.remember_latest:
+            history = self._latest.setdefault(message.client_id, [])
+            history.append((message.round, stored))
+            del history[:-2]
         return message
 
     def get(self, round: int, client_id: int) -> Exchange | None:
@@ -141,7 +148,7 @@ class ServerChannel:
 
     def __init__(self, interceptors: Iterable[Interceptor] = (), recorder: Recorder | None = None):
         self.interceptors: list[Interceptor] = list(interceptors)
-        self.recorder = recorder if recorder is not None else Recorder(rounds=())
+        self.recorder = recorder if recorder is not None else Recorder(rounds=(), remember_latest=False)
         self.bytes_down = 0
         self.bytes_up = 0
 

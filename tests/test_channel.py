@@ -119,6 +119,20 @@ def test_recorder_keeps_previous_upload_outside_recorded_rounds():
     assert recorder.previous_upload(0, before_round=0) is None
 
 
+def test_a_channel_without_a_recorder_keeps_no_upload_per_client():
+    """Plain training holds nothing per client in the channel (memory at 1,000 clients)."""
+    channel = ServerChannel()
+    for r in range(2):
+        for cid in range(3):
+            channel.download(Download(r, cid, {}))
+            channel.upload(Upload(r, cid, {"w": torch.ones(1000)}))
+    recorder = channel.recorder
+    assert recorder.exchanges == {} and recorder._latest == {} and not recorder._pending
+    assert recorder.previous_upload(0, before_round=2) is None
+    with pytest.raises(RuntimeError, match="answers no download"):
+        channel.upload(Upload(5, 0, {"w": torch.ones(1)}))
+
+
 def test_messages_only_carry_tensors():
     with pytest.raises(TypeError):
         Upload(0, 0, {"w": [1, 2, 3]})
