@@ -40,7 +40,8 @@ def attack_many(name: str, observations: Sequence[Observation], budget: Budget, 
                 mode: str = "auto", batched: bool = True) -> list[AttackResult | NotApplicable]:
     """``ATTACKS[name]`` on every observation (seed i for observation i): one result per observation,
     or the ``NotApplicable`` it raised. ``batched`` lets the gradient attacks optimise the targets
-    that share a model together (same numbers as one by one, to float rounding)."""
+    that share a model together (each evaluation equal to one by one to float rounding; a stalled
+    optimisation can end in another local minimum)."""
     if name in _MANY:
         return _MANY[name](observations, budget, seeds, mode=mode, batched=batched)
     out: list[AttackResult | NotApplicable] = []

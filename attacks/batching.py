@@ -78,9 +78,9 @@ class BatchedLBFGS:
     defaults (``max_iter`` 20 inner iterations per step, ``max_eval`` = max_iter·5/4, ``tolerance_grad``
     1e-7, ``tolerance_change`` 1e-9, ``history_size`` 100, curvature pairs kept when yᵀs > 1e-10, first
     step length min(1, 1/‖g‖₁)·lr), with one state per problem and the two-loop recursion vectorised
-    over the problems (a problem with a shorter history meets all-zero pairs, exact no-ops). Checked against torch's optimiser in the tests (same iterates on a smooth problem). Each
-problem is driven by its own evaluations, so every problem follows the iterates
-    torch's optimiser would give it alone (to float rounding).
+    over the problems (a problem with a shorter history meets all-zero pairs, exact no-ops). Each
+    problem is driven by its own evaluations, so every problem follows the iterates torch's optimiser
+    would give it alone (to float rounding); the tests check this against torch on smooth problems.
 
     Protocol: ``start(k, x0)`` (re)starts problem k; ``pending()`` lists the running problems, each
     waiting for the objective and gradient at its ``x[k]``; ``tell(ks, losses, grads)`` hands them over

@@ -30,7 +30,8 @@ Without a classifier update (private head) iDLG falls back to DLG's joint label 
 **Many targets.** ``dlg_many``/``idlg_many`` attack a list of observations. Targets that share a
 model (``attacks.batching``) are optimised together: torch's L-BFGS algorithm with one state per
 target, vectorised (``BatchedLBFGS``), their objectives evaluated in one ``torch.func.vmap`` call.
-One target is a batch of one: ``dlg`` runs the same code.
+One target (``dlg``, or a group of one) runs torch's own ``LBFGS`` (``_optimise_one``), which
+``BatchedLBFGS`` reproduces.
 """
 from __future__ import annotations
 

@@ -192,7 +192,8 @@ def inverting_gradients_many(observations: Sequence[Observation], budget: Budget
                              mode: str = "auto", batched: bool = True, tv_weight: float = TV_WEIGHT,
                              lr: float = LR) -> list[AttackResult]:
     """IG on every observation (seed i for observation i); targets that share a model are optimised
-    together (``attacks.batching``), with the same result per target as one by one. Returns one
+    together (``attacks.batching``): the same optimisation per target as one by one, each evaluation
+    equal to float rounding (which the sign step can occasionally flip). Returns one
     ``AttackResult`` per observation, or the ``NotApplicable`` it raised."""
     setups = build_each(lambda obs: _setup(obs, budget, mode, tv_weight, lr), observations)
     groups = group_by_model([getattr(s, "matcher", None) for s in setups], batched=batched)

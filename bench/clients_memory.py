@@ -6,8 +6,8 @@ Each (method, clients) point runs in a fresh subprocess. Peak RSS is a high-wate
 is reset once torch and the data set are loaded, so it measures the federation and its round (the
 phases: after the client updates, and with the round's uploads received, before aggregation).
 The child also counts the bytes the federation keeps per client (``Federation.clients``) and what
-the server channel's recorder remembers per client (its latest upload), to check the RSS slope
-against them. The sequential backend is used (one process).
+the server channel's recorder remembers per client (nothing for a channel built without a recorder
+of its own, as here), to check the RSS slope against them. The sequential backend is used (one process).
 Last line: ``per_client_kib <(peak RSS at 1,000 - at 100) / 900, in KiB, largest over the methods>``.
 
     python bench/clients_memory.py [--methods fedper,fedecouple] [--sizes 100,1000]

@@ -2,8 +2,9 @@
 
 The driver (``Federation.run_round``) sends every download through the server channel, hands the
 round's client updates to a backend, then sends the uploads back through the channel in client
-order. A backend only runs ``method.client_update`` for a list of ``ClientJob`` objects and returns
-one ``ClientResult`` per job, in the same order:
+order. A backend runs ``method.client_update`` for a list of ``ClientJob`` objects and returns one
+``ClientResult`` per job, in the same order; its ``map`` runs other independent work the same way
+(``fedsec attack`` fans its batches of targets out through it):
 
 * ``SequentialBackend``: one after another in this process, on the driver's workspace model (the
   default; what the engine always did);

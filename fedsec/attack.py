@@ -116,8 +116,8 @@ def run_attack(config: RunConfig, attack: str, attack_rounds: Iterable[int] = (0
     ``interceptors`` (e.g. a ``fedsec.defenses.FilterChain``) sit in the channel before the recorder,
     so the server sees their output; ``dp`` (a ``fedsec.defenses.DPConfig``) trains every client with
     DP-SGD and adds the per-client ε to the summary (``"dp"``). ``batched`` (default) optimises targets
-    that share a model together (``attacks.batching``: the same numbers as one by one, to float
-    rounding, several times faster); with ``config.backend == "ray"`` the batches run as Ray tasks."""
+    that share a model together (``attacks.batching``: every evaluation equal to one by one to float
+    rounding, several times faster; a stalled optimisation can end in another local minimum); with ``config.backend == "ray"`` the batches run as Ray tasks."""
     start = time.perf_counter()
     if attack not in ATTACKS:
         raise UserError(f"unknown attack {attack!r}; choose one of: {', '.join(ATTACKS)}")

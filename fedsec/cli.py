@@ -46,7 +46,7 @@ def train_options(func):
         click.option("--batch-size", type=int, default=10, show_default=True, help="Mini-batch size."),
         click.option("--seed", type=int, default=0, show_default=True, help="Seed for partition, init and training."),
         click.option("--arch", default=None, help="Model: cnn32, cnn28, cnn28-same, digits [default: by image size]."),
-        click.option("--threads", type=int, default=None, help="torch CPU threads [default: torch's]."),
+        click.option("--threads", type=int, default=None, help="torch CPU threads [default: torch's; fedsec attack: 1]."),
         click.option("--backend", type=click.Choice(["sequential", "ray"]), default="sequential", show_default=True,
                      help="Where client updates run: in this process, or as Ray tasks (pip install 'fedsec[ray]'). "
                           "Same seed and --threads give the same numbers under both."),
@@ -214,7 +214,8 @@ def compare(ctx, methods, seeds, out, **opts):
               help="--head-unknown: the attack does not use the classifier's update (private-head threat model).")
 @click.option("--batched/--no-batched", default=True, show_default=True,
               help="dlg/idlg/ig: optimise the targets that share a model (e.g. all of round 0) together in one "
-                   "vmapped batch; the same numbers as --no-batched (one by one), to float rounding.")
+                   "vmapped batch. Each evaluation equals --no-batched (one by one) to float rounding; a stalled "
+                   "optimisation (DLG on cnn28) can end in another local minimum.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder: attack.csv, summary.json, reconstructions.png [runs/attack-<attack>-<method>].")
 @click.pass_context
