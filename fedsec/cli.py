@@ -224,6 +224,9 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     """Train, intercept what the server sees, attack it, and score the result against what the client trained on.
 
     Example: fedsec attack dlg --method fedecouple   (round 0, 2 clients, one image each, one local step)
+
+    Training runs up to the last attacked round (max of --attack-rounds, + 1) unless --rounds is given;
+    torch runs one thread unless --threads is given.
     """
     from attacks.base import Budget
 
