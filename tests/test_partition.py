@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+import torch
 
 from fedecouple.data import make_partition
 from fedecouple.data.partition import weak_pathological_split
@@ -93,3 +94,24 @@ def test_summary_is_printable(mnist):
     labels = mnist.labels.numpy()
     text = make_partition(labels, 4, "pathological", seed=0).summary(labels)
     assert "client" in text and "total" in text and len(text.splitlines()) == 3 + 4
+
+
+def test_channel_stats_do_not_depend_on_the_thread_count():
+    """Normalisation statistics (and so every number of a run) must not change with torch's thread
+    count at load time: they are accumulated in float64 and rounded to float32."""
+    from fedecouple.data.dataset import channel_stats
+
+    images = torch.rand(3000, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = channel_stats(images)
+        torch.set_num_threads(2)
+        two = channel_stats(images)
+    finally:
+        torch.set_num_threads(previous)
+    assert one == two
+    exact = images.to(torch.float64)
+    want_mean = exact.mean(dim=(0, 2, 3)).to(torch.float32).tolist()
+    want_std = exact.std(dim=(0, 2, 3)).to(torch.float32).tolist()
+    assert list(one[0]) == want_mean and list(one[1]) == pytest.approx(want_std, rel=1e-7)

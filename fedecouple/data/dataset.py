@@ -45,8 +45,22 @@ class ImageDataset:
         return torch.bincount(self.labels, minlength=self.num_classes)
 
 
+STATS_CHUNK = 4096  # images per float64 chunk (CIFAR-size sets would need GBs in one piece)
+
+
 def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and std of a (N, C, H, W) tensor, used for the model's Normalize layer."""
-    mean = images.mean(dim=(0, 2, 3))
-    std = images.std(dim=(0, 2, 3)).clamp_min(1e-6)
-    return tuple(float(m) for m in mean), tuple(float(s) for s in std)
+    """Per-channel mean and (unbiased) std of a (N, C, H, W) tensor, for the model's Normalize layer.
+
+    Accumulated in float64 and rounded to float32, the precision of the Normalize layer: a float32
+    reduction's last bit depends on how torch splits it over threads, so the statistics, and with
+    them every number of a run, changed with the machine's default thread count at load time."""
+    n = images.shape[0] * images.shape[2] * images.shape[3]
+    total = torch.zeros(images.shape[1], dtype=torch.float64)
+    for chunk in images.split(STATS_CHUNK):
+        total += chunk.to(torch.float64).sum(dim=(0, 2, 3))
+    mean = total / n
+    squares = torch.zeros_like(total)
+    for chunk in images.split(STATS_CHUNK):
+        squares += ((chunk.to(torch.float64) - mean.view(1, -1, 1, 1)) ** 2).sum(dim=(0, 2, 3))
+    std = (squares / max(n - 1, 1)).sqrt().clamp_min(1e-6)
+    return (tuple(float(v) for v in mean.to(torch.float32)), tuple(float(v) for v in std.to(torch.float32)))
