@@ -48,21 +48,39 @@ def build_each(build: Callable[[object], object], observations: Sequence) -> lis
 
 def group_by_model(matchers: Sequence, max_batch: int = MAX_BATCH, batched: bool = True) -> list[list[int]]:
     """Indices of ``matchers`` in groups that share a model (in order, at most ``max_batch`` each;
-    one per group when ``batched`` is False). Entries that are ``None`` are left out."""
+    one per group when ``batched`` is False). Entries that are ``None`` are left out. Candidates are
+    bucketed by ``GradientMatcher.model_key`` first, so the tensors are compared only within a bucket."""
     groups: list[list[int]] = []
+    buckets: dict[tuple, list[list[int]]] = {}
     for i, matcher in enumerate(matchers):
         if matcher is None:
             continue
         if not batched:
             groups.append([i])
             continue
-        for group in groups:
+        candidates = buckets.setdefault(matcher.model_key, [])
+        for group in candidates:
             if len(group) < max_batch and matchers[group[0]].shares_model_with(matcher):
                 group.append(i)
                 break
         else:
-            groups.append([i])
+            candidates.append([i])
+            groups.append(candidates[-1])
     return groups
+
+
+def attack_by_model(build: Callable[[object], object], observations: Sequence, seeds: Sequence[int],
+                    optimise: Callable[[list, list[int]], list], batched: bool = True) -> list:
+    """The batched attacks' common loop: ``build(obs)`` each target (an object with a ``matcher``),
+    group the targets that share a model (one per group unless ``batched``), ``optimise(setups,
+    seeds)`` each group. One result per observation, in order; a target whose ``build`` raised
+    ``NotApplicable`` gets that exception instead."""
+    setups = build_each(build, observations)
+    results: list = list(setups)
+    for group in group_by_model([getattr(s, "matcher", None) for s in setups], batched=batched):
+        for i, result in zip(group, optimise([setups[i] for i in group], [seeds[i] for i in group])):
+            results[i] = result
+    return results
 
 
 def stack_targets(targets: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:

@@ -44,7 +44,7 @@ import torch
 from torch.func import grad_and_value, vmap
 
 from .base import AttackResult, Budget, Observation
-from .batching import BatchedLBFGS, build_each, group_by_model, stack_targets
+from .batching import BatchedLBFGS, attack_by_model, stack_targets
 from .observation import GradientMatcher
 
 LBFGS_LR = 1.0
@@ -190,21 +190,23 @@ def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int]) ->
 
     for k in range(n):
         begin(k)
+    members: list[int] = []
     while pending := lbfgs.pending():
-        rows = torch.tensor(pending)
+        if pending != members:  # the running targets change rarely: select their rows only then
+            members, rows = pending, torch.tensor(pending)
+            target = [t[rows] for t in targets]
+            fixed_labels = labels[rows] if fixed else None
         flat = lbfgs.x[rows]
         x = flat[:, :image_size].reshape(len(pending), *lead.shape)
-        target = [t[rows] for t in targets]
         if fixed:
-            gx, values = transform(x, labels[rows], target)
+            gx, values = transform(x, fixed_labels, target)
             grads = gx.reshape(len(pending), -1)
         else:
             y = flat[:, image_size:].reshape(len(pending), b, lead.num_classes)
             (gx, gy), values = transform(x, y, target)
             grads = torch.cat([gx.reshape(len(pending), -1), gy.reshape(len(pending), -1)], dim=1)
         told, losses, told_rows = [], [], []
-        for j, k in enumerate(pending):
-            value = float(values[j])
+        for j, (k, value) in enumerate(zip(pending, values.tolist())):
             run = runs[k]
             run["evals"] += 1
             if not np.isfinite(value):
@@ -241,12 +243,8 @@ def _run_dlg_many(observations: Sequence[Observation], budget: Budget, seeds: Se
                   fixed_labels: bool, name: str, batched: bool = True) -> list:
     """DLG on several targets; those that share a model are optimised together (``batched``).
     Returns one ``AttackResult`` per observation, or the ``NotApplicable`` it raised."""
-    setups = build_each(lambda obs: _setup(obs, budget, mode, fixed_labels, name), observations)
-    results: list = list(setups)  # NotApplicable stays where a target had nothing to attack
-    for group in group_by_model([getattr(s, "matcher", None) for s in setups], batched=batched):
-        for i, result in zip(group, _optimise([setups[i] for i in group], budget, [seeds[i] for i in group])):
-            results[i] = result
-    return results
+    return attack_by_model(lambda obs: _setup(obs, budget, mode, fixed_labels, name), observations, seeds,
+                           lambda setups, group_seeds: _optimise(setups, budget, group_seeds), batched)
 
 
 def _optimise_one(setup: _Setup, budget: Budget, seed: int) -> AttackResult:
@@ -263,7 +261,7 @@ def _optimise_one(setup: _Setup, budget: Budget, seed: int) -> AttackResult:
         x = torch.rand(setup.shape, generator=gen).requires_grad_(True)
         y = None if fixed else torch.randn((b, setup.num_classes), generator=gen).requires_grad_(True)
         opt = torch.optim.LBFGS([x] if fixed else [x, y], lr=LBFGS_LR)
-        run = {"objective": float("inf"), "images": None, "labels": None, "evals": 0, "diverged": False}
+        run = {"objective": float("inf"), "images": None, "labels": None, "evals": 0}
 
         def closure():
             if fixed:
@@ -275,7 +273,6 @@ def _optimise_one(setup: _Setup, budget: Budget, seed: int) -> AttackResult:
             objective = float(value)
             run["evals"] += 1
             if not np.isfinite(objective):
-                run["diverged"] = True
                 raise _Diverged
             if objective < run["objective"]:
                 run.update(objective=objective, images=x.detach().clone(),

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.func import grad_and_value, vmap
 
 from .base import AttackResult, Budget, Observation
-from .batching import build_each, group_by_model
+from .batching import attack_by_model
 from .dlg import _seed, idlg_labels
 from .observation import GradientMatcher, flat
 
@@ -195,11 +195,5 @@ def inverting_gradients_many(observations: Sequence[Observation], budget: Budget
     together (``attacks.batching``): the same optimisation per target as one by one, each evaluation
     equal to float rounding (which the sign step can occasionally flip). Returns one
     ``AttackResult`` per observation, or the ``NotApplicable`` it raised."""
-    setups = build_each(lambda obs: _setup(obs, budget, mode, tv_weight, lr), observations)
-    groups = group_by_model([getattr(s, "matcher", None) for s in setups], batched=batched)
-    results: list = list(setups)  # NotApplicable stays where a target had nothing to attack
-    for group in groups:
-        for i, result in zip(group, _optimise([setups[i] for i in group], budget, [seeds[i] for i in group],
-                                              tv_weight, lr)):
-            results[i] = result
-    return results
+    return attack_by_model(lambda obs: _setup(obs, budget, mode, tv_weight, lr), observations, seeds,
+                           lambda setups, group_seeds: _optimise(setups, budget, group_seeds, tv_weight, lr), batched)

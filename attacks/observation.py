@@ -37,6 +37,7 @@ step; with one step replay and scaled gradient are the same computation, and it 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -264,16 +265,19 @@ class GradientMatcher:
         factor = -1.0 / (hp.lr * max(hp.steps, 1))
         return [factor * (current[n] - start[n]) for n in self.names]
 
+    @functools.cached_property
+    def model_key(self) -> tuple:
+        """Everything ``shares_model_with`` compares except tensor values, hashable (for bucketing)."""
+        hp = self.hyperparameters
+        return (self.mode, tuple(self.names), None if hp is None else (hp.lr, hp.steps, hp.batch_size),
+                self.scale_known, self.observation.image_shape, self.observation.num_classes,
+                type(self.model).__name__, str(self.model), getattr(self.model, "arch", None))
+
     def shares_model_with(self, other: "GradientMatcher") -> bool:
         """Whether ``other``'s dummy quantity is the same function of (x, y) as this one's: same
         before-state, buffers, attacked parameters, mode, hyperparameters and architecture. Targets that share
         a model can be attacked in one batched optimisation (``attacks.batching``)."""
-        if (self.mode, self.names, self.hyperparameters, self.scale_known, self.observation.image_shape,
-                self.observation.num_classes) != (other.mode, other.names, other.hyperparameters, other.scale_known,
-                                                  other.observation.image_shape, other.observation.num_classes):
-            return False
-        if (type(self.model) is not type(other.model) or str(self.model) != str(other.model)
-                or getattr(self.model, "arch", None) != getattr(other.model, "arch", None)):
+        if self.model_key != other.model_key or type(self.model) is not type(other.model):
             return False
         # buffers too: functional_call takes them (e.g. the normalisation's mean and std) from one model
         buffers, other_buffers = dict(self.model.named_buffers()), dict(other.model.named_buffers())

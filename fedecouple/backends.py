@@ -230,13 +230,20 @@ class RayBackend(Backend):
             else:
                 start_local_ray(num_cpus)
             self._started = True
-        cpus = self.ray.cluster_resources().get("CPU", 0)
-        if self.threads > cpus:
+        try:
+            self._check_cpus(self.threads, "client update")
+        except UserError:
             self.close()
-            raise UserError(f"--threads {self.threads} asks more CPUs per client update than the Ray cluster has "
-                            f"({cpus:g}); lower --threads")
+            raise
         self._task = self.ray.remote(_ray_task).options(num_cpus=self.threads)
         self._data: tuple[ImageDataset, object, object] | None = None
+
+    def _check_cpus(self, threads: int, per: str) -> None:
+        """A task reserving more CPUs than the cluster has would wait forever: say so instead."""
+        cpus = self.ray.cluster_resources().get("CPU", 0)
+        if threads > cpus:
+            raise UserError(f"--threads {threads} asks more CPUs per {per} than the Ray cluster has ({cpus:g}); "
+                            f"lower --threads")
 
     def workers(self) -> int:
         """How many updates can run at once on the cluster."""
@@ -271,10 +278,7 @@ class RayBackend(Backend):
             raise
 
     def map(self, function, arguments, threads=1, on_result=None):
-        cpus = self.ray.cluster_resources().get("CPU", 0)
-        if threads > cpus:
-            raise UserError(f"--threads {threads} asks more CPUs per task than the Ray cluster has ({cpus:g}); "
-                            f"lower --threads")
+        self._check_cpus(threads, "task")
         remote = self.ray.remote(_call_with_threads).options(num_cpus=threads)
         function_ref = self.ray.put(function)
         refs = [remote.remote(function_ref, args, threads) for args in arguments]
