@@ -108,12 +108,20 @@ def default_architecture(channels: int, image_size: int) -> str:
     raise UserError(f"no model for {channels}x{image_size}x{image_size} images; supported sizes: 32, 28, 8")
 
 
-def build_model(arch: str, channels: int, image_size: int, num_classes: int, mean, std) -> SplitModel:
+def check_architecture(arch: str, image_size: int) -> None:
+    """A one-line UserError unless ``arch`` exists and takes ``image_size`` images."""
     if arch not in _BUILDERS:
         raise UserError(f"unknown model {arch!r}; choose one of: {', '.join(ARCHITECTURES)}")
-    builder, size, feat = _BUILDERS[arch]
+    size = _BUILDERS[arch][1]
     if size != image_size:
-        raise UserError(f"model {arch} expects {size}x{size} images, the data set has {image_size}x{image_size}")
+        fits = " or ".join(a for a, (_, s, _) in _BUILDERS.items() if s == image_size) or "none"
+        raise UserError(f"model {arch} expects {size}x{size} images, the data set has {image_size}x{image_size}; "
+                        f"use --arch {fits}, or omit --arch")
+
+
+def build_model(arch: str, channels: int, image_size: int, num_classes: int, mean, std) -> SplitModel:
+    check_architecture(arch, image_size)
+    builder, _, feat = _BUILDERS[arch]
     return SplitModel(builder(channels), nn.Linear(feat, num_classes), mean, std, arch)
 
 

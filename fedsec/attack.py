@@ -132,7 +132,10 @@ def run_attack(config: RunConfig, attack: str, attack_rounds: Iterable[int] = (0
         raise UserError(f"--victim-batch must be >= 0 and --victim-steps >= 1 (got {victim_batch}, {victim_steps})")
     budget = budget or Budget(iterations=DEFAULT_ITERATIONS[attack])
     if budget.iterations < 1 or budget.restarts < 1 or budget.batch < 1 or (images is not None and images < 1):
-        raise UserError("--iterations, --restarts and the number of images must be at least 1")
+        bad = [f"{flag} {value}" for flag, value in (("--iterations", budget.iterations), ("--restarts", budget.restarts),
+                                                      ("--images", images if images is not None else budget.batch))
+               if value < 1]
+        raise UserError(f"{', '.join(bad)}: must be at least 1")
     n_rounds = max(rounds) + 1 if train_rounds is None else int(train_rounds)
     if n_rounds <= max(rounds):
         raise UserError(f"--rounds {n_rounds} stops before attack round {max(rounds)} (rounds count from 0)")
@@ -227,7 +230,8 @@ def _run(config: RunConfig, attack, rounds, targets, budget, victim_batch, victi
                 target_notes.setdefault(note, []).append((r, c))
             per_target.append({"round": r, "client": c, "mode": used,
                                "objective": io.finite(float(result.trace.get("objective", float("nan")))),
-                               "seconds": round(float(result.trace.get("seconds", float("nan"))), 3)})
+                               "seconds": round(float(result.trace.get("seconds", float("nan"))), 3),
+                               "batched_with": int(result.trace.get("batched_with", 1))})
             # ---- scoring: ground truth is read only here, after the attack returned ----
             idx = torch.from_numpy(ground_truth.samples(r, c))
             truths, truth_labels = dataset.images[idx], dataset.labels[idx]

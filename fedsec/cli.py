@@ -46,7 +46,7 @@ def train_options(func):
         click.option("--batch-size", type=int, default=10, show_default=True, help="Mini-batch size."),
         click.option("--seed", type=int, default=0, show_default=True, help="Seed for partition, init and training."),
         click.option("--arch", default=None, help="Model: cnn32, cnn28, cnn28-same, digits [default: by image size]."),
-        click.option("--threads", type=int, default=None, help="torch CPU threads [default: torch's; fedsec attack: 1]."),
+        click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: torch's; fedsec attack: 1]."),
         click.option("--backend", type=click.Choice(["sequential", "ray"]), default="sequential", show_default=True,
                      help="Where client updates run: in this process, or as Ray tasks (pip install 'fedsec[ray]'). "
                           "Same seed and --threads give the same numbers under both."),

@@ -31,7 +31,6 @@ headline columns).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -85,7 +84,9 @@ class AttackSettings:
                 "restarts": int(self.restarts), "images": int(self.images),
                 # the textbook setting for gradient attacks (one step on one image); the method's
                 # real local training for proto and labels — as `fedsec attack` does by default
-                "victim_batch": 1 if attack in GRADIENT else 0, "victim_steps": 1}
+                "victim_batch": 1 if attack in GRADIENT else 0, "victim_steps": 1,
+                # batching moves DLG's numbers slightly: stages from before it are not reused
+                "batched": attack in GRADIENT}
 
 
 @dataclass
@@ -259,13 +260,6 @@ def copy_stage(source: Path, stage: Stage) -> None:
 # ----------------------------------------------------------------------------------------------
 # running stages
 # ----------------------------------------------------------------------------------------------
-def _attack_available(attack: str) -> str | None:
-    module = {"proto": "attacks.proto", "labels": "attacks.labels"}.get(attack)
-    if module and importlib.util.find_spec(module) is None:
-        return f"{module.replace('.', '/')}.py is not part of this installation"
-    return None
-
-
 def _uploaded_kinds(method: str, out: Path) -> set[str] | None:
     try:
         frame = pd.read_csv(out / method / "audit" / "audit.csv")
@@ -324,7 +318,7 @@ def run_stage(stage: Stage, out: Path) -> tuple[str, str | None]:
                                  budget=Budget(iterations=spec["iterations"], restarts=spec["restarts"],
                                                batch=spec["images"]),
                                  victim_batch=spec["victim_batch"], victim_steps=spec["victim_steps"], out=path,
-                                 progress=False)
+                                 progress=False, batched=spec["batched"])
         except UserError as exc:
             reason = str(exc)
         else:
@@ -534,13 +528,6 @@ def _run(base, methods, attacks, settings, out, reuse_dirs, stages, progress, co
             for stale in st.path.parent.glob(f".{st.path.name}.partial"):
                 shutil.rmtree(stale, ignore_errors=True)
             source = "computed"
-            missing = _attack_available(st.attack) if st.attack else None
-            if missing:  # no done.json: a later run with the module installed runs it
-                say(f"{label}: unavailable ({missing})")
-                records.append({"method": st.method, "stage": st.name, "status": "unavailable",
-                                "seconds": None, "source": "-"})
-                bar.update(1)
-                continue
             if stage_complete(st):
                 source = "done earlier"
             elif (found := find_reusable(st, done_dirs, train_dirs)) is not None:
@@ -569,13 +556,7 @@ def _run(base, methods, attacks, settings, out, reuse_dirs, stages, progress, co
             bar.update(1)
     finally:
         bar.close()
-    # attacks whose module is missing are reported without a done.json, so a later run retries them
     summary, results, findings, grids, details = assemble(stages, methods, attacks, out)
-    for a in attacks:
-        missing = _attack_available(a)
-        col = f"{a}_status"
-        if missing and col in summary:
-            summary.loc[summary[col] != "done", col] = f"unavailable: {missing}"
     for (m, name), reason in failed.items():
         if name.startswith("attack-"):
             summary.loc[summary["method"] == m, f"{name[len('attack-'):]}_status"] = f"failed: {reason}"

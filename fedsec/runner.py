@@ -24,6 +24,7 @@ from fedecouple.engine import Federation, FederationConfig, GroundTruth, VictimS
 from fedecouple.errors import UserError
 from fedecouple.methods import METHODS, make_method
 from fedecouple.methods.base import Method, TrainConfig
+from fedecouple.models import check_architecture
 
 from . import io
 from .versions import package_versions
@@ -102,6 +103,8 @@ def prepare(config: RunConfig) -> Prepared:
     if config.backend == "ray":
         import_ray()  # a missing extra fails here, before anything is written
     dataset = load_dataset(config.dataset, config.data_dir, config.download)
+    if config.arch:  # before anything trains or is written (report, defend and attack all start here)
+        check_architecture(config.arch, dataset.image_size)
     partition = make_partition(dataset.labels.numpy(), config.clients, config.partition,
                                num_classes=dataset.num_classes, classes_per_client=config.classes_per_client,
                                s=config.s, samples_per_client=config.samples_per_client, beta=config.beta,

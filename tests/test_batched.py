@@ -129,4 +129,8 @@ def test_the_harness_batches_by_default_and_says_so(tmp_path):
     assert summary["budget"]["batched"] is True
     frame = pd.read_csv(tmp_path / "b" / "attack.csv")
     assert len(frame) == 3 and frame["psnr"].notna().all()
+    # the three round-0 targets share the initial model: one optimisation of three
+    assert [t["batched_with"] for t in summary["per_target"]] == [3, 3, 3]
     assert all(t["seconds"] > 0 for t in summary["per_target"])
+    one = run_attack(config, "idlg", targets=3, budget=Budget(iterations=5), progress=False, batched=False)
+    assert [t["batched_with"] for t in one["per_target"]] == [1, 1, 1]
