@@ -137,11 +137,6 @@ class Recorder(Interceptor):
                 found = (rnd, upload)
         return None if found is None else found[1]
 
-    def clear(self) -> None:
-        self.exchanges.clear()
-        self._pending.clear()
-        self._latest.clear()
-
 
 class ServerChannel:
     """Carries downloads and uploads through the interceptor chain, in registration order."""
@@ -151,10 +146,6 @@ class ServerChannel:
         self.recorder = recorder if recorder is not None else Recorder(rounds=(), remember_latest=False)
         self.bytes_down = 0
         self.bytes_up = 0
-
-    def add(self, interceptor: Interceptor) -> Interceptor:
-        self.interceptors.append(interceptor)
-        return interceptor
 
     def _pass(self, message: Message, hook: str, kind: type) -> Message | None:
         for interceptor in self.interceptors:
@@ -175,8 +166,10 @@ class ServerChannel:
         return None if out is None else out.copy()
 
     def upload(self, message: Upload) -> Upload | None:
-        """Client → server. Recorded as received, after every interceptor; ``None`` if dropped."""
-        out = self._pass(message.copy(), "on_upload", Upload)
+        """Client → server. Recorded as received, after every interceptor; ``None`` if dropped. The
+        client's message itself is never touched (each interceptor and the recorder get copies), and
+        the server gets its own copy."""
+        out = self._pass(message, "on_upload", Upload)
         if out is None:
             return None
         self.bytes_up += out.nbytes
