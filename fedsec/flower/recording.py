@@ -21,7 +21,8 @@ Numbering, documented once here and in every message's metadata:
 
 * client id: node ids are random 64-bit integers in Flower; a node's client id is its rank among the
   node ids the grid reported, in ascending order, as first seen (in simulation all nodes are known from
-  the first round, so client ids are 0..N-1 in node-id order). ``client_ids`` holds the mapping;
+  the first round, so client ids are 0..N-1 in node-id order). ``client_ids`` holds the mapping.
+  ``fedsec.flower.simulate`` renames them to the nodes' partition ids after the run (stable across runs);
 * rounds: Flower's round r (from 1) is fedsec's round r − 1 (from 0, the round answered at the initial
   weights), so "round 0" means the same thing for both engines.
 

@@ -26,6 +26,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +56,7 @@ class FlowerRun:
     declaration: Declaration
     recorder: Recorder
     ground_truth: GroundTruth  # harness-only: which pool images each (round, client) trained on
-    clients: dict[int, dict]  # client id → {"node_id", "partition_id"} (harness-only: the partition id)
+    clients: dict[int, dict]  # client id → {"node_id", "partition_id"} (see _name_clients_by_partition)
     nodes: int
     seconds: float
     notes: list[str] = field(default_factory=list)
@@ -101,11 +102,7 @@ def _audit_server_app(app: ServerApp, run_config: dict) -> ServerApp:
     return audit
 
 
-_ENVIRONMENT = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    # Ray's current behaviour on CPU-only machines, without its FutureWarning about changing it
-    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
-}
+_ENVIRONMENT = {"FLWR_TELEMETRY_ENABLED": "0"}
 
 
 @contextmanager
@@ -122,7 +119,10 @@ def _offline_and_quiet(quiet: bool) -> Iterator[None]:
     if quiet:
         FLOWER_LOGGER.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():
+            if quiet:  # ray.init's notice about a future default for GPU visibility
+                warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
+            yield
     finally:
         telemetry.FLWR_TELEMETRY_ENABLED = saved_flag
         FLOWER_LOGGER.setLevel(saved_level)
@@ -182,24 +182,32 @@ def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict 
         raise UserError(f"the app's ClientApp failed on client {first['client']} in round {first['round']} "
                         f"({len(strategy.failures)} failure(s)): {reason[:300]}; run the app with `flwr run` to debug it")
     check_traffic(declaration, recorder)
+    clients = _name_clients_by_partition(recorder, strategy.client_ids.nodes(), records)
     ground_truth = GroundTruth(rounds=rounds)
-    clients: dict[int, dict] = {cid: {"node_id": node, "partition_id": None}
-                                for cid, node in strategy.client_ids.nodes().items()}
-    by_message = {r["message_id"]: r for r in records.values()}
     for (round, client), exchange in sorted(recorder.exchanges.items()):
-        if exchange.upload is None:
-            continue
-        record = by_message.get(exchange.upload.meta.get("reply_to_message_id"))
-        if record is None:
-            continue
-        clients[client]["partition_id"] = record["partition_id"]
-        training_set = record["training_set"]
-        ground_truth.record(round, client, batches_of(record), None, training_set)
+        record = None if exchange.upload is None else records.get(exchange.upload.meta.get("reply_to_message_id"))
+        if record is not None:
+            ground_truth.record(round, client, batches_of(record), None, record["training_set"])
     notes = []
     if not any(ground_truth.batches.values()):
         notes.append("the app reported no training batches to fedsec.flower.log_batch: attacks cannot be scored")
     return FlowerRun(app, config, declaration, recorder, ground_truth, clients, nodes,
                      time.perf_counter() - start, notes)
+
+
+def _name_clients_by_partition(recorder: Recorder, nodes: dict[int, int], records: dict[str, dict]) -> dict[int, dict]:
+    """Rename the recorded clients from node-id ranks to the nodes' partition ids where every node reported
+    one (simulation), so that client c is the node holding partition c, as client c of fedsec's engine,
+    and the same seed picks the same targets in every run (Flower's node ids are random). The partition
+    id only names a node: nothing an attack reads depends on it. Returns client id → {node_id, partition_id}."""
+    partition_of = {int(r["node_id"]): r["partition_id"] for r in records.values()}
+    recorded = {cid for _, cid in recorder.exchanges}
+    if recorded and all(partition_of.get(nodes[cid]) is not None for cid in recorded):
+        mapping = {cid: int(partition_of[nodes[cid]]) for cid in recorded}
+        if len(set(mapping.values())) == len(mapping):
+            recorder.relabel(mapping)
+            return {mapping[cid]: {"node_id": nodes[cid], "partition_id": mapping[cid]} for cid in sorted(recorded)}
+    return {cid: {"node_id": nodes[cid], "partition_id": partition_of.get(nodes[cid])} for cid in sorted(recorded)}
 
 
 def _run(app: FlowerApp, config: dict, server_app, client_app, nodes: int, recorder: Recorder, interceptors: list,
