@@ -1,57 +1,44 @@
-"""Attacks on what the channel carried. Every attack is ``attack(observation, budget, seed) -> AttackResult``
-(see ``attacks.base``); gradient attacks also take ``mode`` (auto, replay, scaled).
+"""Attacks on what the channel carried.
 
-``ATTACKS`` maps the CLI names to the one-target functions. ``attack_many`` runs an attack on a
-list of observations: the gradient attacks batch the targets that share a model
-(``attacks.batching``), the others run one by one.
+Every attack is declared once as an ``AttackSpec`` in the registry (``attacks.registry``): its
+one-target function ``attack(observation, budget, seed) -> AttackResult`` (see ``attacks.base``),
+how it plans many targets, its kind and defaults, which uploads it applies to and how its result
+is scored (``attacks.metrics``). Importing this package registers the attacks below.
+
+Adding an attack: one file that defines its functions and calls ``register(AttackSpec(...))``,
+plus one import line here.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from . import dlg as _dlg, ig as _ig  # the submodules keep their names: attacks.dlg is the module
+from . import dlg, ig, labels, proto  # noqa: F401  (each registers its attacks)
 from .base import AttackResult, Budget, LocalHyperparameters, NotApplicable, Observation
-from .batching import build_each, group_by_model
-from .observation import GradientMatcher
-from .labels import label_inference, score_label_distribution
-from .proto import prototype_inversion
-
-GRADIENT_ATTACKS = ("dlg", "idlg", "ig")
-
-ATTACKS = {"dlg": _dlg.dlg, "idlg": _dlg.idlg, "ig": _ig.inverting_gradients, "proto": prototype_inversion,
-           "labels": label_inference}
-_MANY = {"dlg": _dlg.dlg_many, "idlg": _dlg.idlg_many, "ig": _ig.inverting_gradients_many}
+from .batching import Batch, plan_one_by_one, run_plan
+from .registry import ATTACKS, AttackSpec, get, names, register, unregister
 
 
-def plan_batches(name: str, observations: Sequence[Observation], mode: str = "auto",
-                 batched: bool = True) -> list[list[int]]:
-    """How ``attack_many`` would group ``observations``: index lists, each attacked in one optimisation
-    (targets sharing a model, for the gradient attacks; one each otherwise). A harness can hand each
-    group to ``attack_many`` separately (e.g. as parallel tasks) and get the same numbers."""
-    if name not in _MANY or not batched:
-        return [[i] for i in range(len(observations))]
-    matchers = build_each(lambda obs: GradientMatcher(obs, mode), observations)
-    usable = [m if isinstance(m, GradientMatcher) else None for m in matchers]
-    groups = group_by_model(usable) + [[i] for i, m in enumerate(usable) if m is None]
-    return sorted(groups)
+def plan(name: str, observations: Sequence[Observation], budget: Budget, mode: str = "auto",
+         batched: bool = True) -> tuple[list[Batch], dict[int, NotApplicable]]:
+    """How ``attack_many`` runs ``observations``: ``(batches, failed)``. Each ``Batch`` is one
+    optimisation (targets sharing a model, for the gradient attacks; one target otherwise) that a
+    harness may run anywhere (e.g. as a Ray task) with the same numbers; ``failed`` maps the
+    positions of targets with nothing to attack to their ``NotApplicable``."""
+    spec = get(name)
+    if spec.plan is None:
+        return plan_one_by_one(spec.attack_one, observations, budget)
+    return spec.plan(observations, budget, mode, batched)
 
 
 def attack_many(name: str, observations: Sequence[Observation], budget: Budget, seeds: Sequence[int],
                 mode: str = "auto", batched: bool = True) -> list[AttackResult | NotApplicable]:
-    """``ATTACKS[name]`` on every observation (seed i for observation i): one result per observation,
+    """Attack ``name`` on every observation (seed i for observation i): one result per observation,
     or the ``NotApplicable`` it raised. ``batched`` lets the gradient attacks optimise the targets
     that share a model together (each evaluation equal to one by one to float rounding; a stalled
     optimisation can end in another local minimum)."""
-    if name in _MANY:
-        return _MANY[name](observations, budget, seeds, mode=mode, batched=batched)
-    out: list[AttackResult | NotApplicable] = []
-    for obs, seed in zip(observations, seeds):
-        try:
-            out.append(ATTACKS[name](obs, budget, seed))
-        except NotApplicable as exc:
-            out.append(exc)
-    return out
+    batches, failed = plan(name, observations, budget, mode, batched)
+    return run_plan(batches, failed, seeds, len(observations))
 
 
-__all__ = ["ATTACKS", "GRADIENT_ATTACKS", "AttackResult", "Budget", "LocalHyperparameters", "NotApplicable",
-           "Observation", "attack_many", "plan_batches", "score_label_distribution"]
+__all__ = ["ATTACKS", "AttackResult", "AttackSpec", "Batch", "Budget", "LocalHyperparameters", "NotApplicable",
+           "Observation", "attack_many", "get", "names", "plan", "register", "unregister"]

@@ -9,10 +9,11 @@ harness, after the attack returns.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
+from fedecouple.methods.base import FieldSpec, Method
 from fedecouple.models import SplitModel
 
 
@@ -27,7 +28,10 @@ class LocalHyperparameters:
 
 @dataclass
 class Observation:
-    method: str
+    """The server's view of one client in one round. The tensors are the recorder's own (not
+    copies): attacks read them and never write to them."""
+
+    method: Method  # the protocol the client follows: its name, manifest, persistent groups, replay facts
     round: int
     client_id: int
     download: dict[str, torch.Tensor]
@@ -38,10 +42,10 @@ class Observation:
     num_classes: int
     known_hyperparameters: LocalHyperparameters | None = None  # None: the server does not know them
     head_known: bool = True  # False: the client's classifier is private (FedPer/FedRep)
-    notes: list[str] = field(default_factory=list)
-    # the method's parameter groups the client keeps across rounds (Method.persistent_groups): their
-    # before-state is the client's previous upload, not the download
-    persistent_groups: tuple[str, ...] = ()
+
+    def manifest(self) -> list[FieldSpec]:
+        """The fields the method declares it uploads (``Method.manifest``)."""
+        return self.method.manifest(self.make_model())
 
 
 @dataclass
@@ -57,12 +61,6 @@ class AttackResult:
     labels: torch.Tensor  # (B,) predicted labels, -1 where the attack gives none
     trace: dict = field(default_factory=dict)  # loss history, chosen mode, timings
     notes: list[str] = field(default_factory=list)  # plain sentences for the user
-
-
-class Attack(Protocol):
-    name: str
-
-    def __call__(self, observation: Observation, budget: Budget, seed: int) -> AttackResult: ...
 
 
 class NotApplicable(Exception):

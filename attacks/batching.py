@@ -24,6 +24,8 @@ A run is reproducible: the same targets give the same batches.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -32,6 +34,19 @@ from .base import NotApplicable
 
 # targets per batched optimisation: memory grows linearly with it, throughput stops improving
 MAX_BATCH = 32
+
+
+@dataclass
+class Batch:
+    """Targets attacked in one optimisation: their positions in the planned list, and the work.
+    ``work(seeds)`` returns one result per target; it is a ``functools.partial`` of module-level
+    functions over the targets' prepared setups, so a backend can ship it to another process."""
+
+    indices: list[int]
+    work: Callable[[list[int]], list]
+
+    def run(self, seeds: Sequence[int]) -> list:
+        return self.work(list(seeds))
 
 
 def build_each(build: Callable[[object], object], observations: Sequence) -> list:
@@ -69,16 +84,38 @@ def group_by_model(matchers: Sequence, max_batch: int = MAX_BATCH, batched: bool
     return groups
 
 
-def attack_by_model(build: Callable[[object], object], observations: Sequence, seeds: Sequence[int],
-                    optimise: Callable[[list, list[int]], list], batched: bool = True) -> list:
-    """The batched attacks' common loop: ``build(obs)`` each target (an object with a ``matcher``),
-    group the targets that share a model (one per group unless ``batched``), ``optimise(setups,
-    seeds)`` each group. One result per observation, in order; a target whose ``build`` raised
-    ``NotApplicable`` gets that exception instead."""
-    setups = build_each(build, observations)
-    results: list = list(setups)
-    for group in group_by_model([getattr(s, "matcher", None) for s in setups], batched=batched):
-        for i, result in zip(group, optimise([setups[i] for i in group], [seeds[i] for i in group])):
+def plan_by_model(prepare: Callable[[object], object], optimise: Callable[[list, list[int]], list],
+                  observations: Sequence, batched: bool = True) -> tuple[list[Batch], dict[int, NotApplicable]]:
+    """The batched attacks' plan: ``prepare(obs)`` each target once (an object with a ``matcher``),
+    group the targets that share a model (one per group unless ``batched``), one ``Batch`` per
+    group running ``optimise(setups, seeds)``. Targets whose ``prepare`` raised ``NotApplicable``
+    are returned apart, by position."""
+    setups = build_each(prepare, observations)
+    failed = {i: s for i, s in enumerate(setups) if isinstance(s, NotApplicable)}
+    groups = group_by_model([None if i in failed else s.matcher for i, s in enumerate(setups)], batched=batched)
+    batches = [Batch(sorted(group), functools.partial(optimise, [setups[i] for i in sorted(group)])) for group in groups]
+    return sorted(batches, key=lambda b: b.indices), failed
+
+
+def _attack_alone(attack_one: Callable, observation, budget, seeds: list[int]) -> list:
+    try:
+        return [attack_one(observation, budget, seeds[0])]
+    except NotApplicable as exc:
+        return [exc]
+
+
+def plan_one_by_one(attack_one: Callable, observations: Sequence, budget) -> tuple[list[Batch], dict]:
+    """The plan of an attack without a batched form: one ``Batch`` per target (``NotApplicable``
+    comes back as that target's result)."""
+    return [Batch([i], functools.partial(_attack_alone, attack_one, obs, budget))
+            for i, obs in enumerate(observations)], {}
+
+
+def run_plan(batches: Sequence[Batch], failed: dict, seeds: Sequence[int], count: int) -> list:
+    """Run every batch here, in order: one result (or ``NotApplicable``) per target."""
+    results: list = [failed.get(i) for i in range(count)]
+    for batch in batches:
+        for i, result in zip(batch.indices, batch.run([seeds[i] for i in batch.indices])):
             results[i] = result
     return results
 

@@ -27,7 +27,7 @@ pattern exactly). For a batch of B > 1 images (not covered by iDLG) the classes 
 sums are taken, B labels spread over them in proportion to |row sum| (a heuristic, noted).
 Without a classifier update (private head) iDLG falls back to DLG's joint label and says so.
 
-**Many targets.** ``dlg_many``/``idlg_many`` attack a list of observations. Targets that share a
+**Many targets.** ``plan``/``plan_idlg`` prepare a list of observations. Targets that share a
 model (``attacks.batching``) are optimised together: torch's L-BFGS algorithm with one state per
 target, vectorised (``BatchedLBFGS``), their objectives evaluated in one ``torch.func.vmap`` call.
 One target (``dlg``, or a group of one) runs torch's own ``LBFGS`` (``_optimise_one``), which
@@ -35,6 +35,7 @@ One target (``dlg``, or a group of one) runs torch's own ``LBFGS`` (``_optimise_
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -44,7 +45,8 @@ import torch
 from torch.func import grad_and_value, vmap
 
 from .base import AttackResult, Budget, Observation
-from .batching import BatchedLBFGS, attack_by_model, stack_targets
+from .batching import Batch, BatchedLBFGS, plan_by_model, stack_targets
+from .registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
 from .observation import GradientMatcher
 
 LBFGS_LR = 1.0
@@ -239,14 +241,6 @@ def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int]) ->
             for k, setup in enumerate(setups)]
 
 
-def _run_dlg_many(observations: Sequence[Observation], budget: Budget, seeds: Sequence[int], mode: str,
-                  fixed_labels: bool, name: str, batched: bool = True) -> list:
-    """DLG on several targets; those that share a model are optimised together (``batched``).
-    Returns one ``AttackResult`` per observation, or the ``NotApplicable`` it raised."""
-    return attack_by_model(lambda obs: _setup(obs, budget, mode, fixed_labels, name), observations, seeds,
-                           lambda setups, group_seeds: _optimise(setups, budget, group_seeds), batched)
-
-
 def _optimise_one(setup: _Setup, budget: Budget, seed: int) -> AttackResult:
     """One target with torch's own L-BFGS (the reference ``BatchedLBFGS`` reproduces)."""
     start_time = time.perf_counter()
@@ -339,13 +333,26 @@ def idlg(observation: Observation, budget: Budget, seed: int, mode: str = "auto"
     return _run_dlg(observation, budget, seed, mode, fixed_labels=True, name="idlg")
 
 
-def dlg_many(observations: Sequence[Observation], budget: Budget, seeds: Sequence[int], mode: str = "auto",
-             batched: bool = True) -> list[AttackResult]:
-    """``dlg`` on every observation (seed i for observation i), batched where targets share a model."""
-    return _run_dlg_many(observations, budget, seeds, mode, False, "dlg", batched)
+def _optimise_group(budget: Budget, setups: Sequence[_Setup], seeds: Sequence[int]) -> list[AttackResult]:
+    return _optimise(setups, budget, seeds)
 
 
-def idlg_many(observations: Sequence[Observation], budget: Budget, seeds: Sequence[int], mode: str = "auto",
-              batched: bool = True) -> list[AttackResult]:
-    """``idlg`` on every observation (seed i for observation i), batched where targets share a model."""
-    return _run_dlg_many(observations, budget, seeds, mode, True, "idlg", batched)
+def plan(observations: Sequence[Observation], budget: Budget, mode: str = "auto", batched: bool = True, *,
+         fixed_labels: bool = False, name: str = "dlg") -> tuple[list[Batch], dict]:
+    """DLG (or iDLG with ``fixed_labels``) on many targets: one ``Batch`` per group of targets that
+    share a model (``attacks.batching``), each optimised together by ``BatchedLBFGS``."""
+    prepare = functools.partial(_setup, budget=budget, mode=mode, fixed_labels=fixed_labels, name=name)
+    return plan_by_model(prepare, functools.partial(_optimise_group, budget), observations, batched)
+
+
+def plan_idlg(observations: Sequence[Observation], budget: Budget, mode: str = "auto",
+              batched: bool = True) -> tuple[list[Batch], dict]:
+    return plan(observations, budget, mode, batched, fixed_labels=True, name="idlg")
+
+
+register(AttackSpec("dlg", "gradient", "Deep Leakage from Gradients: image and soft label by L-BFGS gradient matching",
+                    dlg, plan, default_iterations=300, default_victim_batch=1, applies_to=WEIGHT_KINDS,
+                    scoring="images", needs="model weights", hint=GRADIENT_HINT))
+register(AttackSpec("idlg", "gradient", "improved DLG: the label from the classifier's gradient, then DLG",
+                    idlg, plan_idlg, default_iterations=300, default_victim_batch=1, applies_to=WEIGHT_KINDS,
+                    scoring="images", needs="model weights", hint=GRADIENT_HINT))

@@ -24,7 +24,7 @@ weight was chosen among {0.1, 0.01, 0.001} on a *tuning* federation (mnist5k, se
 round 0, one image, one step, 1000 iterations: 21.8 / 33.9 / 30.1 dB) and is reported on seed 0
 (BENCHMARKS.md, with the whole sweep).
 
-Many targets: ``inverting_gradients_many`` optimises the targets that share a model
+Many targets: ``plan`` groups the targets that share a model
 (``attacks.batching``) as one stacked batch; Adam and the sign step are element-wise, so each target
 gets the same optimisation as alone. One target is simply a batch of one.
 
@@ -34,6 +34,7 @@ code for batches.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -43,7 +44,8 @@ import torch.nn.functional as F
 from torch.func import grad_and_value, vmap
 
 from .base import AttackResult, Budget, Observation
-from .batching import attack_by_model
+from .batching import Batch, plan_by_model
+from .registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
 from .dlg import _seed, idlg_labels
 from .observation import GradientMatcher, flat
 
@@ -188,12 +190,20 @@ def inverting_gradients(observation: Observation, budget: Budget, seed: int, mod
     return result
 
 
-def inverting_gradients_many(observations: Sequence[Observation], budget: Budget, seeds: Sequence[int],
-                             mode: str = "auto", batched: bool = True, tv_weight: float = TV_WEIGHT,
-                             lr: float = LR) -> list[AttackResult]:
-    """IG on every observation (seed i for observation i); targets that share a model are optimised
-    together (``attacks.batching``): the same optimisation per target as one by one, each evaluation
-    equal to float rounding (which the sign step can occasionally flip). Returns one
-    ``AttackResult`` per observation, or the ``NotApplicable`` it raised."""
-    return attack_by_model(lambda obs: _setup(obs, budget, mode, tv_weight, lr), observations, seeds,
-                           lambda setups, group_seeds: _optimise(setups, budget, group_seeds, tv_weight, lr), batched)
+def _optimise_group(budget: Budget, tv_weight: float, lr: float, setups: Sequence[_Setup],
+                    seeds: Sequence[int]) -> list[AttackResult]:
+    return _optimise(setups, budget, seeds, tv_weight, lr)
+
+
+def plan(observations: Sequence[Observation], budget: Budget, mode: str = "auto", batched: bool = True,
+         tv_weight: float = TV_WEIGHT, lr: float = LR) -> tuple[list[Batch], dict]:
+    """IG on many targets: one ``Batch`` per group of targets that share a model
+    (``attacks.batching``), optimised as one stacked Adam: the same optimisation per target as one by
+    one, each evaluation equal to float rounding (which the sign step can occasionally flip)."""
+    prepare = functools.partial(_setup, budget=budget, mode=mode, tv_weight=tv_weight, lr=lr)
+    return plan_by_model(prepare, functools.partial(_optimise_group, budget, tv_weight, lr), observations, batched)
+
+
+register(AttackSpec("ig", "gradient", "Inverting Gradients: cosine gradient matching with a TV prior, signed Adam",
+                    inverting_gradients, plan, default_iterations=1000, default_victim_batch=1,
+                    applies_to=WEIGHT_KINDS, scoring="images", needs="model weights", hint=GRADIENT_HINT))

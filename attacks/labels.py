@@ -48,8 +48,7 @@ Result: ``images`` is an empty (0, C, H, W) tensor and ``labels`` an empty tenso
 > 0), ``label_counts`` (exact counts, or proportions × the uploaded sample count when there is
 one), ``classifier_scores`` (s_k, when used) and ``seconds``.
 
-``score_label_distribution(predicted, true_counts)`` scores a prediction against the client's
-true class counts (see its docstring).
+Scoring a prediction against the client's true class counts is ``attacks.metrics.score_label_distribution``.
 """
 from __future__ import annotations
 
@@ -60,7 +59,9 @@ import torch
 from fedecouple.methods.base import FieldSpec
 
 from .base import AttackResult, Budget, NotApplicable, Observation
-from .proto import method_manifest, per_class_values, uploaded_prototypes
+from .metrics import presence_threshold
+from .proto import per_class_values, uploaded_prototypes
+from .registry import AttackSpec, register
 
 PROPORTION_TOLERANCE = 1e-3
 
@@ -160,7 +161,7 @@ def classifier_scores(observation: Observation, reference: str = "auto") -> tupl
     if reference not in ("auto", "round", "initial"):
         raise ValueError(f"unknown reference {reference!r}; choose auto, round or initial")
     c = observation.num_classes
-    persistent = "classifier" in tuple(getattr(observation, "persistent_groups", ()))
+    persistent = "classifier" in observation.method.persistent_groups
     if reference == "initial" or (reference == "auto" and persistent):
         initial = {n: p.detach() for n, p in observation.make_model().named_parameters() if n.startswith("classifier.")}
         delta = {n: observation.upload[n].detach().to(torch.float64) - v.to(torch.float64)
@@ -212,16 +213,9 @@ def proportions_from_scores(scores: torch.Tensor, allowed: torch.Tensor | None =
 
 
 def _kinds_sent(observation: Observation, manifest: list[FieldSpec]) -> list[str]:
-    from .proto import per_class_pattern
-
     kinds = []
     for spec in manifest:
-        if spec.per_class:
-            pattern = per_class_pattern(spec)
-            sent = any(pattern.match(k) for k in observation.upload)
-        else:
-            sent = spec.name in observation.upload
-        if sent and spec.kind not in kinds:
+        if any(spec.pattern.match(k) for k in observation.upload) and spec.kind not in kinds:
             kinds.append(spec.kind)
     return kinds
 
@@ -237,7 +231,7 @@ def label_inference(observation: Observation, budget: Budget, seed: int, referen
     chooses the classifier's before-state (``classifier_scores``)."""
     start = time.perf_counter()
     c = observation.num_classes
-    manifest = method_manifest(observation)
+    manifest = observation.manifest()
     notes: list[str] = []
     trace: dict = {}
 
@@ -245,7 +239,7 @@ def label_inference(observation: Observation, budget: Budget, seed: int, referen
     if counts is not None:
         distribution, source = _normalise(counts), "class_counts"
         trace["label_counts"] = counts
-        notes.append(f"{observation.method} uploads per-class sample counts: the label distribution is read exactly")
+        notes.append(f"{observation.method.name} uploads per-class sample counts: the label distribution is read exactly")
     else:
         stats = proportions_from_statistics(observation, manifest)
         protos = uploaded_prototypes(observation, manifest) if any(s.kind == "prototype" for s in manifest) else {}
@@ -277,7 +271,7 @@ def label_inference(observation: Observation, budget: Budget, seed: int, referen
                 why = ("the threat model treats the head as unknown" if not observation.head_known
                        and "classifier" in sent else
                        f"it uploads only: {', '.join(sent) or 'nothing'}")
-                raise NotApplicable(f"{observation.method}'s upload carries no label information: no class counts, "
+                raise NotApplicable(f"{observation.method.name}'s upload carries no label information: no class counts, "
                                     f"label statistics, prototypes or classifier update ({why}).")
             scores, which, cls_notes = cls
             distribution = proportions_from_scores(scores)
@@ -297,48 +291,8 @@ def label_inference(observation: Observation, budget: Budget, seed: int, referen
                         trace=trace, notes=notes)
 
 
-# ------------------------------------------------------------------------------------------------
-# scoring
-
-
-def presence_threshold(num_classes: int) -> float:
-    """A class is predicted present when its predicted proportion exceeds 1/(2C): half its share
-    under a uniform distribution."""
-    return 1.0 / (2.0 * num_classes)
-
-
-def score_label_distribution(predicted: torch.Tensor, true_counts: torch.Tensor) -> dict:
-    """Score a predicted label distribution (C,) against the client's true class counts (C,).
-
-    * ``label_accuracy``: fraction of the C classes whose presence is predicted correctly. A class
-      is *present* when its proportion exceeds 1/(2C) (``presence_threshold``: half its share
-      under a uniform distribution), the same rule for the prediction and for the truth, so an
-      exact prediction always scores 1.0 (a class holding 2 % of a client's data, as the minor
-      classes of a ``weak`` s=20 split do, counts as absent on both sides).
-    * ``total_variation``: ½·Σ_k |p_k − q_k| between the predicted proportions p (renormalised to
-      sum 1) and the true proportions q = counts/Σcounts; 0 is exact, 1 is disjoint.
-    * ``top1_correct``: whether the predicted most frequent class is a most frequent true class.
-    * also ``present_true`` / ``present_pred`` (class lists, same rule), ``precision`` and ``recall``
-      of the predicted present set, and ``held_true`` (every class with a count > 0).
-    """
-    p = torch.as_tensor(predicted, dtype=torch.float64).flatten().clamp_min(0.0)
-    counts = torch.as_tensor(true_counts, dtype=torch.float64).flatten()
-    if p.numel() != counts.numel():
-        raise ValueError(f"predicted has {p.numel()} classes, true_counts {counts.numel()}")
-    c = p.numel()
-    p = p / p.sum() if float(p.sum()) > 0 else torch.full_like(p, 1.0 / c)
-    total = float(counts.sum())
-    q = counts / total if total > 0 else torch.zeros_like(counts)
-    pred_present = p > presence_threshold(c)
-    true_present = q > presence_threshold(c)
-    hits = int((pred_present & true_present).sum())
-    return {
-        "label_accuracy": float((pred_present == true_present).to(torch.float64).mean()),
-        "total_variation": float(0.5 * (p - q).abs().sum()) if total > 0 else float("nan"),
-        "top1_correct": bool(total > 0 and float(counts[int(p.argmax())]) == float(counts.max())),
-        "present_true": torch.nonzero(true_present).flatten().tolist(),
-        "present_pred": torch.nonzero(pred_present).flatten().tolist(),
-        "held_true": torch.nonzero(counts > 0).flatten().tolist(),
-        "precision": hits / int(pred_present.sum()) if int(pred_present.sum()) else float("nan"),
-        "recall": hits / int(true_present.sum()) if int(true_present.sum()) else float("nan"),
-    }
+register(AttackSpec("labels", "labels", "label-distribution inference from counts, statistics, prototype keys or the "
+                    "classifier's update", label_inference, None, default_iterations=300, default_victim_batch=0,
+                    applies_to=frozenset({"classifier", "class_counts", "statistic", "prototype"}), scoring="labels",
+                    needs="label information (class counts, label statistics, prototypes or a classifier update)",
+                    hint="label inference has nothing to read"))

@@ -17,6 +17,8 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
+PSNR_CAP_DB = 100.0  # an exact copy (infinite PSNR) counts as this much when PSNRs are averaged
+
 
 def _np(img: torch.Tensor) -> np.ndarray:
     return img.detach().to(torch.float64).clamp(0.0, 1.0).cpu().numpy()
@@ -64,12 +66,89 @@ def score_reconstructions(reconstructions: torch.Tensor, truths: torch.Tensor, p
     return rows
 
 
+def score_images(scoring: str, images: torch.Tensor, labels: torch.Tensor, truths: torch.Tensor,
+                 truth_labels: torch.Tensor, prior: torch.Tensor) -> list[tuple[int, int, dict]]:
+    """(image index, truth index, score row) for each scored reconstruction, by the attack's scoring:
+
+    * ``images``: reconstructions matched one-to-one to the images the client trained on;
+    * ``class-images``: class-typical images (one per class, labelled by class), each scored
+      against its best match among the client's images of that class.
+    """
+    if len(truths) == 0:
+        return []
+    if scoring == "images":
+        return [(r["image"], r["truth_index"], r) for r in score_reconstructions(images, truths, prior)]
+    if scoring != "class-images":
+        raise ValueError(f"no image scoring {scoring!r}")
+    out = []
+    for i in range(len(images)):
+        pool = torch.nonzero(truth_labels == int(labels[i])).flatten()
+        if len(pool) == 0:
+            continue
+        (row,) = score_reconstructions(images[i:i + 1], truths[pool], prior)
+        out.append((i, int(pool[row["truth_index"]]), row))
+    return out
+
+
+def prediction_accuracy(pairs: list[tuple[int, int]]) -> float:
+    """Fraction of (true label, predicted label) pairs that agree, over pairs with a prediction (≥ 0)."""
+    made = [(t, p) for t, p in pairs if p >= 0]
+    return float(np.mean([t == p for t, p in made])) if made else float("nan")
+
+
 def summarize_scores(rows: list[dict]) -> dict:
     """mean / median / max PSNR, mean prior PSNR and mean SSIM over scored images (finite values)."""
     if not rows:
         return {k: float("nan") for k in ("mean_psnr", "median_psnr", "max_psnr", "mean_prior_psnr", "mean_ssim")}
     p = np.array([r["psnr"] for r in rows], dtype=float)
-    p = np.where(np.isinf(p), 100.0, p)  # an exact copy is capped at 100 dB for averaging
+    p = np.where(np.isinf(p), PSNR_CAP_DB, p)
     return {"mean_psnr": float(p.mean()), "median_psnr": float(np.median(p)), "max_psnr": float(p.max()),
             "mean_prior_psnr": float(np.mean([r["prior_psnr"] for r in rows])),
             "mean_ssim": float(np.mean([r["ssim"] for r in rows]))}
+
+
+# ------------------------------------------------------------------------------------------------
+# labels
+
+
+def presence_threshold(num_classes: int) -> float:
+    """A class is predicted present when its predicted proportion exceeds 1/(2C): half its share
+    under a uniform distribution."""
+    return 1.0 / (2.0 * num_classes)
+
+
+def score_label_distribution(predicted: torch.Tensor, true_counts: torch.Tensor) -> dict:
+    """Score a predicted label distribution (C,) against the client's true class counts (C,).
+
+    * ``class_presence_accuracy``: fraction of the C classes whose presence is predicted correctly. A class
+      is *present* when its proportion exceeds 1/(2C) (``presence_threshold``: half its share
+      under a uniform distribution), the same rule for the prediction and for the truth, so an
+      exact prediction always scores 1.0 (a class holding 2 % of a client's data, as the minor
+      classes of a ``weak`` s=20 split do, counts as absent on both sides).
+    * ``total_variation``: ½·Σ_k |p_k − q_k| between the predicted proportions p (renormalised to
+      sum 1) and the true proportions q = counts/Σcounts; 0 is exact, 1 is disjoint.
+    * ``top1_correct``: whether the predicted most frequent class is a most frequent true class.
+    * also ``present_true`` / ``present_pred`` (class lists, same rule), ``precision`` and ``recall``
+      of the predicted present set, and ``held_true`` (every class with a count > 0).
+    """
+    p = torch.as_tensor(predicted, dtype=torch.float64).flatten().clamp_min(0.0)
+    counts = torch.as_tensor(true_counts, dtype=torch.float64).flatten()
+    if p.numel() != counts.numel():
+        raise ValueError(f"predicted has {p.numel()} classes, true_counts {counts.numel()}")
+    c = p.numel()
+    p = p / p.sum() if float(p.sum()) > 0 else torch.full_like(p, 1.0 / c)
+    total = float(counts.sum())
+    q = counts / total if total > 0 else torch.zeros_like(counts)
+    pred_present = p > presence_threshold(c)
+    true_present = q > presence_threshold(c)
+    hits = int((pred_present & true_present).sum())
+    return {
+        "class_presence_accuracy": float((pred_present == true_present).to(torch.float64).mean()),
+        "total_variation": float(0.5 * (p - q).abs().sum()) if total > 0 else float("nan"),
+        "top1_correct": bool(total > 0 and float(counts[int(p.argmax())]) == float(counts.max())),
+        "present_true": torch.nonzero(true_present).flatten().tolist(),
+        "present_pred": torch.nonzero(pred_present).flatten().tolist(),
+        "held_true": torch.nonzero(counts > 0).flatten().tolist(),
+        "precision": hits / int(pred_present.sum()) if int(pred_present.sum()) else float("nan"),
+        "recall": hits / int(true_present.sum()) if int(true_present.sum()) else float("nan"),
+    }

@@ -51,8 +51,6 @@ from fedecouple.models import SplitModel, group_of
 from .base import LocalHyperparameters, NotApplicable, Observation
 
 MODES = ("auto", "replay", "scaled")
-# methods whose local training is plain cross-entropy SGD on every parameter (replay is exact)
-PLAIN_SGD_METHODS = ("fedavg", "ft-fedavg", "fedper")
 CLASSIFIER_WEIGHT = "classifier.weight"
 
 
@@ -60,7 +58,8 @@ def observe(recorder, round: int, client_id: int, *, method, make_model: Callabl
             image_shape: tuple[int, int, int], num_classes: int,
             known_hyperparameters: LocalHyperparameters | None = None, head_known: bool = True) -> Observation:
     """The server's view of ``client_id`` in ``round``: download as sent, upload as received,
-    previous upload. ``method`` is the Method object (for its name and ``persistent_groups``)."""
+    previous upload (the recorder's tensors, not copies). ``method`` is the Method object whose
+    protocol the client follows."""
     exchange = recorder.get(round, client_id)
     if exchange is None:
         raise ValueError(f"round {round} of client {client_id} was not recorded (the recorder keeps "
@@ -69,14 +68,10 @@ def observe(recorder, round: int, client_id: int, *, method, make_model: Callabl
         raise ValueError(f"client {client_id} sent no upload in round {round} (dropped by the channel)")
     previous = recorder.previous_upload(client_id, round)
     return Observation(
-        method=method.name, round=round, client_id=client_id,
-        download={k: v.detach().clone() for k, v in exchange.download.tensors.items()},
-        upload={k: v.detach().clone() for k, v in exchange.upload.tensors.items()},
-        previous_upload=None if previous is None else {k: v.detach().clone() for k, v in previous.tensors.items()},
+        method=method, round=round, client_id=client_id, download=dict(exchange.download.tensors),
+        upload=dict(exchange.upload.tensors), previous_upload=None if previous is None else dict(previous.tensors),
         make_model=make_model, image_shape=tuple(image_shape), num_classes=int(num_classes),
-        known_hyperparameters=known_hyperparameters, head_known=head_known,
-        persistent_groups=tuple(getattr(method, "persistent_groups", ())),
-    )
+        known_hyperparameters=known_hyperparameters, head_known=head_known)
 
 
 @dataclass
@@ -106,7 +101,7 @@ def update_target(obs: Observation) -> UpdateTarget:
     uploaded = [n for n in initial if n in obs.upload]
     if not uploaded:
         sent = ", ".join(sorted(obs.upload)) or "nothing"
-        raise NotApplicable(f"{obs.method} uploads no model weights (it sent: {sent}), so there is no gradient "
+        raise NotApplicable(f"{obs.method.name} uploads no model weights (it sent: {sent}), so there is no gradient "
                             f"to invert; use the `proto` attack on its prototypes (or `labels`)")
     notes: list[str] = []
     noted: set[tuple[str, str]] = set()
@@ -120,7 +115,7 @@ def update_target(obs: Observation) -> UpdateTarget:
     previous = obs.previous_upload or {}
     for name, init in initial.items():
         group = group_of(name)
-        persistent = group in obs.persistent_groups
+        persistent = group in obs.method.persistent_groups
         what = _describe(name, persistent)
         if name in obs.upload:
             if persistent and name in previous:
@@ -151,7 +146,7 @@ def update_target(obs: Observation) -> UpdateTarget:
         names = [n for n in names if group_of(n) != "classifier"]
         notes.append("threat model 'head unknown': the classifier's update is not used")
     if not names:
-        raise NotApplicable(f"{obs.method}'s upload holds only the classifier and the threat model excludes it")
+        raise NotApplicable(f"{obs.method.name}'s upload holds only the classifier and the threat model excludes it")
     delta = {n: (obs.upload[n].to(torch.float32) - before[n].to(torch.float32)) for n in names}
     if all(float(d.abs().max()) == 0.0 for d in delta.values()):
         notes.append("the uploaded weights equal the before-state: the client's update is zero")
@@ -216,8 +211,8 @@ class GradientMatcher:
         if self.mode == "replay":
             self.notes.append(f"replay mode: {hp.steps} plain cross-entropy SGD step(s) with lr {hp.lr:g} on "
                               f"batches of {hp.batch_size} are replayed from the before-state and matched to the upload")
-            if obs.method not in PLAIN_SGD_METHODS:
-                self.notes.append(f"{obs.method} does not train with plain cross-entropy SGD on all parameters "
+            if not obs.method.plain_sgd:
+                self.notes.append(f"{obs.method.name} does not train with plain cross-entropy SGD on all parameters "
                                   f"(phases, extra losses or augmentation): the replay is an approximation")
         else:
             if hp is None:
@@ -226,8 +221,8 @@ class GradientMatcher:
             else:
                 self.notes.append(f"scaled-gradient mode: the update is used as g = -delta/(lr*steps) "
                                   f"with lr {hp.lr:g}, {hp.steps} step(s)")
-                if obs.method not in PLAIN_SGD_METHODS:
-                    self.notes.append(f"{obs.method}'s local update is not one cross-entropy gradient step "
+                if not obs.method.plain_sgd:
+                    self.notes.append(f"{obs.method.name}'s local update is not one cross-entropy gradient step "
                                       f"(phases, extra losses or augmentation): matching it as one is an approximation")
 
     # -- the dummy's side ---------------------------------------------------------------------

@@ -55,17 +55,16 @@ One image per uploaded prototype is returned, labelled with the prototype's clas
 from __future__ import annotations
 
 import math
-import re
 import time
 
 import torch
 import torch.nn.functional as F
 
-from fedecouple.methods import make_method
 from fedecouple.methods.base import FieldSpec
 from fedecouple.models import SplitModel, set_params
 
 from .base import AttackResult, Budget, NotApplicable, Observation
+from .registry import AttackSpec, register
 
 ENSEMBLE = 16  # images per prototype whose mean feature is matched
 COSINE_WEIGHT = 1.0
@@ -83,24 +82,11 @@ GRADIENT_ATTACKS_HINT = ("its upload carries model weights, not prototypes: use 
 # reading an upload through a method's manifest
 
 
-def per_class_pattern(spec: FieldSpec) -> re.Pattern:
-    """A regex matching the sent names of a per-class field (``name.format(k=class)``); group 1 is
-    the class id."""
-    if "{k}" not in spec.name:
-        raise ValueError(f"per-class field {spec.name!r} has no '{{k}}' placeholder")
-    prefix, suffix = spec.name.split("{k}", 1)
-    return re.compile(re.escape(prefix) + r"(\d+)" + re.escape(suffix.replace("{k}", "")) + r"\Z")
-
-
-def method_manifest(observation: Observation) -> list[FieldSpec]:
-    return make_method(observation.method).manifest(observation.make_model())
-
-
 def per_class_values(tensors: dict[str, torch.Tensor], specs: list[FieldSpec]) -> dict[int, torch.Tensor]:
     """{class id: tensor} for the per-class fields ``specs`` found in ``tensors``."""
     found: dict[int, torch.Tensor] = {}
     for spec in specs:
-        pattern = per_class_pattern(spec)
+        pattern = spec.pattern
         for key, value in tensors.items():
             m = pattern.match(key)
             if m:
@@ -111,7 +97,7 @@ def per_class_values(tensors: dict[str, torch.Tensor], specs: list[FieldSpec]) -
 def uploaded_prototypes(observation: Observation, manifest: list[FieldSpec] | None = None) -> dict[int, torch.Tensor]:
     """The prototypes in the upload, by class (per-class fields, or one (C, D) matrix whose
     all-zero rows are classes the client does not hold)."""
-    manifest = method_manifest(observation) if manifest is None else manifest
+    manifest = observation.manifest() if manifest is None else manifest
     specs = [s for s in manifest if s.kind == "prototype"]
     protos = per_class_values(observation.upload, [s for s in specs if s.per_class])
     for spec in specs:
@@ -145,7 +131,7 @@ def choose_extractor(observation: Observation) -> tuple[SplitModel, str, str]:
         return model, "download", ("Inverted with the extractor the server sent this round; the client computed "
                                    "its prototypes with its own trained copy, so the match is approximate.")
     return model, "initial", (
-        f"{observation.method} uploads no model weights, so the server inverts the prototypes with the model it "
+        f"{observation.method.name} uploads no model weights, so the server inverts the prototypes with the model it "
         "initialised the federation with; the client's prototypes come from its locally trained extractor, "
         "which the server never sees (a weaker threat model: results are a lower bound on what leaks).")
 
@@ -250,9 +236,9 @@ def invert_prototype(model: SplitModel, target: torch.Tensor, image_shape: tuple
 def prototype_inversion(observation: Observation, budget: Budget, seed: int) -> AttackResult:
     """Invert every prototype in ``observation.upload``; see the module docstring."""
     start = time.perf_counter()
-    manifest = method_manifest(observation)
+    manifest = observation.manifest()
     if not any(s.kind == "prototype" for s in manifest):
-        raise NotApplicable(f"{observation.method} uploads no prototypes; {GRADIENT_ATTACKS_HINT}.")
+        raise NotApplicable(f"{observation.method.name} uploads no prototypes; {GRADIENT_ATTACKS_HINT}.")
     protos = uploaded_prototypes(observation, manifest)
     if not protos:
         raise NotApplicable(f"client {observation.client_id}'s upload in round {observation.round} holds no "
@@ -285,3 +271,10 @@ def prototype_inversion(observation: Observation, budget: Budget, seed: int) -> 
                                       f"contrast {CONTRAST:g}")}
     return AttackResult(images=torch.stack(images), labels=torch.tensor(classes, dtype=torch.int64),
                         trace=trace, notes=notes)
+
+
+register(AttackSpec("proto", "image", "prototype inversion: a class-typical image from each uploaded class prototype",
+                    prototype_inversion, None, default_iterations=300, default_victim_batch=0,
+                    applies_to=frozenset({"prototype"}), scoring="class-images", needs="prototypes",
+                    hint="prototype inversion has nothing to invert; use the gradient attacks (`fedsec attack "
+                         "dlg|idlg|ig --method {method}`) or `labels` instead"))

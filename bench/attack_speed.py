@@ -25,6 +25,7 @@ from attacks.base import Budget, LocalHyperparameters, Observation
 from attacks.metrics import score_reconstructions
 from fedecouple.data import load_dataset
 from fedecouple.engine import derive_seed
+from fedecouple.methods import make_method
 from fedecouple.models import build_model, get_params
 
 BUDGETS = {"dlg": Budget(iterations=50, restarts=1, batch=1), "ig": Budget(iterations=300, restarts=1, batch=1)}
@@ -39,7 +40,7 @@ def classic_observation(dataset, index: int, arch: str = "cnn28") -> tuple[Obser
     params = {k: v.clone().requires_grad_(True) for k, v in start.items()}
     grads = torch.autograd.grad(F.cross_entropy(functional_call(model, params, (x,)), y), list(params.values()))
     upload = {k: (v - LR * g).detach() for (k, v), g in zip(params.items(), grads)}
-    obs = Observation(method="fedavg", round=0, client_id=0, download=start, upload=upload, previous_upload=None,
+    obs = Observation(method=make_method("fedavg"), round=0, client_id=0, download=start, upload=upload, previous_upload=None,
                       make_model=lambda: copy.deepcopy(model), image_shape=(1, 28, 28), num_classes=10,
                       known_hyperparameters=LocalHyperparameters(lr=LR, steps=1, batch_size=1))
     return obs, x
@@ -58,7 +59,7 @@ def main() -> None:
     seconds, psnrs = [], []
     for name, budget in BUDGETS.items():
         start = time.perf_counter()
-        result = ATTACKS[name](obs, budget, 0)
+        result = ATTACKS[name].attack_one(obs, budget, 0)
         elapsed = time.perf_counter() - start
         (row,) = score_reconstructions(result.images, truth, prior)
         seconds.append(elapsed)

@@ -76,6 +76,7 @@ class ClientResult:
     client_id: int
     state: State
     upload: Upload
+    indices: np.ndarray  # the client's local training set (pool indices): the ground-truth hook's
     batch_log: list[tuple[str, np.ndarray]] = field(default_factory=list)
     private: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -96,7 +97,7 @@ def run_update(method: Method, job: ClientJob, images: torch.Tensor, labels: tor
                        job.generator_seed, job.steps_per_phase)
     torch.manual_seed(job.torch_seed)
     state, upload = method.client_update(ctx, job.state, job.download)
-    return ClientResult(job.client_id, state, upload, ctx.batch_log, ctx.private)
+    return ClientResult(job.client_id, state, upload, job.indices, ctx.batch_log, ctx.private)
 
 
 class Backend:

@@ -157,12 +157,6 @@ class Recorder(Interceptor):
         self._latest = {rename.get(cid, cid): [(rnd, moved(up)) for rnd, up in history]
                         for cid, history in self._latest.items()}
 
-    def clear(self) -> None:
-        self.exchanges.clear()
-        self._pending.clear()
-        self._latest.clear()
-
-
 class ServerChannel:
     """Carries downloads and uploads through the interceptor chain, in registration order."""
 
@@ -171,10 +165,6 @@ class ServerChannel:
         self.recorder = recorder if recorder is not None else Recorder(rounds=(), remember_latest=False)
         self.bytes_down = 0
         self.bytes_up = 0
-
-    def add(self, interceptor: Interceptor) -> Interceptor:
-        self.interceptors.append(interceptor)
-        return interceptor
 
     def _pass(self, message: Message, hook: str, kind: type) -> Message | None:
         for interceptor in self.interceptors:
@@ -195,8 +185,10 @@ class ServerChannel:
         return None if out is None else out.copy()
 
     def upload(self, message: Upload) -> Upload | None:
-        """Client → server. Recorded as received, after every interceptor; ``None`` if dropped."""
-        out = self._pass(message.copy(), "on_upload", Upload)
+        """Client → server. Recorded as received, after every interceptor; ``None`` if dropped. The
+        client's message itself is never touched (each interceptor and the recorder get copies), and
+        the server gets its own copy."""
+        out = self._pass(message, "on_upload", Upload)
         if out is None:
             return None
         self.bytes_up += out.nbytes

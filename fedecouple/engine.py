@@ -162,12 +162,12 @@ class Federation:
         return sorted(rng.choice(n, size=k, replace=False).tolist())
 
     # -- one round -------------------------------------------------------------------------
-    def _round_jobs(self, t: int, talks: bool) -> Iterator[ClientJob]:
+    def _round_jobs(self, t: int, communicates: bool) -> Iterator[ClientJob]:
         """Each sampled client's download through the channel (client order), as a job. Lazy, so a
         backend that runs one update at a time never holds every client's download at once; the
         channel still sees every download of the round before any upload."""
         for cid in self.sample_clients(t):
-            if talks:
+            if communicates:
                 down = self.channel.download(Download(t, cid, self.method.download(self.server, cid, t)))
                 if down is None:
                     continue  # dropped: the client sits this round out
@@ -179,17 +179,16 @@ class Federation:
         """Downloads through the channel (client order) → the backend runs the updates → ground-truth
         hook → uploads through the channel (client order) → aggregate → evaluate."""
         t = self.completed_rounds
-        talks = getattr(self.method, "communicates", True)  # False: a method with no communication
+        communicates = self.method.communicates  # False: the channel never sees this method
         results = self.backend.run_updates(self.method, self.dataset, self.model_spec, self.model,
-                                           self._round_jobs(t, talks))
+                                           self._round_jobs(t, communicates))
         uploads = []
         for i, result in enumerate(results):
             results[i] = None  # drop each result once handled (1,000 clients: one round's traffic, not two)
             cid = result.client_id
             self.clients[cid] = {k: v.detach().clone() for k, v in result.state.items()}
-            self.ground_truth.record(t, cid, result.batch_log, result.private,
-                                     self._client_data(cid, t, "train")[0])
-            received = self.channel.upload(result.upload) if talks else None
+            self.ground_truth.record(t, cid, result.batch_log, result.private, result.indices)
+            received = self.channel.upload(result.upload) if communicates else None
             if received is not None:
                 uploads.append(received)
         if uploads:

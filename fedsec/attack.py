@@ -3,8 +3,8 @@ score against the harness's ground truth, write the results.
 
 Round r means "the uploads of round r": round 0 is the first round, answered at the federation's
 initial weights, so attacking round 0 with training stopped right after it is the classic
-gradient-inversion setting. Training runs max(attack rounds) + 1 rounds unless ``train_rounds``
-says otherwise (later rounds cannot change what was recorded).
+gradient-inversion setting. Training runs max(attack rounds) + 1 rounds unless
+``AttackSettings.train_rounds`` says otherwise (later rounds cannot change what was recorded).
 
 Threat model (written into summary.json): the server sees what the ``Recorder`` stored for each
 attacked (round, client) — the download as sent, the upload as received — plus the client's
@@ -15,21 +15,25 @@ client trained on) is read only after the attack returned, to score it.
 
 Victim setting: with ``victim_batch`` B ≥ 1 the attacked clients train ``victim_steps`` T steps
 per phase on B of their images in the attacked round (the textbook setting); ``victim_batch=0``
-leaves their real local training untouched (then ``budget.batch`` images are reconstructed and
-each is scored against its best match among all images the client trained on that round).
+leaves their real local training untouched (then ``images`` images are reconstructed and each is
+scored against its best match among all images the client trained on that round).
+
+Two halves: ``run_attack`` trains a federation in fedsec's engine and hands the recorded run
+(``fedsec.recorded.RecordedRun``) to ``attack_recorded``, which attacks, scores and writes; a
+federation recorded elsewhere (a Flower app) goes straight to ``attack_recorded``.
 
 Outputs in ``out``: ``attack.csv`` (one row per reconstructed image: method, attack, mode, round,
-client, image, psnr, ssim, prior_psnr, label_true, label_pred; for ``labels`` one row per class:
-method, attack, mode, round, client, class, true_count, true_proportion, predicted_proportion),
-``summary.json`` and ``reconstructions.png`` (ground truth above reconstruction, PSNR under each;
-not for ``labels``), all written atomically.
+client, image, psnr, ssim, prior_psnr, label_true, label_pred; for a label attack one row per
+class: method, attack, mode, round, client, class, true_count, true_proportion,
+predicted_proportion), ``summary.json`` and ``reconstructions.png`` (ground truth above
+reconstruction, PSNR under each; not for label attacks), all written atomically.
 """
 from __future__ import annotations
 
 import copy
 import math
 import time
-from dataclasses import replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable
 
@@ -37,28 +41,100 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attacks import ATTACKS, GRADIENT_ATTACKS, attack_many, plan_batches, score_label_distribution
-from attacks.base import Budget, LocalHyperparameters, NotApplicable
-from attacks.metrics import score_reconstructions, summarize_scores
+import attacks
+from attacks.base import AttackResult, Budget, LocalHyperparameters, NotApplicable
+from attacks.metrics import (prediction_accuracy, score_images, score_label_distribution,
+                             summarize_scores)
 from attacks.observation import MODES, observe
+from attacks.registry import AttackSpec
 from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.engine import GroundTruth, VictimSetting, derive_seed
 from fedecouple.errors import UserError
+from reports.figures import reconstruction_grid
 
 from . import io
-from .runner import RunConfig, build_federation, prepare
+from .recorded import RecordedRun
+from .runner import Prepared, RunConfig, build_federation, prepare
 from .versions import package_versions
 
 IMAGE_COLUMNS = ["method", "attack", "mode", "round", "client", "image", "psnr", "ssim", "prior_psnr",
                  "label_true", "label_pred"]
 LABEL_COLUMNS = ["method", "attack", "mode", "round", "client", "class", "true_count", "true_proportion",
                  "predicted_proportion"]
-# dlg/idlg: L-BFGS steps (the paper's 300, up to 20 evaluations each); ig: Adam steps (one evaluation each)
-DEFAULT_ITERATIONS = {"dlg": 300, "idlg": 300, "ig": 1000, "proto": 300, "labels": 300}
 MAX_PANELS = 16
 # training and attacks run small models at small batches: on a shared 2-core machine one thread was
 # 6-8x faster than two for IG on the 28x28 CNN (measured, see BENCHMARKS.md)
 ATTACK_THREADS = 1
+SCORE_KEYS = ("mean_psnr", "median_psnr", "max_psnr", "mean_prior_psnr", "mean_ssim")
+
+
+@dataclass
+class AttackSettings:
+    """How one attack runs. ``None`` fields take the attack's declared defaults (``AttackSpec``) or
+    the run's (``seed``, ``threads``) when ``resolved``."""
+
+    attack: str = "dlg"
+    rounds: tuple[int, ...] = (0,)
+    targets: int = 2  # clients attacked per attacked round (seeded choice)
+    iterations: int | None = None
+    restarts: int = 1
+    images: int | None = None  # images rebuilt per target (default: victim_batch, or 1)
+    victim_batch: int | None = None
+    victim_steps: int = 1
+    seed: int | None = None  # target choice and attack starts (default: the run's seed)
+    hyperparameters_known: bool = True
+    head_known: bool = True
+    mode: str = "auto"
+    batched: bool = True
+    train_rounds: int | None = None  # default: max(rounds) + 1
+    threads: int | None = None  # default: the run's, else ATTACK_THREADS
+
+    @property
+    def spec(self) -> AttackSpec:
+        if self.attack not in attacks.ATTACKS:
+            raise UserError(f"unknown attack {self.attack!r}; choose one of: {', '.join(attacks.ATTACKS)}")
+        return attacks.ATTACKS[self.attack]
+
+    @property
+    def images_per_target(self) -> int:
+        return self.images or (self.victim_batch if self.victim_batch else 1)
+
+    def budget(self) -> Budget:
+        return Budget(iterations=self.iterations, restarts=self.restarts, batch=self.images_per_target)
+
+    def resolved(self, config: RunConfig) -> "AttackSettings":
+        """Defaults filled in and every value checked (one-line ``UserError``s)."""
+        spec = self.spec
+        out = replace(self, rounds=tuple(parse_rounds(self.rounds)),
+                      iterations=spec.default_iterations if self.iterations is None else int(self.iterations),
+                      victim_batch=spec.default_victim_batch if self.victim_batch is None else int(self.victim_batch),
+                      seed=config.federation.seed if self.seed is None else int(self.seed),
+                      threads=int(self.threads or config.execution.threads or ATTACK_THREADS))
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise UserError(f"unknown --mode {self.mode!r}; choose one of: {', '.join(MODES)}")
+        if self.mode == "replay" and not self.hyperparameters_known:
+            raise UserError("--mode replay needs the local hyperparameters: drop --hyperparameters-unknown or use "
+                            "--mode scaled")
+        if self.targets < 1:
+            raise UserError(f"--targets must be at least 1, got {self.targets}")
+        if self.victim_batch < 0 or self.victim_steps < 1:
+            raise UserError(f"--victim-batch must be >= 0 and --victim-steps >= 1 "
+                            f"(got {self.victim_batch}, {self.victim_steps})")
+        bad = [f"{flag} {value}" for flag, value in (("--iterations", self.iterations), ("--restarts", self.restarts),
+                                                      ("--images", self.images_per_target)) if value < 1]
+        if bad:
+            raise UserError(f"{', '.join(bad)}: must be at least 1")
+        if self.train_rounds is not None and self.train_rounds <= max(self.rounds):
+            raise UserError(f"--rounds {self.train_rounds} stops before attack round {max(self.rounds)} "
+                            f"(rounds count from 0)")
+
+    @property
+    def rounds_to_train(self) -> int:
+        return max(self.rounds) + 1 if self.train_rounds is None else int(self.train_rounds)
 
 
 def default_out(attack: str, method: str) -> str:
@@ -81,17 +157,16 @@ def parse_rounds(text: str | Iterable[int]) -> list[int]:
     return sorted(set(rounds))
 
 
-def gradient_free_message(method, attack: str, model) -> str | None:
-    """A one-line explanation when ``method`` uploads no model weights (nothing for ``attack``)."""
-    manifest = method.manifest(model)
-    if any(f.kind in ("extractor", "classifier") for f in manifest):
-        return None
-    words = {"prototype": "class prototypes", "class_counts": "class counts", "statistic": "statistics",
-             "sample_count": "its sample count"}
-    sent = sorted({words.get(f.kind, f.kind) for f in manifest}) or ["nothing"]
-    return (f"{method.name} uploads no model weights (only {', '.join(sent)}), so there is no gradient for "
-            f"{attack} to invert; use `fedsec attack proto --method {method.name}` (prototype inversion) or "
-            f"`fedsec attack labels --method {method.name}`")
+def parse_attacks(text: str | Iterable[str]) -> list[str]:
+    """Registered attack names from ``"dlg,ig"`` (or a list); unknown names are one-line errors."""
+    items = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if str(t).strip()]
+    if not items:
+        raise UserError("--attacks needs at least one attack (comma-separated)")
+    unknown = [a for a in items if a not in attacks.ATTACKS]
+    if unknown:
+        raise UserError(f"unknown attack{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                        f"choose from: {', '.join(attacks.ATTACKS)}")
+    return list(dict.fromkeys(items))
 
 
 def pick_targets(participants: list[int], k: int, seed: int, round: int) -> list[int]:
@@ -100,300 +175,264 @@ def pick_targets(participants: list[int], k: int, seed: int, round: int) -> list
     return sorted(int(c) for c in rng.choice(participants, size=k, replace=False))
 
 
+def check_applicable(spec: AttackSpec, prep: Prepared) -> None:
+    """A one-line UserError, before anything trains, when the method uploads nothing the attack uses."""
+    reason = spec.not_applicable(prep.method.name, prep.method.upload_kinds(model_for(prep)))
+    if reason is not None:
+        raise UserError(reason)
 
-def run_attack(config: RunConfig, attack: str, attack_rounds: Iterable[int] = (0,), targets: int = 2,
-               budget: Budget | None = None, victim_batch: int = 1, victim_steps: int = 1, seed: int | None = None,
-               out: str | Path | None = None, hyperparameters_known: bool = True, head_known: bool = True,
-               mode: str = "auto", train_rounds: int | None = None, threads: int | None = None,
-               progress: bool = True, interceptors: Iterable = (), dp=None, images: int | None = None,
-               batched: bool = True) -> dict:
-    """Train ``config``, attack ``targets`` clients in each of ``attack_rounds``, score, write; returns the summary.
 
-    ``images`` is the number of images rebuilt per target (default: ``victim_batch``, or ``budget.batch``
-    without a victim setting; e.g. 2 for one image trained as original + augmented copy).
-    ``seed`` (default: ``config.seed``) picks the targets and seeds the attacks; ``threads`` sets
-    torch's thread count for training and attack (default: ``config.threads``, else ``ATTACK_THREADS`` = 1).
+def model_for(prep: Prepared):
+    """A model of the configured architecture (for a method's manifest: shapes, not weights)."""
+    from fedecouple.models import build_model, default_architecture
+
+    ds = prep.dataset
+    arch = prep.config.federation.arch or default_architecture(ds.channels, ds.image_size)
+    return build_model(arch, ds.channels, ds.image_size, ds.num_classes, ds.mean, ds.std)
+
+
+# ----------------------------------------------------------------------------------------------
+# training a federation for the attack
+# ----------------------------------------------------------------------------------------------
+def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | None = None, progress: bool = True,
+               interceptors: Iterable = (), dp=None) -> dict:
+    """Train ``config``, attack ``settings.targets`` clients in each attacked round, score, write
+    (when ``out`` is given); returns the summary.
+
     ``interceptors`` (e.g. a ``fedsec.defenses.FilterChain``) sit in the channel before the recorder,
     so the server sees their output; ``dp`` (a ``fedsec.defenses.DPConfig``) trains every client with
-    DP-SGD and adds the per-client ε to the summary (``"dp"``). ``batched`` (default) optimises targets
-    that share a model together (``attacks.batching``: every evaluation equal to one by one to float
-    rounding, several times faster; a stalled optimisation can end in another local minimum); with ``config.backend == "ray"`` the batches run as Ray tasks."""
+    DP-SGD and adds the per-client ε to the summary (``"dp"``)."""
     start = time.perf_counter()
-    if attack not in ATTACKS:
-        raise UserError(f"unknown attack {attack!r}; choose one of: {', '.join(ATTACKS)}")
-    if mode not in MODES:
-        raise UserError(f"unknown --mode {mode!r}; choose one of: {', '.join(MODES)}")
-    if mode == "replay" and not hyperparameters_known:
-        raise UserError("--mode replay needs the local hyperparameters: drop --hyperparameters-unknown or use --mode scaled")
-    rounds = parse_rounds(attack_rounds)
-    if targets < 1:
-        raise UserError(f"--targets must be at least 1, got {targets}")
-    if victim_batch < 0 or victim_steps < 1:
-        raise UserError(f"--victim-batch must be >= 0 and --victim-steps >= 1 (got {victim_batch}, {victim_steps})")
-    budget = budget or Budget(iterations=DEFAULT_ITERATIONS[attack])
-    if budget.iterations < 1 or budget.restarts < 1 or budget.batch < 1 or (images is not None and images < 1):
-        bad = [f"{flag} {value}" for flag, value in (("--iterations", budget.iterations), ("--restarts", budget.restarts),
-                                                      ("--images", images if images is not None else budget.batch))
-               if value < 1]
-        raise UserError(f"{', '.join(bad)}: must be at least 1")
-    n_rounds = max(rounds) + 1 if train_rounds is None else int(train_rounds)
-    if n_rounds <= max(rounds):
-        raise UserError(f"--rounds {n_rounds} stops before attack round {max(rounds)} (rounds count from 0)")
-    seed = config.seed if seed is None else int(seed)
-    config = replace(config, rounds=n_rounds, threads=int(threads or config.threads or ATTACK_THREADS))
+    settings = settings.resolved(config)
+    config = config.updated(rounds=settings.rounds_to_train, threads=settings.threads)
     previous_threads = torch.get_num_threads()
     try:
-        return _run(config, attack, rounds, targets, budget, victim_batch, victim_steps, seed, out,
-                    hyperparameters_known, head_known, mode, progress, start, interceptors=interceptors, dp=dp,
-                    images=images, batched=batched)
+        prep = prepare(config)
+        if dp is not None:
+            from .defenses.dp import DPMethod
+
+            prep = replace(prep, method=DPMethod(prep.method, dp))
+        check_applicable(settings.spec, prep)
+        fed, run, targets = train_recorded(prep, settings, interceptors, progress)
+        try:
+            context = {"train_seconds": round(time.perf_counter() - start, 2), "config": config.to_dict()}
+            if dp is not None:
+                from .defenses.dp import privacy_report
+
+                context["dp"] = io.finite(privacy_report(fed.clients, dp))
+            return attack_recorded(run, settings, targets, out, progress=progress, context=context, start=start)
+        finally:
+            fed.close()  # e.g. shut down the Ray this run started
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _run(config: RunConfig, attack, rounds, targets, budget, victim_batch, victim_steps, seed, out,
-         hyperparameters_known, head_known, mode, progress, start, interceptors=(), dp=None,
-         images: int | None = None, batched: bool = True) -> dict:
-    n_rounds = config.rounds
+def train_recorded(prep: Prepared, settings: AttackSettings, interceptors: Iterable = (),
+                   progress: bool = True) -> tuple:
+    """Train with a recorder on the attacked rounds; the chosen targets train in the victim setting.
+    Returns (federation, its ``RecordedRun``, {round: targets})."""
+    from tqdm import tqdm
 
-    prep = prepare(config)
-    if dp is not None:
-        from .defenses.dp import DPMethod
-
-        prep = replace(prep, method=DPMethod(prep.method, dp))
-    method = prep.method
-    if not getattr(method, "communicates", True):
-        raise UserError(f"{config.method} never communicates with the server: there is nothing to attack")
-    recorder = Recorder(rounds=rounds)
-    ground_truth = GroundTruth(rounds=rounds)
+    recorder = Recorder(rounds=settings.rounds)
+    ground_truth = GroundTruth(rounds=settings.rounds)
     fed = build_federation(prep, channel=ServerChannel(interceptors, recorder=recorder), ground_truth=ground_truth)
     try:
         initial_model = copy.deepcopy(fed.model)  # the server built it: it knows the initial weights
-        if attack in GRADIENT_ATTACKS:
-            message = gradient_free_message(method, attack, fed.model)
-            if message is not None:
-                raise UserError(message)
-
-        chosen = {r: pick_targets(fed.sample_clients(r), targets, seed, r) for r in rounds}
-        notes: list[str] = []
-        for r in rounds:
-            if len(chosen[r]) < targets:
-                notes.append(f"round {r}: only {len(chosen[r])} clients take part, fewer than --targets {targets}")
-        if victim_batch > 0:
-            fed.victim = VictimSetting(batch=victim_batch, steps=victim_steps,
-                                       targets={(r, c) for r in rounds for c in chosen[r]})
-
-        from tqdm import tqdm
-
-        bar = tqdm(total=n_rounds, desc=f"{config.method} rounds", unit="round", disable=not progress, leave=False)
-        fed.run(n_rounds, on_round=lambda r, rows: bar.update(1))
+        targets = {r: pick_targets(fed.sample_clients(r), settings.targets, settings.seed, r) for r in settings.rounds}
+        if settings.victim_batch > 0:
+            fed.victim = VictimSetting(batch=settings.victim_batch, steps=settings.victim_steps,
+                                       targets={(r, c) for r in settings.rounds for c in targets[r]})
+        bar = tqdm(total=settings.rounds_to_train, desc=f"{prep.method.name} rounds", unit="round",
+                   disable=not progress, leave=False)
+        fed.run(settings.rounds_to_train, on_round=lambda r, rows: bar.update(1))
         bar.close()
-        train_seconds = time.perf_counter() - start
+    except BaseException:
+        fed.close()
+        raise
+    run = RecordedRun(recorder, ground_truth, prep.dataset, prep.method, lambda: copy.deepcopy(initial_model),
+                      prep.config.federation.train, prep.config.method, fed.backend)
+    return fed, run, targets
 
-        dataset = prep.dataset
-        prior = dataset.images.mean(dim=0)
-        image_shape = tuple(dataset.images.shape[1:])
-        make_model = lambda: copy.deepcopy(initial_model)  # noqa: E731
-        rows: list[dict] = []
-        label_scores: list[dict] = []
-        panels: list[tuple] = []
-        modes_used: set[str] = set()
-        per_target: list[dict] = []
-        pairs = [(r, c) for r in rounds for c in chosen[r]]
-        target_notes: dict[str, list[tuple[int, int]]] = {}  # note → the targets it applies to
-        jobs: list[tuple[int, int, object]] = []  # (round, client, observation)
-        for r, c in pairs:
-            upload = recorder.get(r, c)
-            if upload is None or upload.upload is None:
+
+# ----------------------------------------------------------------------------------------------
+# attacking a recorded run
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class _Target:
+    """One attacked (round, client) and what came of it."""
+
+    round: int
+    client: int
+    observation: object = None
+    result: AttackResult | NotApplicable | None = None
+    rows: list[dict] = field(default_factory=list)
+
+
+def attack_recorded(run: RecordedRun, settings: AttackSettings, targets: dict[int, list[int]],
+                    out: str | Path | None = None, progress: bool = True, context: dict | None = None,
+                    start: float | None = None) -> dict:
+    """Attack the ``targets`` ({round: clients}) of a recorded run, score against its ground truth,
+    write ``attack.csv``, ``summary.json`` and ``reconstructions.png`` into ``out``; returns the
+    summary. ``settings`` must be ``resolved``; ``context`` adds run facts to the summary."""
+    start = time.perf_counter() if start is None else start
+    spec = settings.spec
+    notes = [f"round {r}: only {len(cs)} clients take part, fewer than --targets {settings.targets}"
+             for r, cs in targets.items() if len(cs) < settings.targets]
+    jobs = _observe_targets(run, settings, targets, notes)
+    _attack_targets(run, settings, jobs, progress)
+    prior = run.dataset.images.mean(dim=0)
+    panels: list[tuple] = []
+    for job in jobs:
+        if isinstance(job.result, NotApplicable):
+            notes.append(f"round {job.round} client {job.client}: {job.result}")
+            continue
+        # ---- scoring: ground truth is read only here, after the attack returned ----
+        job.rows = _score_target(run, spec, job, prior, panels, notes)
+    scored = [j for j in jobs if isinstance(j.result, AttackResult)]
+    notes += _shared_notes(scored)
+    rows = [row for j in scored for row in j.rows]
+    summary = _summary(run, settings, targets, scored, rows, notes, time.perf_counter() - start, context or {})
+    if out is not None:
+        _write_outputs(Path(out), spec, rows, panels, summary, f"{spec.name} on {run.label}")
+    return summary
+
+
+def _known_hyperparameters(run: RecordedRun, settings: AttackSettings, upload) -> LocalHyperparameters | None:
+    if not settings.hyperparameters_known:
+        return None
+    train = run.train
+    if settings.victim_batch > 0:
+        return LocalHyperparameters(lr=train.lr, steps=settings.victim_steps, batch_size=settings.victim_batch)
+    sample_count = upload.tensors.get("sample_count")
+    n = int(sample_count) if sample_count is not None else train.batch_size
+    steps = train.local_epochs * max(1, math.ceil(n / train.batch_size))
+    return LocalHyperparameters(lr=train.lr, steps=steps, batch_size=train.batch_size)
+
+
+def _observe_targets(run: RecordedRun, settings: AttackSettings, targets: dict[int, list[int]],
+                     notes: list[str]) -> list[_Target]:
+    image_shape = tuple(run.dataset.images.shape[1:])
+    jobs = []
+    for r in sorted(targets):
+        for c in targets[r]:
+            exchange = run.recorder.get(r, c)
+            if exchange is None or exchange.upload is None:
                 notes.append(f"round {r} client {c}: no upload was recorded (dropped)")
                 continue
-            sample_count = upload.upload.tensors.get("sample_count")
-            hp = None
-            if hyperparameters_known:
-                if victim_batch > 0:
-                    hp = LocalHyperparameters(lr=config.lr, steps=victim_steps, batch_size=victim_batch)
-                else:
-                    n = int(sample_count) if sample_count is not None else config.batch_size
-                    steps = config.local_epochs * max(1, math.ceil(n / config.batch_size))
-                    hp = LocalHyperparameters(lr=config.lr, steps=steps, batch_size=config.batch_size)
-            jobs.append((r, c, observe(recorder, r, c, method=method, make_model=make_model, image_shape=image_shape,
-                                       num_classes=dataset.num_classes, known_hyperparameters=hp,
-                                       head_known=head_known)))
-        results = _attack_jobs(fed.backend, attack, jobs, budget, images, victim_batch, seed, mode, batched,
-                               config.threads, progress, f"{attack} on {config.method}")
-        for (r, c, _), result in zip(jobs, results):
-            if isinstance(result, NotApplicable):
-                notes.append(f"round {r} client {c}: {result}")
-                continue
-            used = str(result.trace.get("mode", "n/a"))
-            modes_used.add(used)
-            for note in result.notes:
-                target_notes.setdefault(note, []).append((r, c))
-            per_target.append({"round": r, "client": c, "mode": used,
-                               "objective": io.finite(float(result.trace.get("objective", float("nan")))),
-                               "seconds": round(float(result.trace.get("seconds", float("nan"))), 3),
-                               "batched_with": int(result.trace.get("batched_with", 1))})
-            # ---- scoring: ground truth is read only here, after the attack returned ----
-            idx = torch.from_numpy(ground_truth.samples(r, c))
-            truths, truth_labels = dataset.images[idx], dataset.labels[idx]
-            base = {"method": config.method, "attack": attack, "mode": used, "round": r, "client": c}
-            if attack == "labels":  # the label distribution of the client's whole local training set
-                predicted = torch.as_tensor(result.trace["label_distribution"], dtype=torch.float64)
-                local = dataset.labels[torch.from_numpy(ground_truth.training_set(r, c))]
-                true_counts = torch.bincount(local, minlength=dataset.num_classes)
-                score = score_label_distribution(predicted, true_counts)
-                label_scores.append(score)
-                total = max(int(true_counts.sum()), 1)
-                for k in range(dataset.num_classes):
-                    rows.append({**base, "class": k, "true_count": int(true_counts[k]),
-                                 "true_proportion": float(true_counts[k]) / total,
-                                 "predicted_proportion": float(predicted[k])})
-                continue
-            if len(truths) > len(result.images) or attack == "proto":
-                note = ("each reconstruction is scored against its best match among the images the client trained "
-                        "on in that round (for proto: among the images of its class); the prior against the same image")
-                if note not in notes:
-                    notes.append(note)
-            for i, j, row in _score(attack, result, truths, truth_labels, prior):
-                rows.append({**base, "image": i, "psnr": row["psnr"], "ssim": row["ssim"],
-                             "prior_psnr": row["prior_psnr"], "label_true": int(truth_labels[j]),
-                             "label_pred": int(result.labels[i]) if i < len(result.labels) else -1})
-                if len(panels) < MAX_PANELS:
-                    panels.append((truths[j], result.images[i], row["psnr"], f"r{r} c{c}"))
-
-        attacked = [(t["round"], t["client"]) for t in per_target]
-        for text, where in target_notes.items():
-            if where == attacked and len(attacked) > 0:
-                notes.append(text if len(attacked) == 1 else f"every target: {text}")
-            else:
-                notes.append(", ".join(f"round {r} client {c}" for r, c in where) + f": {text}")
-
-        columns = LABEL_COLUMNS if attack == "labels" else IMAGE_COLUMNS
-        frame = pd.DataFrame(rows, columns=columns)
-        summary = _summary(config, attack, rows, label_scores, budget, seed, rounds, chosen, victim_batch, victim_steps,
-                           hyperparameters_known, head_known, mode, sorted(modes_used), notes, per_target,
-                           time.perf_counter() - start, train_seconds)
-        summary["budget"]["images_per_target"] = images or (victim_batch if victim_batch > 0 else budget.batch)
-        summary["budget"]["batched"] = bool(batched)
-        if dp is not None:
-            from .defenses.dp import privacy_report
-
-            summary["dp"] = io.finite(privacy_report(fed.clients, dp))
-        if out is not None:
-            out = Path(out)
-            io.write_csv(out / "attack.csv", frame)
-            if attack != "labels":
-                write_figure(out / "reconstructions.png", panels, f"{attack} on {config.method}")
-            io.write_json(out / "summary.json", summary)
-        return summary
-    finally:
-        fed.close()  # e.g. shut down the Ray this run started
+            hp = _known_hyperparameters(run, settings, exchange.upload)
+            jobs.append(_Target(r, c, observe(run.recorder, r, c, method=run.method, make_model=run.make_model,
+                                              image_shape=image_shape, num_classes=run.dataset.num_classes,
+                                              known_hyperparameters=hp, head_known=settings.head_known)))
+    return jobs
 
 
-def _attack_jobs(backend, attack: str, jobs: list, budget: Budget, images: int | None, victim_batch: int, seed: int,
-                 mode: str, batched: bool, threads: int, progress: bool, description: str) -> list:
-    """Attack every (round, client, observation) job: grouped by ``attacks.plan_batches`` (targets that
-    share a model are optimised together when ``batched``), each group run by ``backend.map`` (in this
-    process, or as a Ray task). One ``AttackResult`` or ``NotApplicable`` per job, in job order."""
+def _attack_targets(run: RecordedRun, settings: AttackSettings, jobs: list[_Target], progress: bool) -> None:
+    """Attack every job: planned once by ``attacks.plan`` (targets that share a model are optimised
+    together when batched), each batch run by ``run.backend.map`` (here, or as a Ray task)."""
     from tqdm import tqdm
 
-    observations = [obs for _, _, obs in jobs]
-    seeds = [derive_seed(seed, r, c, 0xA7) % 2**31 for r, c, _ in jobs]
-    target_budget = replace(budget, batch=images or (victim_batch if victim_batch > 0 else budget.batch))
-    groups = plan_batches(attack, observations, mode, batched)
-    bar = tqdm(total=len(jobs), desc=description, unit="target", disable=not progress)
-    outcomes = backend.map(attack_many, [(attack, [observations[i] for i in g], target_budget, [seeds[i] for i in g],
-                                          mode, batched) for g in groups],
-                           threads=threads, on_result=lambda k: bar.update(len(groups[k])))
+    seeds = [derive_seed(settings.seed, j.round, j.client, 0xA7) % 2**31 for j in jobs]
+    batches, failed = attacks.plan(settings.attack, [j.observation for j in jobs], settings.budget(), settings.mode,
+                                   settings.batched)
+    bar = tqdm(total=len(jobs), desc=f"{settings.attack} on {run.label}", unit="target", disable=not progress)
+    outcomes = run.backend.map(attacks.Batch.run, [(b, [seeds[i] for i in b.indices]) for b in batches],
+                               threads=settings.threads, on_result=lambda k: bar.update(len(batches[k].indices)))
     bar.close()
-    results: list = [None] * len(jobs)
-    for group, outcome in zip(groups, outcomes):
-        for i, result in zip(group, outcome):
-            results[i] = result
-    return results
+    for i, exc in failed.items():
+        jobs[i].result = exc
+    for batch, outcome in zip(batches, outcomes):
+        for i, result in zip(batch.indices, outcome):
+            jobs[i].result = result
 
 
-def _score(attack: str, result, truths: torch.Tensor, truth_labels: torch.Tensor, prior: torch.Tensor):
-    """(image index, truth index, score row) for each scored reconstruction."""
-    if len(truths) == 0:
-        return []
-    if attack != "proto":
-        return [(r["image"], r["truth_index"], r) for r in score_reconstructions(result.images, truths, prior)]
+def _score_target(run: RecordedRun, spec: AttackSpec, job: _Target, prior: torch.Tensor, panels: list,
+                  notes: list[str]) -> list[dict]:
+    result, dataset = job.result, run.dataset
+    base = {"method": run.method.name, "attack": spec.name, "mode": str(result.trace.get("mode", "n/a")),
+            "round": job.round, "client": job.client}
+    if spec.scoring == "labels":  # the label distribution of the client's whole local training set
+        predicted = torch.as_tensor(result.trace["label_distribution"], dtype=torch.float64)
+        local = dataset.labels[torch.from_numpy(run.ground_truth.training_set(job.round, job.client))]
+        true_counts = torch.bincount(local, minlength=dataset.num_classes)
+        result.trace["label_score"] = score_label_distribution(predicted, true_counts)
+        total = max(int(true_counts.sum()), 1)
+        return [{**base, "class": k, "true_count": int(true_counts[k]), "true_proportion": float(true_counts[k]) / total,
+                 "predicted_proportion": float(predicted[k])} for k in range(dataset.num_classes)]
+    idx = torch.from_numpy(run.ground_truth.samples(job.round, job.client))
+    truths, truth_labels = dataset.images[idx], dataset.labels[idx]
+    if len(truths) > len(result.images) or spec.scoring == "class-images":
+        note = ("each reconstruction is scored against its best match among the images the client trained "
+                "on in that round (for proto: among the images of its class); the prior against the same image")
+        if note not in notes:
+            notes.append(note)
+    rows = []
+    for i, j, row in score_images(spec.scoring, result.images, result.labels, truths, truth_labels, prior):
+        rows.append({**base, "image": i, "psnr": row["psnr"], "ssim": row["ssim"], "prior_psnr": row["prior_psnr"],
+                     "label_true": int(truth_labels[j]),
+                     "label_pred": int(result.labels[i]) if i < len(result.labels) else -1})
+        if len(panels) < MAX_PANELS:
+            panels.append((truths[j], result.images[i], row["psnr"], f"r{job.round} c{job.client}"))
+    return rows
+
+
+def _shared_notes(scored: list[_Target]) -> list[str]:
+    """Each attack note once, saying which targets it applies to."""
+    where: dict[str, list[tuple[int, int]]] = {}
+    for job in scored:
+        for note in job.result.notes:
+            where.setdefault(note, []).append((job.round, job.client))
+    attacked = [(j.round, j.client) for j in scored]
     out = []
-    for i in range(len(result.images)):  # class-typical images: scored against the client's images of that class
-        k = int(result.labels[i])
-        pool = torch.nonzero(truth_labels == k).flatten()
-        if len(pool) == 0:
-            continue
-        (row,) = score_reconstructions(result.images[i:i + 1], truths[pool], prior)
-        out.append((i, int(pool[row["truth_index"]]), row))
+    for text, pairs in where.items():
+        if pairs == attacked:
+            out.append(text if len(attacked) == 1 else f"every target: {text}")
+        else:
+            out.append(", ".join(f"round {r} client {c}" for r, c in pairs) + f": {text}")
     return out
 
 
-def _summary(config: RunConfig, attack, rows, label_scores, budget, seed, rounds, chosen, victim_batch, victim_steps,
-             hyperparameters_known, head_known, mode, modes_used, notes, per_target, seconds, train_seconds) -> dict:
-    if attack == "labels":
-        scores = {k: float("nan") for k in ("mean_psnr", "median_psnr", "max_psnr", "mean_prior_psnr", "mean_ssim")}
-        accs = [s["label_accuracy"] for s in label_scores if "label_accuracy" in s]
-        label_accuracy = float(np.mean(accs)) if accs else float("nan")
+def _summary(run: RecordedRun, settings: AttackSettings, targets: dict, scored: list[_Target], rows: list[dict],
+             notes: list[str], seconds: float, context: dict) -> dict:
+    spec = settings.spec
+    label_scores = [j.result.trace["label_score"] for j in scored if "label_score" in j.result.trace]
+    scores = summarize_scores(rows) if spec.rebuilds_images else {k: float("nan") for k in SCORE_KEYS}
+    if spec.scoring == "images":
+        label_accuracy = prediction_accuracy([(r["label_true"], r["label_pred"]) for r in rows])
     else:
-        scores = summarize_scores(rows)
-        pred = [(r["label_true"], r["label_pred"]) for r in rows if r["label_pred"] >= 0]
-        label_accuracy = float(np.mean([t == p for t, p in pred])) if pred and attack != "proto" else float("nan")
-        if attack == "proto":
-            notes = notes + ["proto images are labelled by the prototype's class: label_accuracy does not apply"]
+        label_accuracy = float("nan")
+        if spec.scoring == "class-images":
+            notes = notes + [f"{spec.name} images are labelled by the prototype's class: label_accuracy does not apply"]
+    presence = [s["class_presence_accuracy"] for s in label_scores]
     summary = {
-        "method": config.method, "attack": attack, "dataset": config.dataset,
-        **{k: scores[k] for k in ("mean_psnr", "median_psnr", "max_psnr", "mean_prior_psnr", "mean_ssim")},
-        "label_accuracy": label_accuracy, "images_scored": len(rows) if attack != "labels" else 0,
-        "seconds": round(seconds, 2), "train_seconds": round(train_seconds, 2),
-        "seed": seed, "attack_rounds": rounds, "targets": {str(r): chosen[r] for r in rounds},
-        "budget": {"iterations": budget.iterations, "restarts": budget.restarts},
-        "victim": {"batch": victim_batch, "steps": victim_steps} if victim_batch > 0 else None,
-        "threat_model": {"hyperparameters_known": hyperparameters_known, "head_known": head_known,
-                         "mode_requested": mode, "modes_used": modes_used,
+        "method": run.method.name, "attack": spec.name, "dataset": run.dataset.name, "run": run.label,
+        **{k: scores[k] for k in SCORE_KEYS},
+        "label_accuracy": label_accuracy,
+        "class_presence_accuracy": float(np.mean(presence)) if presence else float("nan"),
+        "images_scored": len(rows) if spec.rebuilds_images else 0,
+        "seconds": round(seconds, 2), "seed": settings.seed, "attack_rounds": list(settings.rounds),
+        "targets": {str(r): targets[r] for r in settings.rounds if r in targets},
+        "budget": {"iterations": settings.iterations, "restarts": settings.restarts,
+                   "images_per_target": settings.images_per_target, "batched": settings.batched},
+        "victim": {"batch": settings.victim_batch, "steps": settings.victim_steps} if settings.victim_batch > 0 else None,
+        "threat_model": {"hyperparameters_known": settings.hyperparameters_known, "head_known": settings.head_known,
+                         "mode_requested": settings.mode,
+                         "modes_used": sorted({str(j.result.trace.get("mode", "n/a")) for j in scored}),
                          "server_sees": "download as sent, upload as received, the client's previous upload, "
                                         "the initial model"},
-        "per_target": per_target,
-        "config": config.to_dict(), "versions": package_versions(), "notes": notes,
+        "per_target": [{"round": j.round, "client": j.client, "mode": str(j.result.trace.get("mode", "n/a")),
+                        "objective": float(j.result.trace.get("objective", float("nan"))),
+                        "seconds": round(float(j.result.trace.get("seconds", float("nan"))), 3),
+                        "batched_with": int(j.result.trace.get("batched_with", 1))} for j in scored],
+        "settings": asdict(settings), **context, "versions": package_versions(), "notes": notes,
     }
     if label_scores:
         summary["label_scores"] = label_scores
     return io.finite(summary)
 
 
-def write_figure(path: Path, panels: list[tuple], title: str) -> None:
-    """Ground truth (top row) above reconstruction (bottom row), PSNR under each reconstruction."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = max(len(panels), 1)
-    fig, axes = plt.subplots(2, n, figsize=(1.6 * n + 0.6, 3.8), squeeze=False)
-    for col in range(n):
-        for row in range(2):
-            ax = axes[row][col]
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if col >= len(panels):
-                ax.axis("off")
-                continue
-            truth, recon, psnr, caption = panels[col]
-            img = (truth if row == 0 else recon).detach().clamp(0, 1)
-            if img.shape[0] == 1:
-                ax.imshow(img[0].numpy(), cmap="gray", vmin=0, vmax=1)
-            else:
-                ax.imshow(img.permute(1, 2, 0).numpy())
-            if row == 0:
-                ax.set_title(caption, fontsize=8)
-            else:
-                ax.set_xlabel("inf dB" if math.isinf(psnr) else f"{psnr:.1f} dB", fontsize=9)
-    axes[0][0].set_ylabel("truth", fontsize=9)
-    axes[1][0].set_ylabel("reconstruction", fontsize=9)
-    if not panels:
-        axes[0][0].text(0.5, 0.5, "nothing to show", ha="center", va="center")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    with io.atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+def _write_outputs(out: Path, spec: AttackSpec, rows: list[dict], panels: list, summary: dict, title: str) -> None:
+    columns = IMAGE_COLUMNS if spec.rebuilds_images else LABEL_COLUMNS
+    io.write_csv(out / "attack.csv", pd.DataFrame(rows, columns=columns))
+    if spec.rebuilds_images:
+        io.write_bytes(out / "reconstructions.png", reconstruction_grid(panels, title))
+    io.write_json(out / "summary.json", summary)

@@ -7,14 +7,47 @@ from pathlib import Path
 
 import click
 
+import attacks
 from fedecouple.data import DATASETS, SCHEMES
 from fedecouple.errors import UserError
 from fedecouple.methods import METHODS
+from fedecouple.models import ARCHITECTURES
 
-from .runner import PAPER_PRESET, RunConfig
+from .runner import PAPER_FEDERATION, RunConfig
 
 HYPERPARAMETER_FLAGS = ("lam", "mu", "tau", "teacher", "center_reduction")
 ABLATION_FLAGS = ("no_glf", "no_gfa", "no_gpc", "no_da")
+
+
+class LiveChoice(click.Choice):
+    """A ``click.Choice`` whose choices are read each time they are used, so an attack registered
+    after this module was imported (``attacks.register``) is a valid choice and shows in ``--help``."""
+
+    def __init__(self, source, case_sensitive: bool = True):
+        self._source = source
+        self.case_sensitive = case_sensitive
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self._source())
+
+
+class ListedOption(click.Option):
+    """An option whose help ends with a list read when the help is shown (e.g. the registered attacks)."""
+
+    def __init__(self, *args, listed=None, **kwargs):
+        self._listed = listed
+        super().__init__(*args, **kwargs)
+
+    def get_help_record(self, ctx):
+        record = super().get_help_record(ctx)
+        if record is None or self._listed is None:
+            return record
+        return record[0], f"{record[1]} Choices: {', '.join(self._listed())}."
+
+
+def attack_defaults() -> str:
+    return ", ".join(f"{name} {spec.default_iterations}" for name, spec in attacks.ATTACKS.items())
 
 
 def train_options(func):
@@ -45,7 +78,7 @@ def train_options(func):
         click.option("--lr", type=float, default=0.05, show_default=True, help="SGD learning rate (the paper gives none)."),
         click.option("--batch-size", type=int, default=10, show_default=True, help="Mini-batch size."),
         click.option("--seed", type=int, default=0, show_default=True, help="Seed for partition, init and training."),
-        click.option("--arch", default=None, help="Model: cnn32, cnn28, cnn28-same, digits [default: by image size]."),
+        click.option("--arch", default=None, help=f"Model: {', '.join(ARCHITECTURES)} [default: by image size]."),
         click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: torch's; fedsec attack: 1]."),
         click.option("--backend", type=click.Choice(["sequential", "ray"]), default="sequential", show_default=True,
                      help="Where client updates run: in this process, or as Ray tasks (pip install 'fedsec[ray]'). "
@@ -98,17 +131,14 @@ def config_from_options(ctx: click.Context, **opts) -> RunConfig:
         hp[key.strip().replace("-", "_")] = _parse_value(value.strip())
     for k in HYPERPARAMETER_FLAGS:
         opts.pop(k, None)
-    preset = opts.pop("preset", None)
-    if preset == "paper":
-        for key, value in PAPER_PRESET.items():
-            if key == "hyperparameters":
-                for hk, hv in value.items():
-                    if opts["method"] == "fedecouple":
-                        hp.setdefault(hk, hv)
-            elif ctx.get_parameter_source(key) != click.core.ParameterSource.COMMANDLINE:
+    if opts.pop("preset", None) == "paper":
+        for key, value in PAPER_FEDERATION.items():
+            if ctx.get_parameter_source(key) != click.core.ParameterSource.COMMANDLINE:
                 opts[key] = value
-    known = {k: v for k, v in opts.items() if k in RunConfig.__dataclass_fields__}
-    return RunConfig(**known, hyperparameters=hp)
+        if opts["method"] in METHODS:  # compare/report set methods later: each gets its own preset there
+            for hk, hv in METHODS[opts["method"]].paper_preset.items():
+                hp.setdefault(hk, hv)
+    return RunConfig.of(**opts, hyperparameters=hp)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -142,7 +172,7 @@ def train(ctx, out, resume_dir, show_partition, **opts):
     prep = prepare(config)  # fail on bad input before writing anything
     if show_partition:
         click.echo(prep.partition.summary(prep.dataset.labels.numpy()))
-    bar = tqdm(total=config.rounds, desc=f"{config.method} rounds", unit="round", file=sys.stderr)
+    bar = tqdm(total=config.federation.rounds, desc=f"{config.method} rounds", unit="round", file=sys.stderr)
 
     def on_round(r, summary):
         bar.n = r + 1
@@ -151,7 +181,7 @@ def train(ctx, out, resume_dir, show_partition, **opts):
 
     summary = run_train(config, out, resume=resume_dir is not None, on_round=on_round)
     bar.close()
-    click.echo(f"{config.method} on {config.dataset} ({config.partition}, {config.clients} clients, "
+    click.echo(f"{config.method} on {config.data.dataset} ({config.data.partition}, {config.data.clients} clients, "
                f"{summary['rounds']} rounds): mean accuracy {summary['mean_accuracy']:.4f} "
                f"± {summary['std_accuracy']:.4f}" + (f"  → {out}" if out else ""))
 
@@ -187,19 +217,19 @@ def compare(ctx, methods, seeds, out, **opts):
 
 
 @cli.command()
-@click.argument("attack", type=click.Choice(["dlg", "idlg", "ig", "proto", "labels"]))
+@click.argument("attack", type=LiveChoice(attacks.names))
 @train_options
 @click.option("--attack-rounds", default="0", show_default=True,
               help="Comma-separated rounds whose uploads are attacked (0 = the first round, at the initial weights). "
                    "Training stops after the last one unless --rounds is given.")
 @click.option("--targets", type=int, default=2, show_default=True, help="Clients attacked per attacked round (seeded choice).")
 @click.option("--iterations", type=int, default=None,
-              help="Optimiser steps per reconstruction [dlg/idlg: 300 L-BFGS steps of up to 20 evaluations; "
-                   "ig: 1000 Adam steps; proto: 300].")
+              help=f"Optimiser steps per reconstruction [each attack's default: {attack_defaults()}; dlg/idlg count "
+                   f"L-BFGS steps of up to 20 evaluations, ig Adam steps].")
 @click.option("--restarts", type=int, default=1, show_default=True, help="Independent starts; the best objective is kept.")
 @click.option("--victim-batch", type=int, default=None,
               help="B: attacked clients train on B of their images in the attacked round, and B images are rebuilt "
-                   "[1 for dlg/idlg/ig; 0 (= the method's real local training) for proto/labels].")
+                   "[1 for the gradient attacks; 0 (= the method's real local training) for the others].")
 @click.option("--victim-steps", type=int, default=1, show_default=True, help="T: local steps per phase in the victim setting.")
 @click.option("--images", type=int, default=None,
               help="Images rebuilt per target [--victim-batch; 1 with --victim-batch 0]; e.g. 2 for a method that "
@@ -213,7 +243,7 @@ def compare(ctx, methods, seeds, out, **opts):
 @click.option("--head-known/--head-unknown", default=True, show_default=True,
               help="--head-unknown: the attack does not use the classifier's update (private-head threat model).")
 @click.option("--batched/--no-batched", default=True, show_default=True,
-              help="dlg/idlg/ig: optimise the targets that share a model (e.g. all of round 0) together in one "
+              help="Gradient attacks: optimise the targets that share a model (e.g. all of round 0) together in one "
                    "vmapped batch. Each evaluation equals --no-batched (one by one) to float rounding; a stalled "
                    "optimisation (DLG on cnn28) can end in another local minimum.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
@@ -228,35 +258,35 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     Training runs up to the last attacked round (max of --attack-rounds, + 1) unless --rounds is given;
     torch runs one thread unless --threads is given.
     """
-    from attacks.base import Budget
+    from .attack import AttackSettings, default_out, parse_rounds, run_attack
 
-    from .attack import DEFAULT_ITERATIONS, default_out, parse_rounds, run_attack
-
-    rounds = parse_rounds(attack_rounds)
     train_rounds = opts["rounds"] if ctx.get_parameter_source("rounds") == click.core.ParameterSource.COMMANDLINE else None
     config = config_from_options(ctx, **opts)
-    if victim_batch is None:
-        victim_batch = 1 if attack in ("dlg", "idlg", "ig") else 0
-    budget = Budget(iterations=iterations if iterations is not None else DEFAULT_ITERATIONS[attack], restarts=restarts)
+    settings = AttackSettings(attack=attack, rounds=tuple(parse_rounds(attack_rounds)), targets=targets,
+                              iterations=iterations, restarts=restarts, images=images, victim_batch=victim_batch,
+                              victim_steps=victim_steps, seed=attack_seed, hyperparameters_known=hyperparameters_known,
+                              head_known=head_known, mode=mode, batched=batched, train_rounds=train_rounds)
     out = out or default_out(attack, config.method)
-    summary = run_attack(config, attack, rounds, targets=targets, budget=budget, victim_batch=victim_batch,
-                         victim_steps=victim_steps, seed=attack_seed, out=out, hyperparameters_known=hyperparameters_known,
-                         head_known=head_known, mode=mode, train_rounds=train_rounds, images=images, batched=batched)
-
-    def fmt(x, unit=""):
-        return "n/a" if x is None else f"{x:.2f}{unit}"
-
-    if attack == "labels":
-        click.echo(f"labels on {config.method}: label accuracy {fmt(summary['label_accuracy'])}  → {out}")
-    else:
-        modes = ",".join(summary["threat_model"]["modes_used"]) or "n/a"
-        click.echo(f"{attack} on {config.method} ({modes}): mean PSNR {fmt(summary['mean_psnr'], ' dB')} "
-                   f"(prior {fmt(summary['mean_prior_psnr'], ' dB')}, max {fmt(summary['max_psnr'], ' dB')}), "
-                   f"label accuracy {fmt(summary['label_accuracy'])}, {summary['images_scored']} images  → {out}")
+    summary = run_attack(config, settings, out=out)
+    click.echo(attack_headline(summary, out))
     for note in summary["notes"][:3]:
         click.echo(f"  note: {note}")
     if len(summary["notes"]) > 3:
         click.echo(f"  ({len(summary['notes']) - 3} more notes in {out}/summary.json)")
+
+
+def attack_headline(summary: dict, out) -> str:
+    """One line of an attack summary for the terminal."""
+    def fmt(x, unit=""):
+        return "n/a" if x is None else f"{x:.2f}{unit}"
+
+    where = f"{summary['attack']} on {summary['method']}"
+    if attacks.get(summary["attack"]).scoring == "labels":
+        return f"{where}: class-presence accuracy {fmt(summary['class_presence_accuracy'])}  → {out}"
+    modes = ",".join(summary["threat_model"]["modes_used"]) or "n/a"
+    return (f"{where} ({modes}): mean PSNR {fmt(summary['mean_psnr'], ' dB')} "
+            f"(prior {fmt(summary['mean_prior_psnr'], ' dB')}, max {fmt(summary['max_psnr'], ' dB')}), "
+            f"label accuracy {fmt(summary['label_accuracy'])}, {summary['images_scored']} images  → {out}")
 
 
 @cli.command()
@@ -264,7 +294,8 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder [default: runs/audit-<method>]: audit.csv, summary.json, findings.json, audit.md, evidence/.")
 @click.option("--evidence/--no-evidence", default=True, show_default=True,
-              help="Measure each finding's evidence with the matching attack (DLG, proto, labels) on the same config.")
+              help="Measure each finding's evidence with the matching attack (the first registered gradient, image "
+                   "and label attack that applies: DLG, proto, labels) on the same config.")
 @click.option("--evidence-iterations", type=int, default=300, show_default=True,
               help="Optimisation steps for each evidence attack.")
 @click.pass_context
@@ -291,15 +322,15 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
 @train_options
 @click.option("--methods", default="fedecouple,fedper,fedpac,fedproto", show_default=True,
               help="Comma-separated methods to compare (replaces --method).")
-@click.option("--attacks", default="dlg,ig,proto,labels", show_default=True,
-              help="Comma-separated attacks: dlg, idlg, ig, proto, labels. Where one does not apply to a method "
-                   "(e.g. dlg on fedproto) it is recorded as not applicable.")
+@click.option("--attacks", default="dlg,ig,proto,labels", show_default=True, cls=ListedOption, listed=attacks.names,
+              help="Comma-separated attacks. Where one does not apply to a method (e.g. dlg on fedproto) it is "
+                   "recorded as not applicable.")
 @click.option("--attack-rounds", default="0", show_default=True,
               help="Rounds whose uploads are attacked (0 = the first, at the initial weights).")
 @click.option("--targets", type=int, default=2, show_default=True, help="Clients attacked per attacked round.")
 @click.option("--iterations", default=None, metavar="N|ATTACK=N,...",
-              help="Optimiser steps per reconstruction, for every attack (N) or per attack (dlg=300,ig=1000) "
-                   "[dlg, idlg, proto, labels 300; ig 1000].")
+              help=f"Optimiser steps per reconstruction, for every attack (N) or per attack (dlg=300,ig=1000) "
+                   f"[each attack's default: {attack_defaults()}].")
 @click.option("--reuse", multiple=True, type=click.Path(), metavar="DIR",
               help="Earlier report (or `fedsec train`) folder whose finished stages with the same configuration are "
                    "copied instead of recomputed (repeatable).")
@@ -331,7 +362,7 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, reuse, out
             raise UserError(f"report takes --{flag}s, not --{flag}")
     method_list = rep.parse_methods(methods)
     attack_list = rep.parse_attacks(attacks)
-    settings = rep.AttackSettings(rounds=tuple(rep.parse_rounds(attack_rounds)), targets=targets,
+    settings = rep.ReportSettings(rounds=tuple(rep.parse_rounds(attack_rounds)), targets=targets,
                                   iterations=rep.parse_iterations(iterations))
     opts["method"] = None  # set per method; keeps --preset's FedeCouple values from other methods
     base = config_from_options(ctx, **opts)
@@ -356,8 +387,8 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, reuse, out
                    "on the gradient -delta/lr (DLG paper's unit); clip: L2 bound on the update; prune: percent of the "
                    "update zeroed; quantize: bits; exclude: a field kind (prototype, class_counts, statistic, ...) or "
                    "a field-name pattern (prototype.*).")
-@click.option("--attacks", "attack_list", default="dlg,ig,labels", show_default=True,
-              help="Comma-separated attacks run against each value (dlg, idlg, ig, labels, proto).")
+@click.option("--attacks", "attack_list", default="dlg,ig,labels", show_default=True, cls=ListedOption,
+              listed=attacks.names, help="Comma-separated attacks run against each value.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also run the method without any defense (the first row).")
 @click.option("--max-grad-norm", type=float, default=1.0, show_default=True, help="dp: per-sample clipping bound C.")
@@ -390,18 +421,11 @@ def defend(ctx, defense, values, attack_list, baseline, max_grad_norm, delta, ac
                               iterations=iterations, victim_batch=victim_batch, victim_steps=victim_steps,
                               attack_seed=attack_seed)
 
-    def on_value(row):
-        eps = row.get("epsilon")
-        psnr = ", ".join(f"{k[10:].upper()} {row[k]:.2f} dB" for k in row if k.startswith("mean_psnr_"))
-        click.echo(f"  {row['defense']} {row['value']}: accuracy {100 * row['accuracy']:.2f}%"
-                   + (f", epsilon {eps:.3g}" if isinstance(eps, float) and eps == eps else "")
-                   + (f", {psnr}" if psnr else "")
-                   + (f" (prior {row['prior_psnr']:.2f} dB)" if row.get("prior_psnr") == row.get("prior_psnr") else "")
-                   + (f", label accuracy {row['label_accuracy']:.2f}"
-                      if row.get("label_accuracy") == row.get("label_accuracy") and "label_accuracy" in row else ""))
+    from reports.tradeoff import value_line
 
     command = "fedsec " + shlex.join(sys.argv[1:]) if len(sys.argv) > 1 and sys.argv[1] == "defend" else None
-    frame = run_defend(config, settings, out, on_value=on_value, command=command)
+    frame = run_defend(config, settings, out, on_value=lambda row: click.echo("  " + value_line(row)),
+                       command=command)
     click.echo(f"{len(frame)} values → {out}/tradeoff.csv, {out}/tradeoff.md, {out}/tradeoff.png")
 
 

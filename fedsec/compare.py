@@ -17,9 +17,7 @@ atomically after every run, so they always describe the finished runs.
 """
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -29,12 +27,10 @@ import pandas as pd
 from fedecouple.errors import UserError
 from fedecouple.methods import METHODS
 
+from reports.accuracy import accuracy_markdown
+
 from . import io, runner
 from .runner import RunConfig
-
-# settings that do not change a run's result; a finished run still counts if only these differ
-_IRRELEVANT = ("threads", "data_dir", "download")
-
 
 def parse_list(text: str, what: str) -> list[str]:
     items = [t.strip() for t in str(text).split(",") if t.strip()]
@@ -64,18 +60,17 @@ def parse_seeds(text: str) -> list[int]:
 
 def method_config(base: RunConfig, method: str, seed: int) -> RunConfig:
     """``base`` for one method and seed, with only the hyperparameters that method accepts."""
-    accepted = set(getattr(METHODS[method], "__dataclass_fields__", {}))
-    hp = {k: v for k, v in base.hyperparameters.items() if k in accepted}
-    return replace(base, method=method, seed=seed, hyperparameters=hp)
+    return base.updated(method=method, seed=seed, hyperparameters=METHODS[method].accepted(base.hyperparameters))
+
+
+def unused_hyperparameters(base: RunConfig, methods: list[str]) -> list[str]:
+    """Hyperparameters in ``base`` that none of ``methods`` takes."""
+    used = {k for m in methods for k in METHODS[m].hyperparameter_names()}
+    return sorted(set(base.hyperparameters) - used)
 
 
 def run_dir(out: Path, method: str, seed: int) -> Path:
     return out / method / f"seed{seed}"
-
-
-def _comparable(config: dict) -> dict:
-    normal = json.loads(json.dumps(config))  # what config.json holds after a round trip
-    return {k: v for k, v in normal.items() if k not in _IRRELEVANT}
 
 
 def run_status(path: Path, config: RunConfig) -> str:
@@ -84,15 +79,15 @@ def run_status(path: Path, config: RunConfig) -> str:
     if not cfg_file.exists():
         return "new"
     try:
-        stored = io.read_json(cfg_file)["config"]
+        stored = RunConfig.from_dict(io.read_json(cfg_file)["config"])
     except (ValueError, KeyError, TypeError, OSError):
         return "other"
-    if _comparable(stored) != _comparable(config.to_dict()):
+    if stored.result_key() != config.result_key():  # settings that never change a result may differ
         return "other"
     summary = path / "summary.json"
     if summary.exists():
         try:
-            if int(io.read_json(summary).get("rounds", -1)) >= config.rounds:
+            if int(io.read_json(summary).get("rounds", -1)) >= config.federation.rounds:
                 return "done"
         except (ValueError, TypeError, OSError):
             pass
@@ -100,26 +95,16 @@ def run_status(path: Path, config: RunConfig) -> str:
 
 
 def accuracy_tables(rows: list[dict], methods: list[str]) -> tuple[pd.DataFrame, str]:
-    """(per-run frame, Markdown summary). Std over seeds is the sample std (ddof = 1)."""
+    """(per-run frame in method then seed order, its Markdown summary)."""
     frame = pd.DataFrame(rows, columns=["method", "seed", "mean_accuracy", "std_accuracy"])
     order = {m: i for i, m in enumerate(methods)}
     frame = frame.sort_values(["method", "seed"], key=lambda col: col.map(order) if col.name == "method" else col,
                               kind="stable").reset_index(drop=True)
-    lines = ["| method | seeds | accuracy (%) mean ± std over seeds | mean per-client std (%) |",
-             "|---|---|---|---|"]
-    for m in methods:
-        sub = frame[frame["method"] == m]
-        if sub.empty:
-            continue
-        acc = sub["mean_accuracy"].to_numpy(dtype=float) * 100
-        spread = sub["std_accuracy"].to_numpy(dtype=float) * 100
-        cell = f"{acc.mean():.2f} ± {acc.std(ddof=1):.2f}" if len(acc) > 1 else f"{acc.mean():.2f}"
-        lines.append(f"| {m} | {', '.join(str(s) for s in sub['seed'])} | {cell} | {np.mean(spread):.2f} |")
-    return frame, "\n".join(lines) + "\n"
+    return frame, accuracy_markdown(frame, methods)
 
 
 @contextmanager
-def _shared_datasets() -> Iterator[None]:
+def shared_datasets() -> Iterator[None]:
     """Load each data set once for all runs of a comparison (runs only read the tensors)."""
     original = runner.load_dataset
     cache: dict = {}
@@ -152,8 +137,7 @@ def compare(base: RunConfig, methods: list[str], seeds: list[int], out: str | Pa
         raise UserError(f"unknown method {', '.join(unknown)}; choose from: {', '.join(METHODS)}")
     if not seeds:
         raise UserError("--seeds needs at least one seed")
-    used = {k for m in methods for k in getattr(METHODS[m], "__dataclass_fields__", {})}
-    unused = sorted(set(base.hyperparameters) - used)
+    unused = unused_hyperparameters(base, methods)
     if unused:
         raise UserError(f"no compared method takes hyperparameter {', '.join(unused)}")
     out = Path(out)
@@ -162,22 +146,22 @@ def compare(base: RunConfig, methods: list[str], seeds: list[int], out: str | Pa
     plan = [(m, s, method_config(base, m, s)) for s in seeds for m in methods]
     for m, s, cfg in plan:
         runner.build_method(cfg)
-        cfg.federation_config().validate(cfg.clients)
+        cfg.federation.validate(cfg.data.clients)
         if run_status(run_dir(out, m, s), cfg) == "other":
             raise UserError(f"{run_dir(out, m, s)} holds a run with a different configuration; "
                             f"use another --out or remove that folder")
 
     rows: list[dict] = []
-    bar = tqdm(total=len(plan) * base.rounds, unit="round", desc="compare", disable=not progress)
+    bar = tqdm(total=len(plan) * base.federation.rounds, unit="round", desc="compare", disable=not progress)
     try:
-        with _shared_datasets():
+        with shared_datasets():
             for m, s, cfg in plan:
                 path = run_dir(out, m, s)
                 status = run_status(path, cfg)
                 bar.set_postfix_str(f"{m} seed {s}")
                 if status == "done":
                     summary = io.read_json(path / "summary.json")
-                    bar.update(cfg.rounds)
+                    bar.update(cfg.federation.rounds)
                 else:
                     start = bar.n
 
@@ -186,7 +170,7 @@ def compare(base: RunConfig, methods: list[str], seeds: list[int], out: str | Pa
                         bar.refresh()
 
                     summary = runner.train(cfg, path, resume=status == "partial", on_round=on_round)
-                    bar.n = start + cfg.rounds
+                    bar.n = start + cfg.federation.rounds
                     bar.refresh()
                 rows.append({"method": m, "seed": s, "mean_accuracy": summary["mean_accuracy"],
                              "std_accuracy": summary["std_accuracy"]})

@@ -33,6 +33,11 @@ def write_text(target: str | Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
+def write_bytes(target: str | Path, data: bytes) -> None:
+    with atomic_path(target) as tmp:
+        tmp.write_bytes(data)
+
+
 def write_json(target: str | Path, obj) -> None:
     write_text(target, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
 

@@ -15,7 +15,8 @@ Every method uses the same ``RunConfig`` except ``method`` and the hyperparamete
 takes, so all see the same partition, initial model and seeds.
 
 Resuming: a stage is complete when its ``done.json`` exists — written last, atomically, holding the
-stage's identity (its config and settings; ``threads``, ``data_dir`` and ``download`` do not count).
+stage's identity (its config and settings, without the settings that never change a result:
+``fedsec.runner.RESULT_NEUTRAL``).
 Rerunning with the same ``out`` skips complete stages, resumes an interrupted ``train`` from its
 checkpoint, and redoes any other incomplete stage from scratch. A stage folder whose ``done.json``
 holds a *different* identity is an error (use another ``--out``), never overwritten. ``reuse``
@@ -37,56 +38,50 @@ import shlex
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
 import pandas as pd
 
+import attacks
 from fedecouple.errors import UserError
 from fedecouple.methods import METHODS
 
 from . import io, runner
-from .attack import IMAGE_COLUMNS, LABEL_COLUMNS, parse_rounds, run_attack
-from .audit import LEAK_GAP_DB, SEVERITIES, at_chance, psnr_gap, run_audit
-from .compare import _shared_datasets, method_config, parse_list, parse_methods, run_status
+from attacks.metrics import PSNR_CAP_DB
+from .attack import (IMAGE_COLUMNS, LABEL_COLUMNS, AttackSettings, check_applicable, parse_attacks, parse_rounds,
+                     run_attack)
+from .audit import LEAK_GAP_DB, at_chance, psnr_gap, run_audit
+from .compare import method_config, parse_list, parse_methods, run_status, shared_datasets, unused_hyperparameters
 from .runner import RunConfig
 from .versions import package_versions
+from reports.audit import SEVERITIES
 
 DEFAULT_METHODS = ("fedecouple", "fedper", "fedpac", "fedproto")
-ATTACK_CHOICES = ("dlg", "idlg", "ig", "proto", "labels")
 DEFAULT_ATTACKS = ("dlg", "ig", "proto", "labels")
-GRADIENT = ("dlg", "idlg", "ig")
-IMAGE_ATTACKS = ("dlg", "idlg", "ig", "proto")
-# The budgets `fedsec attack` uses by default (dlg/idlg: 300 L-BFGS steps; ig: 1000 Adam steps;
-# proto, labels: 300), pinned here so that a report's stages stay comparable (and reusable) when
-# those defaults move. Training dominates the cost (train + audit + one round per attack stage):
-# the four mission methods take about 6-7 CPU-minutes on mnist5k (BENCHMARKS.md, "Report (defaults)").
-DEFAULT_ITERATIONS = {"dlg": 300, "idlg": 300, "ig": 1000, "proto": 300, "labels": 300}
 DEFAULT_TARGETS = 2
 DONE = "done.json"
 RESULT_COLUMNS = list(dict.fromkeys(IMAGE_COLUMNS + LABEL_COLUMNS))
 
 
 @dataclass
-class AttackSettings:
-    """How every attack stage is run (the same for all methods)."""
+class ReportSettings:
+    """How every attack stage is run (the same for all methods). Each attack runs as ``fedsec
+    attack`` does by default (its declared iterations and victim setting) unless overridden here."""
 
     rounds: tuple[int, ...] = (0,)
     targets: int = DEFAULT_TARGETS
-    iterations: dict[str, int] = field(default_factory=dict)  # per attack; missing → DEFAULT_ITERATIONS
+    iterations: dict[str, int] = field(default_factory=dict)  # per attack; missing → the attack's default
     restarts: int = 1
     images: int = 1  # images rebuilt per target when the victim trains normally (proto, labels)
 
-    def for_attack(self, attack: str) -> dict:
-        return {"attack_rounds": [int(r) for r in self.rounds], "targets": int(self.targets),
-                "iterations": int(self.iterations.get(attack, DEFAULT_ITERATIONS[attack])),
-                "restarts": int(self.restarts), "images": int(self.images),
-                # the textbook setting for gradient attacks (one step on one image); the method's
-                # real local training for proto and labels — as `fedsec attack` does by default
-                "victim_batch": 1 if attack in GRADIENT else 0, "victim_steps": 1,
-                # batching moves DLG's numbers slightly: stages from before it are not reused
-                "batched": attack in GRADIENT}
+    def for_attack(self, attack: str) -> AttackSettings:
+        spec = attacks.get(attack)
+        return AttackSettings(attack=attack, rounds=tuple(int(r) for r in self.rounds), targets=int(self.targets),
+                              iterations=int(self.iterations.get(attack, spec.default_iterations)),
+                              restarts=int(self.restarts), images=int(self.images),
+                              victim_batch=spec.default_victim_batch, victim_steps=1)
 
 
 @dataclass
@@ -103,17 +98,6 @@ class Stage:
         return "attack" if self.attack else self.name
 
 
-def parse_attacks(text: str | Iterable[str]) -> list[str]:
-    items = parse_list(text, "attacks") if isinstance(text, str) else list(dict.fromkeys(text))
-    unknown = [a for a in items if a not in ATTACK_CHOICES]
-    if unknown:
-        raise UserError(f"unknown attack{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
-                        f"choose from: {', '.join(ATTACK_CHOICES)}")
-    if not items:
-        raise UserError("--attacks needs at least one attack")
-    return items
-
-
 def parse_iterations(text: str | None) -> dict[str, int]:
     """``"300"`` (every attack) or ``"dlg=300,ig=1000"`` → {attack: iterations}."""
     if text is None or str(text).strip() == "":
@@ -127,47 +111,33 @@ def parse_iterations(text: str | None) -> dict[str, int]:
             raise UserError(f"--iterations expects N or ATTACK=N,..., got {item!r}") from None
         if n < 1:
             raise UserError(f"--iterations must be at least 1, got {n}")
-        names = [name] if name else list(ATTACK_CHOICES)
+        names = [name] if name else list(attacks.ATTACKS)
         for a in names:
-            if a not in ATTACK_CHOICES:
-                raise UserError(f"--iterations names unknown attack {a!r}; choose from: {', '.join(ATTACK_CHOICES)}")
+            if a not in attacks.ATTACKS:
+                raise UserError(f"--iterations names unknown attack {a!r}; choose from: {', '.join(attacks.ATTACKS)}")
             out[a] = n
     return out
 
 
-def _normal(obj) -> dict:
-    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+def stage_identity(kind: str, config: RunConfig, settings: AttackSettings | None = None) -> dict:
+    """What a stage's result depends on (stored in its done.json; a stage is reused only when equal)."""
+    if kind == "attack":
+        # an attack stage trains max(attack rounds) + 1 rounds whatever --rounds says
+        config = config.updated(rounds=max(settings.rounds) + 1)
+        return json.loads(json.dumps({"stage": "attack", "attack": settings.attack, "config": config.result_key(),
+                                      "settings": asdict(settings)}, sort_keys=True))
+    return {"stage": kind, "config": config.result_key()}
 
 
-# settings that do not change a stage's result (where the data lives, how many threads or which
-# execution backend computes it: backends give the same numbers for the same seed and threads)
-IRRELEVANT = ("threads", "data_dir", "download", "backend", "ray_address")
-
-
-def _comparable(config: dict) -> dict:
-    return {k: v for k, v in _normal(config).items() if k not in IRRELEVANT}
-
-
-def stage_identity(kind: str, config: RunConfig, attack: str | None = None,
-                   settings: AttackSettings | None = None) -> dict:
-    if kind == "train":
-        return _normal({"stage": "train", "config": _comparable(config.to_dict())})
-    if kind == "audit":
-        return _normal({"stage": "audit", "evidence": False, "config": _comparable(config.to_dict())})
-    spec = settings.for_attack(attack)
-    # an attack stage trains max(attack rounds) + 1 rounds whatever --rounds says
-    cfg = replace(config, rounds=max(spec["attack_rounds"]) + 1)
-    return _normal({"stage": "attack", "attack": attack, "config": _comparable(cfg.to_dict()), **spec})
-
-
-def plan(base: RunConfig, methods: list[str], attacks: list[str], settings: AttackSettings, out: Path) -> list[Stage]:
+def plan(base: RunConfig, methods: list[str], attack_names: list[str], settings: ReportSettings,
+         out: Path) -> list[Stage]:
     stages = []
     for m in methods:
-        cfg = method_config(base, m, base.seed)
+        cfg = method_config(base, m, base.federation.seed)
         stages.append(Stage(m, "train", None, cfg, stage_identity("train", cfg), out / m / "train"))
         stages.append(Stage(m, "audit", None, cfg, stage_identity("audit", cfg), out / m / "audit"))
-        for a in attacks:
-            stages.append(Stage(m, f"attack-{a}", a, cfg, stage_identity("attack", cfg, a, settings),
+        for a in attack_names:
+            stages.append(Stage(m, f"attack-{a}", a, cfg, stage_identity("attack", cfg, settings.for_attack(a)),
                                 out / m / f"attack-{a}"))
     return stages
 
@@ -260,79 +230,50 @@ def copy_stage(source: Path, stage: Stage) -> None:
 # ----------------------------------------------------------------------------------------------
 # running stages
 # ----------------------------------------------------------------------------------------------
-def _uploaded_kinds(method: str, out: Path) -> set[str] | None:
-    try:
-        frame = pd.read_csv(out / method / "audit" / "audit.csv")
-    except (OSError, ValueError):
-        return None
-    return set(frame["kind"].astype(str)) if "kind" in frame else None
-
-
-def _precheck(stage: Stage, out: Path) -> str | None:
-    """A reason why ``stage``'s attack cannot apply, known without training (from the audit)."""
-    kinds = _uploaded_kinds(stage.method, out)
-    if kinds is None:
-        return None
-    if stage.attack in GRADIENT and not kinds & {"extractor", "classifier"}:
-        return f"{stage.method} uploads no model weights (only {', '.join(sorted(kinds)) or 'nothing'})"
-    if stage.attack == "proto" and "prototype" not in kinds:
-        return f"{stage.method} uploads no prototypes (it sends: {', '.join(sorted(kinds)) or 'nothing'})"
-    if stage.attack == "labels" and not kinds & {"classifier", "class_counts", "statistic", "prototype"}:
-        return (f"{stage.method}'s upload carries no label information: no class counts, label statistics, "
-                f"prototypes or classifier update (it sends: {', '.join(sorted(kinds)) or 'nothing'})")
-    return None
-
-
 def _finish(stage: Stage, status: str, seconds: float, reason: str | None = None) -> None:
     io.write_json(stage.path / DONE, {"identity": stage.identity, "status": status, "reason": reason,
                                       "seconds": round(seconds, 2), "versions": package_versions(),
                                       "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
-def run_stage(stage: Stage, out: Path) -> tuple[str, str | None]:
+def run_stage(stage: Stage, settings: ReportSettings) -> tuple[str, str | None]:
     """Run one stage into its folder; returns (status, reason). ``done.json`` is written last."""
     start = time.perf_counter()
     path = stage.path
+    reason = None
     if stage.kind == "train":
         status = run_status(path, stage.config)
         if status == "other" or (status == "new" and path.exists()):
             shutil.rmtree(path)
         if status != "done":
             runner.train(stage.config, path, resume=status == "partial")
-        _finish(stage, "done", time.perf_counter() - start)
-        return "done", None
-    if path.exists():
-        shutil.rmtree(path)  # an incomplete stage is redone from scratch
-    if stage.kind == "audit":
-        run_audit(stage.config, path, evidence=False, progress=False)
-        _finish(stage, "done", time.perf_counter() - start)
-        return "done", None
-    spec = stage.identity
-    reason = _precheck(stage, out)
-    if reason is None:
-        try:
-            from attacks.base import Budget
-
-            summary = run_attack(stage.config, stage.attack, attack_rounds=spec["attack_rounds"],
-                                 targets=spec["targets"],
-                                 budget=Budget(iterations=spec["iterations"], restarts=spec["restarts"],
-                                               batch=spec["images"]),
-                                 victim_batch=spec["victim_batch"], victim_steps=spec["victim_steps"], out=path,
-                                 progress=False, batched=spec["batched"])
-        except UserError as exc:
-            reason = str(exc)
+    else:
+        if path.exists():
+            shutil.rmtree(path)  # an incomplete stage is redone from scratch
+        if stage.kind == "audit":
+            run_audit(stage.config, path, evidence=False, progress=False)
         else:
-            scored = summary.get("images_scored", 0) if stage.attack != "labels" else len(summary.get("label_scores") or [])
-            if not scored:
-                notes = summary.get("notes") or ["nothing could be scored"]
-                reason = notes[0].split(": ", 1)[-1] if notes[0].startswith("round ") else notes[0]
+            reason = _attack_stage(stage, settings.for_attack(stage.attack))
     if reason is not None:
-        reason = reason.strip().rstrip(".")
         path.mkdir(parents=True, exist_ok=True)
-        _finish(stage, "not_applicable", time.perf_counter() - start, reason)
-        return "not_applicable", reason
+        _finish(stage, "not_applicable", time.perf_counter() - start, reason.strip().rstrip("."))
+        return "not_applicable", reason.strip().rstrip(".")
     _finish(stage, "done", time.perf_counter() - start)
     return "done", None
+
+
+def _attack_stage(stage: Stage, settings: AttackSettings) -> str | None:
+    """Run an attack stage; the reason it does not apply (known before training), or None."""
+    try:
+        check_applicable(settings.spec, runner.prepare(stage.config))
+        summary = run_attack(stage.config, settings, out=stage.path, progress=False)
+    except UserError as exc:
+        return str(exc)
+    scored = summary.get("images_scored", 0) if settings.spec.rebuilds_images else len(summary.get("label_scores") or [])
+    if scored:
+        return None
+    notes = summary.get("notes") or ["nothing could be scored"]
+    return notes[0].split(": ", 1)[-1] if notes[0].startswith("round ") else notes[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,28 +286,29 @@ def _read_json(path: Path, default=None):
         return default
 
 
-def _measured(code: str, attacks: dict[str, dict]) -> tuple[str, str | None]:
-    """This report's measurement for an audit finding, and the severity it implies (None: keep)."""
-    def psnr_evidence(names):
-        for a in names:
-            s = attacks.get(a) or {}
+def _measured(code: str, measured: dict[str, dict]) -> tuple[str, str | None]:
+    """This report's measurement for an audit finding, and the severity it implies (None: keep).
+    ``measured`` maps attack names to their summaries."""
+    def psnr_evidence(kind: str) -> tuple[str, str | None]:
+        for name in attacks.names(kind):
+            s = measured.get(name) or {}
             gap = psnr_gap(s)
             if gap is not None:
-                text = (f"{a}: mean PSNR {s['mean_psnr']:.1f} dB vs prior {s['mean_prior_psnr']:.1f} dB "
+                text = (f"{name}: mean PSNR {s['mean_psnr']:.1f} dB vs prior {s['mean_prior_psnr']:.1f} dB "
                         f"({gap:+.1f} dB), max {s['max_psnr']:.1f} dB")
                 return text, ("low" if at_chance(s) else None)
         return "", None
 
     if code == "PROTOTYPES_DISCLOSED":
-        return psnr_evidence(["proto"])
+        return psnr_evidence("image")
     if code == "MODEL_DISCLOSED":
-        return psnr_evidence(["dlg", "idlg", "ig"])
+        return psnr_evidence("gradient")
     if code in ("LABEL_DISTRIBUTION_DISCLOSED", "LABELS_INFERABLE_FROM_UPDATE"):
-        acc = (attacks.get("labels") or {}).get("label_accuracy")
-        if acc is None:
-            return "", None
-        text = f"labels: label-inference accuracy {acc:.2f}"
-        return text, ("low" if code == "LABELS_INFERABLE_FROM_UPDATE" and acc < 0.8 else None)
+        for name in attacks.names("labels"):
+            acc = (measured.get(name) or {}).get("class_presence_accuracy")
+            if acc is not None:
+                return (f"{name}: class-presence accuracy {acc:.2f}",
+                        "low" if code == "LABELS_INFERABLE_FROM_UPDATE" and acc < 0.8 else None)
     return "", None
 
 
@@ -379,72 +321,86 @@ def _brief_evidence(evidence) -> str:
     return text if len(text) <= 400 else text[:397] + "..."
 
 
-def assemble(stages: list[Stage], methods: list[str], attacks: list[str], out: Path):
+ATTACK_COLUMNS = {"mean_psnr": "mean_psnr", "median_psnr": "median_psnr", "max_psnr": "max_psnr",
+                  "prior_psnr": "mean_prior_psnr", "ssim": "mean_ssim", "label_accuracy": "label_accuracy",
+                  "class_presence_accuracy": "class_presence_accuracy", "images": "images_scored"}
+
+
+def _attack_cells(stage: Stage, out: Path) -> tuple[dict, dict | None, pd.DataFrame | None, dict | None]:
+    """(summary-row cells, measured summary, attack.csv, reconstruction grid) of one attack stage."""
+    a = stage.attack
+    done = read_done(stage.path) or {}
+    status = done.get("status")
+    s = _read_json(stage.path / "summary.json", {}) if status == "done" else {}
+    row = {f"{a}_status": {"done": "done", "not_applicable": f"not applicable: {done.get('reason')}"}.get(
+        status, f"unavailable: {done.get('reason') or 'not run'}")}
+    row.update({f"{a}_{col}": s.get(key) for col, key in ATTACK_COLUMNS.items()})
+    if status != "done":
+        return row, None, None, None
+    try:
+        frame = pd.read_csv(stage.path / "attack.csv")
+    except (OSError, ValueError, pd.errors.EmptyDataError):
+        frame = None
+    png = stage.path / "reconstructions.png"
+    grid = {"png": png.read_bytes(), "path": png.relative_to(out).as_posix()} \
+        if attacks.get(a).rebuilds_images and png.is_file() else None
+    return row, s, frame, grid
+
+
+def _finding_rows(method: str, findings: list[dict], measured: dict[str, dict]) -> list[dict]:
+    rows = []
+    for f in findings:
+        text, regraded = _measured(str(f.get("code", "")), measured)
+        rows.append({"method": method, "severity": regraded or str(f.get("severity", "info")),
+                     "audit_severity": f.get("severity"), "code": f.get("code", ""), "finding": f.get("finding", ""),
+                     "measured": text, "evidence": _brief_evidence(f.get("evidence"))})
+    return rows
+
+
+def _method_row(method: str, by: dict, attack_names: list[str], out: Path, collected: dict) -> dict:
+    """One method's summary row; its results, findings and grids go into ``collected``."""
+    train = _read_json(by[(method, "train")].path / "summary.json", {})
+    audit = _read_json(by[(method, "audit")].path / "summary.json", {})
+    row = {"method": method, "accuracy_mean": train.get("mean_accuracy"), "accuracy_std": train.get("std_accuracy"),
+           "upload_mb_per_round": audit.get("upload_mb_per_round"),
+           "upload_kib_per_client_round": audit.get("upload_kib_per_client_round")}
+    measured: dict[str, dict] = {}
+    for a in attack_names:
+        cells, summary, frame, grid = _attack_cells(by[(method, f"attack-{a}")], out)
+        row.update(cells)
+        if summary is not None:
+            measured[a] = summary
+        if frame is not None:
+            collected["results"].append(frame)
+        if grid is not None:
+            collected["grids"][(method, a)] = grid
+    findings = _finding_rows(method, _read_json(by[(method, "audit")].path / "findings.json", []) or [], measured)
+    collected["findings"] += findings
+    for sev in SEVERITIES:
+        row[f"findings_{sev}"] = sum(f["severity"] == sev for f in findings)
+    cfg = _read_json(by[(method, "train")].path / "config.json", {})
+    collected["details"][method] = {
+        "hyperparameters": cfg.get("method_hyperparameters", {}),
+        "targets": {a: measured[a].get("targets") for a in measured},
+        "versions": [(read_done(st.path) or {}).get("versions") for st in by.values() if st.method == method]}
+    return row
+
+
+def assemble(stages: list[Stage], methods: list[str], attack_names: list[str], out: Path):
     """(summary frame, results frame, findings frame, grids, per-method details) from the stage folders."""
     by = {(s.method, s.name): s for s in stages}
-    summary_rows, result_frames, finding_rows, grids, details = [], [], [], {}, {}
-    for m in methods:
-        train = _read_json(by[(m, "train")].path / "summary.json", {})
-        audit = _read_json(by[(m, "audit")].path / "summary.json", {})
-        findings = _read_json(by[(m, "audit")].path / "findings.json", []) or []
-        row = {"method": m, "accuracy_mean": train.get("mean_accuracy"), "accuracy_std": train.get("std_accuracy"),
-               "upload_mb_per_round": audit.get("upload_mb_per_round"),
-               "upload_kib_per_client_round": audit.get("upload_kib_per_client_round")}
-        measured: dict[str, dict] = {}
-        for a in attacks:
-            st = by[(m, f"attack-{a}")]
-            done = read_done(st.path) or {}
-            status = done.get("status")
-            s = _read_json(st.path / "summary.json", {}) if status == "done" else {}
-            if status == "done":
-                row[f"{a}_status"] = "done"
-                measured[a] = s
-            elif status == "not_applicable":
-                row[f"{a}_status"] = f"not applicable: {done.get('reason')}"
-            else:
-                row[f"{a}_status"] = f"unavailable: {done.get('reason') or 'not run'}"
-            row[f"{a}_mean_psnr"] = s.get("mean_psnr")
-            row[f"{a}_median_psnr"] = s.get("median_psnr")
-            row[f"{a}_max_psnr"] = s.get("max_psnr")
-            row[f"{a}_prior_psnr"] = s.get("mean_prior_psnr")
-            row[f"{a}_ssim"] = s.get("mean_ssim")
-            row[f"{a}_label_accuracy"] = s.get("label_accuracy")
-            row[f"{a}_images"] = s.get("images_scored")
-            if status == "done":
-                try:
-                    result_frames.append(pd.read_csv(st.path / "attack.csv"))
-                except (OSError, ValueError, pd.errors.EmptyDataError):
-                    pass
-                png = st.path / "reconstructions.png"
-                if a in IMAGE_ATTACKS and png.is_file():
-                    grids[(m, a)] = {"png": png.read_bytes(), "path": png.relative_to(out).as_posix()}
-        row["label_inference_accuracy"] = (measured.get("labels") or {}).get("label_accuracy")
-        counts = {s: 0 for s in SEVERITIES}
-        for f in findings:
-            text, regraded = _measured(str(f.get("code", "")), measured)
-            severity = regraded or str(f.get("severity", "info"))
-            counts[severity] = counts.get(severity, 0) + 1
-            finding_rows.append({"method": m, "severity": severity, "audit_severity": f.get("severity"),
-                                 "code": f.get("code", ""), "finding": f.get("finding", ""), "measured": text,
-                                 "evidence": _brief_evidence(f.get("evidence"))})
-        for s in SEVERITIES:
-            row[f"findings_{s}"] = counts.get(s, 0)
-        summary_rows.append(row)
-        cfg = _read_json(by[(m, "train")].path / "config.json", {})
-        details[m] = {"hyperparameters": cfg.get("method_hyperparameters", {}),
-                      "targets": {a: measured[a].get("targets") for a in measured},
-                      "versions": [(read_done(st.path) or {}).get("versions") for st in stages if st.method == m]}
-    summary = pd.DataFrame(summary_rows)
-    results = pd.concat([f for f in result_frames if len(f)], ignore_index=True) if any(len(f) for f in result_frames) \
-        else pd.DataFrame(columns=RESULT_COLUMNS)
+    collected = {"results": [], "findings": [], "grids": {}, "details": {}}
+    summary = pd.DataFrame([_method_row(m, by, attack_names, out, collected) for m in methods])
+    frames = [f for f in collected["results"] if len(f)]
+    results = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=RESULT_COLUMNS)
     results = results.reindex(columns=RESULT_COLUMNS + [c for c in results.columns if c not in RESULT_COLUMNS])
-    findings = pd.DataFrame(finding_rows, columns=["method", "severity", "audit_severity", "code", "finding",
-                                                   "measured", "evidence"])
-    order = {s: i for i, s in enumerate(SEVERITIES)}
+    findings = pd.DataFrame(collected["findings"], columns=["method", "severity", "audit_severity", "code", "finding",
+                                                            "measured", "evidence"])
     if len(findings):
-        findings = findings.sort_values(["method", "severity"], key=lambda c: c.map({m: i for i, m in enumerate(methods)})
-                                        if c.name == "method" else c.map(order), kind="stable").reset_index(drop=True)
-    return summary, results, findings, grids, details
+        order = {**{m: i for i, m in enumerate(methods)}, **{s: i for i, s in enumerate(SEVERITIES)}}
+        findings = findings.sort_values(["method", "severity"], key=lambda c: c.map(order),
+                                        kind="stable").reset_index(drop=True)
+    return summary, results, findings, collected["grids"], collected["details"]
 
 
 def psnr_definition() -> str:
@@ -457,17 +413,14 @@ def psnr_definition() -> str:
 # ----------------------------------------------------------------------------------------------
 # the whole report
 # ----------------------------------------------------------------------------------------------
-def validate(base: RunConfig, methods: list[str], attacks: list[str], settings: AttackSettings, out: Path,
+def validate(base: RunConfig, methods: list[str], attack_names: list[str], settings: ReportSettings, out: Path,
              reuse: list[Path]) -> list[Stage]:
     """Every check that can fail on user input, before anything is written."""
     if not methods:
         raise UserError("--methods needs at least one method")
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise UserError(f"unknown method {', '.join(unknown)}; choose from: {', '.join(METHODS)}")
-    parse_attacks(attacks)
-    used = {k for m in methods for k in getattr(METHODS[m], "__dataclass_fields__", {})}
-    unused = sorted(set(base.hyperparameters) - used)
+    parse_methods(",".join(methods))
+    parse_attacks(attack_names)
+    unused = unused_hyperparameters(base, methods)
     if unused:
         raise UserError(f"no reported method takes hyperparameter {', '.join(unused)}")
     if settings.targets < 1:
@@ -477,10 +430,10 @@ def validate(base: RunConfig, methods: list[str], attacks: list[str], settings: 
     settings.rounds = tuple(parse_rounds(settings.rounds))
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a directory")
-    stages = plan(base, methods, attacks, settings, out)
+    stages = plan(base, methods, attack_names, settings, out)
     for st in stages:
         runner.build_method(st.config)
-        st.config.federation_config().validate(st.config.clients)
+        st.config.federation.validate(st.config.data.clients)
         done = read_done(st.path)
         if done is not None and done["identity"] != st.identity:
             raise UserError(f"{st.path} holds a {st.name} stage with a different configuration; "
@@ -490,22 +443,25 @@ def validate(base: RunConfig, methods: list[str], attacks: list[str], settings: 
 
 
 def build_report(base: RunConfig, methods: list[str], out: str | Path, attacks: Iterable[str] = DEFAULT_ATTACKS,
-                 settings: AttackSettings | None = None, reuse: Iterable[str | Path] = (), progress: bool = True,
+                 settings: ReportSettings | None = None, reuse: Iterable[str | Path] = (), progress: bool = True,
                  command: str | None = None, log: Callable[[str], None] | None = None) -> dict:
     """Run (or resume, or reuse) every stage, then write the report files; returns their paths and the summary."""
-    settings = settings or AttackSettings()
+    settings = settings or ReportSettings()
     out = Path(out)
-    attacks = parse_attacks(list(attacks))
+    attack_names = parse_attacks(list(attacks))
     methods = list(dict.fromkeys(methods))
     reuse_dirs = check_reuse_dirs(reuse)
-    with _shared_datasets():  # every stage reads the same data set tensors
-        stages = validate(base, methods, attacks, settings, out, reuse_dirs)
-        return _run(base, methods, attacks, settings, out, reuse_dirs, stages, progress, command, log)
+    with shared_datasets():  # every stage reads the same data set tensors
+        stages = validate(base, methods, attack_names, settings, out, reuse_dirs)
+        records, failed, seconds = _run_stages(stages, settings, reuse_dirs, progress, log)
+    return _write_report(base, methods, attack_names, settings, out, stages, records, failed, seconds, command)
 
 
-def _run(base, methods, attacks, settings, out, reuse_dirs, stages, progress, command, log) -> dict:
+def _run_stages(stages: list[Stage], settings: ReportSettings, reuse_dirs: list[Path], progress: bool,
+                log: Callable[[str], None] | None) -> tuple[list[dict], dict, float]:
+    """Each stage: done earlier, copied from a reuse folder, or computed (a failure is recorded and
+    the next stage runs). Returns (records, failures, seconds)."""
     from tqdm import tqdm
-
 
     bar = tqdm(total=len(stages), desc="report", unit="stage", disable=None if progress else True, file=sys.stderr,
                leave=False)  # the bar only on a terminal; the per-stage lines always
@@ -520,96 +476,104 @@ def _run(base, methods, attacks, settings, out, reuse_dirs, stages, progress, co
     records: list[dict] = []
     failed: dict[tuple[str, str], str] = {}
     t0 = time.perf_counter()
-    width = len(str(len(stages)))
     try:
         for i, st in enumerate(stages, 1):
-            label = f"[{i:>{width}}/{len(stages)}] {st.method} {st.name}"
             bar.set_postfix_str(f"{st.method} {st.name}")
-            for stale in st.path.parent.glob(f".{st.path.name}.partial"):
-                shutil.rmtree(stale, ignore_errors=True)
-            source = "computed"
-            if stage_complete(st):
-                source = "done earlier"
-            elif (found := find_reusable(st, done_dirs, train_dirs)) is not None:
-                copy_stage(found, st)
-                source = f"reused {found}"
-            else:
-                say(f"{label}: running ...")
-                try:
-                    run_stage(st, out)
-                except Exception as exc:  # noqa: BLE001 - recorded, reported, retried by the next run
-                    reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-                    failed[(st.method, st.name)] = reason
-                    say(f"{label}: FAILED ({reason}); rerun with the same --out to retry it")
-                    records.append({"method": st.method, "stage": st.name, "status": "failed", "seconds": None,
-                                    "source": "-"})
-                    bar.update(1)
-                    continue
-            done = read_done(st.path) or {}
-            status = done.get("status", "?")
-            reason = done.get("reason")
-            secs = done.get("seconds")
-            say(f"{label}: {status.replace('_', ' ')}" + (f" ({reason})" if reason else "")
-                + (f" in {secs:.1f} s" if source == "computed" and secs is not None else f" [{source}]"))
-            records.append({"method": st.method, "stage": st.name, "status": status.replace("_", " "),
-                            "seconds": secs, "source": source if not source.startswith("reused") else "reused"})
+            label = f"[{i:>{len(str(len(stages)))}}/{len(stages)}] {st.method} {st.name}"
+            records.append(_one_stage(st, settings, label, done_dirs, train_dirs, failed, say))
             bar.update(1)
     finally:
         bar.close()
-    summary, results, findings, grids, details = assemble(stages, methods, attacks, out)
+    return records, failed, time.perf_counter() - t0
+
+
+def _one_stage(st: Stage, settings: ReportSettings, label: str, done_dirs, train_dirs, failed: dict, say) -> dict:
+    for stale in st.path.parent.glob(f".{st.path.name}.partial"):
+        shutil.rmtree(stale, ignore_errors=True)
+    source = "computed"
+    if stage_complete(st):
+        source = "done earlier"
+    elif (found := find_reusable(st, done_dirs, train_dirs)) is not None:
+        copy_stage(found, st)
+        source = f"reused {found}"
+    else:
+        say(f"{label}: running ...")
+        try:
+            run_stage(st, settings)
+        except Exception as exc:  # noqa: BLE001 - recorded, reported, retried by the next run
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            failed[(st.method, st.name)] = reason
+            say(f"{label}: FAILED ({reason}); rerun with the same --out to retry it")
+            return {"method": st.method, "stage": st.name, "status": "failed", "seconds": None, "source": "-"}
+    done = read_done(st.path) or {}
+    status, reason, secs = done.get("status", "?"), done.get("reason"), done.get("seconds")
+    say(f"{label}: {status.replace('_', ' ')}" + (f" ({reason})" if reason else "")
+        + (f" in {secs:.1f} s" if source == "computed" and secs is not None else f" [{source}]"))
+    return {"method": st.method, "stage": st.name, "status": status.replace("_", " "), "seconds": secs,
+            "source": source if not source.startswith("reused") else "reused"}
+
+
+def _report_meta(base: RunConfig, methods: list[str], attack_names: list[str], settings: ReportSettings,
+                 details: dict, records: list[dict], notes: list[str], command: str | None) -> dict:
+    return {
+        "title": f"Privacy comparison: {', '.join(methods)} on {base.data.dataset}",
+        "command": command, "methods": methods, "attacks": attack_names,
+        "image_attacks": [a for a in attack_names if attacks.get(a).rebuilds_images],
+        "label_attacks": [a for a in attack_names if not attacks.get(a).rebuilds_images],
+        "psnr_cap_db": PSNR_CAP_DB, "leak_gap_db": LEAK_GAP_DB,
+        "config": {k: v for k, v in base.to_dict().items() if k != "method"},
+        "method_hyperparameters": {m: d["hyperparameters"] for m, d in details.items()},
+        "seeds": {"seed": base.federation.seed,
+                  "seed is used for": "the partition, the initial model, local training, the attacks' starting "
+                                      "points and the choice of attacked clients (the same for every method)",
+                  "attacked clients": {f"{m} / {a}": "; ".join(f"round {r}: client {', '.join(map(str, cs))}"
+                                                                for r, cs in (t or {}).items())
+                                       for m, d in details.items() for a, t in d["targets"].items()}},
+        "attack_settings": {a: asdict(settings.for_attack(a)) for a in attack_names},
+        "versions": package_versions(), "psnr_definition": psnr_definition(), "stages": records, "notes": notes,
+        "findings_note": ("Findings come from `fedsec audit` (without its own evidence attacks); where this report "
+                          "measured the matching attack, its numbers are shown and the severity follows the audit's "
+                          f"rule (leakage within {LEAK_GAP_DB:.0f} dB of the prior, or class-presence accuracy "
+                          "below 0.8, is low)."),
+    }
+
+
+def _write_report(base: RunConfig, methods: list[str], attack_names: list[str], settings: ReportSettings, out: Path,
+                  stages: list[Stage], records: list[dict], failed: dict, seconds: float, command: str | None) -> dict:
+    """Assemble the tables from the stage folders and write every report file."""
+    from reports.comparison import render
+
+    summary, results, findings, grids, details = assemble(stages, methods, attack_names, out)
     for (m, name), reason in failed.items():
         if name.startswith("attack-"):
             summary.loc[summary["method"] == m, f"{name[len('attack-'):]}_status"] = f"failed: {reason}"
-    versions = package_versions()
     stage_versions = {json.dumps(v, sort_keys=True) for d in details.values() for v in d["versions"] if v}
-    notes = [f"{len(stages)} stages in {time.perf_counter() - t0:.0f} s this run "
+    notes = [f"{len(stages)} stages in {seconds:.0f} s this run "
              f"({sum(r['source'] == 'computed' for r in records)} computed, "
              f"{sum(r['source'] == 'done earlier' for r in records)} done earlier, "
              f"{sum(r['source'] == 'reused' for r in records)} reused)."]
     notes += [f"FAILED: {m} {name}: {reason} (rerun with the same --out to retry)" for (m, name), reason in failed.items()]
     if len(stage_versions) > 1:
         notes.append("Some stages were computed with other package versions; each stage's done.json records its own.")
-    meta = {
-        "title": f"Privacy comparison: {', '.join(methods)} on {base.dataset}",
-        "command": command, "methods": methods, "attacks": attacks,
-        "config": {k: v for k, v in base.to_dict().items() if k != "method"},
-        "method_hyperparameters": {m: d["hyperparameters"] for m, d in details.items()},
-        "seeds": {"seed": base.seed,
-                  "seed is used for": "the partition, the initial model, local training, the attacks' starting "
-                                      "points and the choice of attacked clients (the same for every method)",
-                  "attacked clients": {f"{m} / {a}": "; ".join(f"round {r}: client {', '.join(map(str, cs))}"
-                                                                for r, cs in (t or {}).items())
-                                       for m, d in details.items() for a, t in d["targets"].items()}},
-        "attack_settings": {a: settings.for_attack(a) for a in attacks},
-        "versions": versions, "psnr_definition": psnr_definition(), "stages": records, "notes": notes,
-        "findings_note": ("Findings come from `fedsec audit` (without its own evidence attacks); where this report "
-                          "measured the matching attack, its numbers are shown and the severity follows the audit's "
-                          f"rule (leakage within {LEAK_GAP_DB:.0f} dB of the prior, or label-inference accuracy "
-                          "below 0.8, is low)."),
-    }
-    from reports.comparison import render
-
-    files = render(summary, results, findings, grids, meta)
+    meta = _report_meta(base, methods, attack_names, settings, details, records, notes, command)
     paths = {}
-    for name, content in files.items():
-        if isinstance(content, bytes):
-            with io.atomic_path(out / name) as tmp:
-                tmp.write_bytes(content)
-        else:
-            io.write_text(out / name, content)
+    for name, content in render(summary, results, findings, grids, meta).items():
+        (io.write_bytes if isinstance(content, bytes) else io.write_text)(out / name, content)
         paths[name] = out / name
-    io.write_csv(out / "results.csv", results)
-    io.write_csv(out / "summary.csv", summary)
-    io.write_csv(out / "findings.csv", findings)
-    paths.update({n: out / n for n in ("results.csv", "summary.csv", "findings.csv")})
+    for name, frame in (("results.csv", results), ("summary.csv", summary), ("findings.csv", findings)):
+        io.write_csv(out / name, frame)
+        paths[name] = out / name
     return {"paths": paths, "summary": summary, "stages": records, "failed": failed}
 
 
-def headline_markdown(summary: pd.DataFrame, attacks: list[str], methods: list[str]) -> str:
+def headline_markdown(summary: pd.DataFrame, attack_names: list[str], methods: list[str]) -> str:
     """The headline table alone (for the terminal and BENCHMARKS.md)."""
     from reports.comparison import headline_rows, md_table
 
-    return md_table(*headline_rows(summary, {"attacks": attacks, "methods": methods}))
+    return md_table(*headline_rows(summary, {
+        "attacks": attack_names, "methods": methods,
+        "image_attacks": [a for a in attack_names if attacks.get(a).rebuilds_images],
+        "label_attacks": [a for a in attack_names if not attacks.get(a).rebuilds_images]}))
 
 
 def command_line(argv: list[str] | None = None) -> str:
@@ -617,5 +581,5 @@ def command_line(argv: list[str] | None = None) -> str:
     return "fedsec " + " ".join(shlex.quote(a) for a in argv)
 
 
-__all__ = ["ATTACK_CHOICES", "AttackSettings", "DEFAULT_ATTACKS", "DEFAULT_ITERATIONS", "DEFAULT_METHODS",
-           "build_report", "headline_markdown", "parse_attacks", "parse_iterations", "parse_methods"]
+__all__ = ["DEFAULT_ATTACKS", "DEFAULT_METHODS", "ReportSettings", "build_report", "headline_markdown",
+           "parse_attacks", "parse_iterations", "parse_methods"]

@@ -7,8 +7,9 @@ an interrupted run and ends with the same ``metrics.csv``).
 """
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -22,20 +23,21 @@ from fedecouple.data.dataset import ImageDataset
 from fedecouple.data.partition import Partition
 from fedecouple.engine import Federation, FederationConfig, GroundTruth, VictimSetting, summarize
 from fedecouple.errors import UserError
-from fedecouple.methods import METHODS, make_method
+from fedecouple.methods import make_method, method_class
 from fedecouple.methods.base import Method, TrainConfig
 from fedecouple.models import check_architecture
 
 from . import io
 from .versions import package_versions
 
-PAPER_PRESET = {"clients": 20, "local_epochs": 5, "rounds": 200, "join_ratio": 1.0,
-                "hyperparameters": {"lam": 0.8, "mu": 2.0, "tau": 2.0}}
+# ``--preset paper``: the paper's federation (Section V); each method adds its own ``paper_preset``
+PAPER_FEDERATION = {"clients": 20, "local_epochs": 5, "rounds": 200, "join_ratio": 1.0}
 
 
 @dataclass
-class RunConfig:
-    method: str = "fedecouple"
+class DataConfig:
+    """Which data set, where it lives, and how it is split over clients."""
+
     dataset: str = "mnist5k"
     data_dir: str | None = None
     download: bool = False
@@ -46,39 +48,86 @@ class RunConfig:
     beta: float = 0.1
     test_fraction: float = 0.25
     clients: int = 10
-    rounds: int = 3
-    local_epochs: int = 1
-    join_ratio: float = 1.0
-    lr: float = 0.05
-    batch_size: int = 10
-    seed: int = 0
-    arch: str | None = None
+
+
+@dataclass
+class ExecutionConfig:
+    """Where the computation runs. Same seed and same ``threads`` give the same numbers on every
+    backend, so none of this is part of a result's identity (``RESULT_NEUTRAL``)."""
+
     threads: int | None = None
     backend: str = "sequential"
     ray_address: str | None = None
+
+
+# the settings that never change a result: where the data lives and how (where) it is computed
+RESULT_NEUTRAL = ("data_dir", "download", "threads", "backend", "ray_address")
+
+
+@dataclass
+class RunConfig:
+    """One federation run: the method and its hyperparameters, the data, the federation (rounds,
+    seed, local training) and where it executes. ``to_dict``/``from_dict`` use one flat namespace
+    (the CLI's flag names), which is what ``config.json`` holds."""
+
+    method: str = "fedecouple"
+    data: DataConfig = field(default_factory=DataConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     hyperparameters: dict = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict) -> "RunConfig":
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        """From the flat namespace; missing keys take their defaults, unknown keys are ignored
+        (config.json files of older versions load)."""
+        known = {k: v for k, v in data.items() if k in _FLAT}
+        return cls.of(**known)
+
+    @classmethod
+    def of(cls, **flat) -> "RunConfig":
+        """From flat keyword arguments (``RunConfig.of(method="fedper", clients=20, lr=0.1)``)."""
+        unknown = sorted(set(flat) - set(_FLAT))
+        if unknown:
+            raise TypeError(f"RunConfig has no setting {', '.join(unknown)}")
+        parts = {name: {k: v for k, v in flat.items() if _FLAT[k] == name} for name in _PARTS}
+        federation = FederationConfig()
+        train = replace(federation.train, **parts.pop("train"))
+        return cls(method=flat.get("method", "fedecouple"), data=DataConfig(**parts["data"]),
+                   federation=replace(federation, train=train, **parts["federation"]),
+                   execution=ExecutionConfig(**parts["execution"]),
+                   hyperparameters=dict(flat.get("hyperparameters") or {}))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        federation = asdict(self.federation)
+        train = federation.pop("train")
+        return {"method": self.method, **asdict(self.data), **federation, **train, **asdict(self.execution),
+                "hyperparameters": dict(self.hyperparameters)}
 
-    def federation_config(self) -> FederationConfig:
-        return FederationConfig(rounds=self.rounds, join_ratio=self.join_ratio, seed=self.seed, arch=self.arch,
-                                train=TrainConfig(lr=self.lr, batch_size=self.batch_size, local_epochs=self.local_epochs))
+    def updated(self, **flat) -> "RunConfig":
+        """A copy with some flat settings changed (``config.updated(rounds=5, method="fedper")``)."""
+        return RunConfig.of(**{**self.to_dict(), **flat})
+
+    def result_key(self) -> dict:
+        """The settings a result depends on (everything but ``RESULT_NEUTRAL``), JSON-normalised:
+        two runs with equal keys give the same numbers."""
+        return {k: v for k, v in json.loads(json.dumps(self.to_dict(), sort_keys=True)).items()
+                if k not in RESULT_NEUTRAL}
+
+
+_PARTS = ("data", "federation", "train", "execution")
+_FLAT = {"method": None, "hyperparameters": None,
+         **{f.name: "data" for f in fields(DataConfig)}, **{f.name: "execution" for f in fields(ExecutionConfig)},
+         **{f.name: "federation" for f in fields(FederationConfig) if f.name != "train"},
+         **{f.name: "train" for f in fields(TrainConfig)}}
 
 
 def build_method(config: RunConfig) -> Method:
-    if config.method not in METHODS:
-        raise UserError(f"unknown method {config.method!r}; choose one of: {', '.join(METHODS)}")
-    accepted = set(getattr(METHODS[config.method], "__dataclass_fields__", {}))
-    unknown = sorted(set(config.hyperparameters) - accepted)
+    """The configured method; unknown names and hyperparameters are one-line errors."""
+    cls = method_class(config.method)
+    unknown = sorted(set(config.hyperparameters) - set(cls.hyperparameter_names()))
     if unknown:
         raise UserError(f"method {config.method} has no hyperparameter {', '.join(unknown)}; "
-                        f"it takes: {', '.join(sorted(accepted)) or 'none'}")
+                        f"it takes: {', '.join(cls.hyperparameter_names()) or 'none'}")
     return make_method(config.method, **config.hyperparameters)
 
 
@@ -93,44 +142,46 @@ class Prepared:
 def prepare(config: RunConfig) -> Prepared:
     """Validate the config and load everything; raises ``UserError`` before anything is written."""
     method = build_method(config)
-    if config.clients < 1:
-        raise UserError(f"--clients must be at least 1, got {config.clients}")
-    config.federation_config().validate(config.clients)
-    if config.backend not in BACKENDS:
-        raise UserError(f"unknown backend {config.backend!r}; choose one of: {', '.join(BACKENDS)}")
-    if config.ray_address and config.backend != "ray":
+    data, execution = config.data, config.execution
+    if data.clients < 1:
+        raise UserError(f"--clients must be at least 1, got {data.clients}")
+    config.federation.validate(data.clients)
+    if execution.backend not in BACKENDS:
+        raise UserError(f"unknown backend {execution.backend!r}; choose one of: {', '.join(BACKENDS)}")
+    if execution.ray_address and execution.backend != "ray":
         raise UserError("--ray-address needs --backend ray")
-    if config.backend == "ray":
+    if execution.backend == "ray":
         import_ray()  # a missing extra fails here, before anything is written
-    dataset = load_dataset(config.dataset, config.data_dir, config.download)
-    if config.arch:  # before anything trains or is written (report, defend and attack all start here)
-        check_architecture(config.arch, dataset.image_size)
-    partition = make_partition(dataset.labels.numpy(), config.clients, config.partition,
-                               num_classes=dataset.num_classes, classes_per_client=config.classes_per_client,
-                               s=config.s, samples_per_client=config.samples_per_client, beta=config.beta,
-                               test_fraction=config.test_fraction, seed=config.seed)
+    dataset = load_dataset(data.dataset, data.data_dir, data.download)
+    if config.federation.arch:  # before anything trains or is written (report, defend and attack start here)
+        check_architecture(config.federation.arch, dataset.image_size)
+    partition = make_partition(dataset.labels.numpy(), data.clients, data.partition,
+                               num_classes=dataset.num_classes, classes_per_client=data.classes_per_client,
+                               s=data.s, samples_per_client=data.samples_per_client, beta=data.beta,
+                               test_fraction=data.test_fraction, seed=config.federation.seed)
     return Prepared(config, dataset, partition, method)
 
 
 def build_federation(prep: Prepared, channel: ServerChannel | None = None, ground_truth: GroundTruth | None = None,
                      victim: VictimSetting | None = None) -> Federation:
-    if prep.config.threads:
-        torch.set_num_threads(prep.config.threads)
-    backend = make_backend(prep.config.backend, prep.config.ray_address, prep.config.threads)
-    return Federation(prep.method, prep.dataset, prep.partition, prep.config.federation_config(), channel=channel,
+    execution = prep.config.execution
+    if execution.threads:
+        torch.set_num_threads(execution.threads)
+    backend = make_backend(execution.backend, execution.ray_address, execution.threads)
+    return Federation(prep.method, prep.dataset, prep.partition, prep.config.federation, channel=channel,
                       ground_truth=ground_truth, victim=victim, backend=backend)
 
 
-def run_record(config: RunConfig) -> dict:
+def run_record(config: RunConfig, method: Method) -> dict:
     """What goes into config.json: the resolved config, the method's hyperparameters, versions."""
-    return {"config": config.to_dict(), "method_hyperparameters": build_method(config).hyperparameters(),
+    return {"config": config.to_dict(), "method_hyperparameters": method.hyperparameters(),
             "torch_threads": torch.get_num_threads(), "versions": package_versions()}
 
 
 def write_metrics(out: Path, fed: Federation, config: RunConfig, seconds: float) -> dict:
     io.write_csv(out / "metrics.csv", pd.DataFrame(fed.metrics, columns=["round", "client", "accuracy", "loss"]))
-    summary = {"method": config.method, "dataset": config.dataset, "partition": config.partition,
-               "clients": config.clients, "rounds": fed.completed_rounds, "seed": config.seed,
+    summary = {"method": config.method, "dataset": config.data.dataset, "partition": config.data.partition,
+               "clients": config.data.clients, "rounds": fed.completed_rounds, "seed": config.federation.seed,
                "seconds": round(seconds, 2), **summarize(fed.metrics)}
     summary.pop("round", None)
     io.write_json(out / "summary.json", summary)
@@ -143,38 +194,39 @@ def train(config: RunConfig, out: str | Path | None, resume: bool = False,
     prep = prepare(config)
     fed = build_federation(prep)
     try:
-        return _train(fed, prep, config, out, resume, on_round)
+        return _train_checkpointed(fed, prep, None if out is None else Path(out), resume, on_round)
     finally:
         fed.close()  # e.g. shut down the Ray this run started
 
 
-def _train(fed: Federation, prep: Prepared, config: RunConfig, out, resume, on_round) -> dict:
-    out_path = Path(out) if out is not None else None
+def _train_checkpointed(fed: Federation, prep: Prepared, out: Path | None, resume: bool, on_round) -> dict:
+    """Run the rounds still to do, writing checkpoint, metrics and summary after each (into ``out``)."""
+    config = prep.config
     spent = 0.0
-    if out_path is not None:
-        ckpt = out_path / "checkpoint.pt"
+    if out is not None:
+        ckpt = out / "checkpoint.pt"
         if resume and ckpt.exists():
             state = io.load_torch(ckpt)
             fed.load_state_dict(state["federation"])
             spent = float(state.get("seconds", 0.0))
         else:
-            io.write_json(out_path / "config.json", run_record(config))
-            io.write_csv(out_path / "partition.csv",
+            io.write_json(out / "config.json", run_record(config, prep.method))
+            io.write_csv(out / "partition.csv",
                          prep.partition.class_counts(prep.dataset.labels.numpy()).reset_index())
     start = time.perf_counter()
     summary = summarize(fed.metrics) if fed.metrics else {}
-    while fed.completed_rounds < config.rounds:
+    while fed.completed_rounds < config.federation.rounds:
         rows = fed.run_round()
         summary = summarize(rows)
-        if out_path is not None:
+        if out is not None:
             seconds = spent + time.perf_counter() - start
-            io.save_torch(out_path / "checkpoint.pt", {"federation": fed.state_dict(), "seconds": seconds})
-            summary = write_metrics(out_path, fed, config, seconds)
+            io.save_torch(out / "checkpoint.pt", {"federation": fed.state_dict(), "seconds": seconds})
+            summary = write_metrics(out, fed, config, seconds)
         if on_round is not None:
             on_round(fed.completed_rounds - 1, summary)
     seconds = spent + time.perf_counter() - start
-    if out_path is not None:
-        return write_metrics(out_path, fed, config, seconds)
+    if out is not None:
+        return write_metrics(out, fed, config, seconds)
     return {"method": config.method, "rounds": fed.completed_rounds, **summarize(fed.metrics)}
 
 

@@ -9,16 +9,19 @@ Inputs
 ``summary``  one row per method: ``method, accuracy_mean, accuracy_std, upload_mb_per_round,
              upload_kib_per_client_round``, for every attack ``a`` in ``meta["attacks"]``:
              ``a_status`` (``done`` or ``not applicable: <reason>`` / ``unavailable: <reason>``),
-             ``a_mean_psnr, a_median_psnr, a_max_psnr, a_prior_psnr, a_ssim, a_label_accuracy``;
-             then ``label_inference_accuracy`` and ``findings_high, findings_medium,
-             findings_low, findings_info``.
+             ``a_mean_psnr, a_median_psnr, a_max_psnr, a_prior_psnr, a_ssim, a_label_accuracy``
+             (the reconstructions' predicted labels), ``a_class_presence_accuracy`` (label
+             attacks), ``a_images``; then ``findings_high, findings_medium, findings_low,
+             findings_info``.
 ``results``  one row per scored image (and, for ``labels``, per class): at least ``method,
              attack, psnr, prior_psnr`` for image attacks.
 ``findings`` one row per finding: ``method, severity, code, finding, evidence, measured``.
 ``grids``    ``{(method, attack): {"png": bytes, "path": "relative/path.png"}}``: reconstruction
              figures to embed (HTML) or link (Markdown).
-``meta``     ``title, command, methods, attacks, image_attacks, config, method_hyperparameters,
-             seeds, attack_settings, versions, psnr_definition, notes, stages`` (see ``render``).
+``meta``     ``title, command, methods, attacks, image_attacks`` (the attacks that rebuild images),
+             ``label_attacks``, ``psnr_cap_db`` (what an infinite PSNR counts as), ``leak_gap_db`` (the
+             audit's "at chance" margin), ``config, method_hyperparameters, seeds, attack_settings,
+             versions, psnr_definition, notes, stages, findings_note`` (see ``render``).
 
 Outputs (``render`` returns ``{filename: str | bytes}``)
 -------------------------------------------------------
@@ -38,10 +41,10 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-SEVERITIES = ("high", "medium", "low", "info")
+from .audit import SEVERITIES
+
 PLOT_PSNR = "psnr_by_method.png"
 PLOT_SCATTER = "accuracy_vs_leakage.png"
-IMAGE_ATTACKS = ("dlg", "idlg", "ig", "proto")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,18 +88,19 @@ def findings_cell(row: Mapping) -> str:
 
 def headline_rows(summary: pd.DataFrame, meta: Mapping) -> tuple[list[str], list[list[str]]]:
     """The headline table as plain strings: (header, rows). Shared by Markdown and HTML."""
-    image_attacks = [a for a in meta["attacks"] if a in IMAGE_ATTACKS]
     header = ["method", "accuracy (%) mean ± std", "upload MB / round"]
-    for a in image_attacks:
+    for a in meta["image_attacks"]:
         header += [f"{a} PSNR dB mean / median / max (prior)", f"{a} SSIM"]
-    header += ["label-inference accuracy", "findings high / medium / low / info"]
+    header += [f"{a}: class-presence accuracy" for a in meta["label_attacks"]]
+    header += ["findings high / medium / low / info"]
     rows = []
     for _, r in summary.iterrows():
         row = [str(r["method"]), accuracy_cell(r.get("accuracy_mean"), r.get("accuracy_std")),
                fmt(r.get("upload_mb_per_round"), 3)]
-        for a in image_attacks:
+        for a in meta["image_attacks"]:
             row += [psnr_cell(r, a), fmt(r.get(f"{a}_ssim"), 2) if status_of(r, a) == "done" else "n/a"]
-        row += [fmt(r.get("label_inference_accuracy"), 2), findings_cell(r)]
+        row += [fmt(r.get(f"{a}_class_presence_accuracy"), 2) for a in meta["label_attacks"]]
+        row.append(findings_cell(r))
         rows.append(row)
     return header, rows
 
@@ -147,7 +151,7 @@ def psnr_plot(summary: pd.DataFrame, results: pd.DataFrame, meta: Mapping) -> by
     """Mean PSNR per method and attack (bars), every scored image (dots), the prior (black dash)."""
     from matplotlib.figure import Figure
 
-    attacks = [a for a in meta["attacks"] if a in IMAGE_ATTACKS]
+    attacks = list(meta["image_attacks"])
     methods = [str(m) for m in summary["method"]]
     fig = Figure(figsize=(max(6.0, 1.6 * len(methods) + 2), 4.2))
     ax = fig.add_subplot(1, 1, 1)
@@ -172,7 +176,7 @@ def psnr_plot(summary: pd.DataFrame, results: pd.DataFrame, meta: Mapping) -> by
             if len(results) and {"method", "attack", "psnr"} <= set(results.columns):
                 sel = results[(results["method"] == r["method"]) & (results["attack"] == a)]["psnr"]
                 vals = pd.to_numeric(sel, errors="coerce").to_numpy(dtype=float)
-                vals = np.where(np.isinf(vals), 100.0, vals)
+                vals = np.where(np.isinf(vals), float(meta["psnr_cap_db"]), vals)
                 vals = vals[np.isfinite(vals)]
                 if len(vals):
                     jitter = rng.uniform(-width * 0.25, width * 0.25, size=len(vals))
@@ -208,7 +212,7 @@ def leakage_points(summary: pd.DataFrame, meta: Mapping) -> list[dict]:
     for _, r in summary.iterrows():
         acc = _num(r.get("accuracy_mean"))
         for a in meta["attacks"]:
-            if a not in IMAGE_ATTACKS or status_of(r, a) != "done":
+            if a not in meta["image_attacks"] or status_of(r, a) != "done":
                 continue
             mean, prior = _num(r.get(f"{a}_mean_psnr")), _num(r.get(f"{a}_prior_psnr"))
             if acc is None or mean is None or prior is None:
@@ -229,8 +233,7 @@ def scatter_plot(summary: pd.DataFrame, meta: Mapping) -> bytes:
         ax.set_axis_off()
         return _png(fig)
     methods = list(dict.fromkeys(str(m) for m in summary["method"]))
-    attacks = [a for a in meta["attacks"] if a in IMAGE_ATTACKS]
-    markers = dict(zip(attacks, "osD^v"))
+    markers = dict(zip(meta["image_attacks"], "osD^v"))
     for p in points:
         c = f"C{methods.index(p['method']) % 10}"
         ax.scatter(p["gain"], p["accuracy"], s=60, color=c, marker=markers.get(p["attack"], "o"), edgecolor="black",
@@ -238,10 +241,11 @@ def scatter_plot(summary: pd.DataFrame, meta: Mapping) -> bytes:
         ax.annotate(f"{p['method']} ({p['attack']})", (p["gain"], p["accuracy"]), textcoords="offset points",
                     xytext=(5, 4), fontsize=7)
     ax.axvline(0.0, color="black", linestyle="--", linewidth=1)
-    ax.axvline(3.0, color="0.5", linestyle=":", linewidth=1)
+    gap = float(meta["leak_gap_db"])
+    ax.axvline(gap, color="0.5", linestyle=":", linewidth=1)
     ymin, ymax = ax.get_ylim()
     ax.text(0.1, ymin + 0.02 * (ymax - ymin), "prior", fontsize=7)
-    ax.text(3.1, ymin + 0.02 * (ymax - ymin), "+3 dB", fontsize=7, color="0.4")
+    ax.text(gap + 0.1, ymin + 0.02 * (ymax - ymin), f"+{gap:g} dB", fontsize=7, color="0.4")
     ax.set_xlabel("leakage: mean PSNR above the prior baseline (dB)")
     ax.set_ylabel("mean client test accuracy (%)")
     ax.set_title("Accuracy versus leakage (up-left is better)", fontsize=10)

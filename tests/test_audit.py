@@ -18,7 +18,7 @@ TINY = dict(dataset="digits", clients=3, rounds=1, threads=1)
 
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "local"])
 def test_every_uploaded_field_is_classified_by_the_manifest(tmp_path, method):
-    result = run_audit(RunConfig(method=method, **TINY), tmp_path, evidence=False, progress=False)
+    result = run_audit(RunConfig.of(method=method, **TINY), tmp_path, evidence=False, progress=False)
     frame = pd.read_csv(tmp_path / "audit.csv")
     assert len(frame) and "other" not in set(frame["kind"])
     assert {"method", "round", "client", "field", "kind", "shape", "dtype", "bytes"} == set(frame.columns)
@@ -33,7 +33,7 @@ def test_every_uploaded_field_is_classified_by_the_manifest(tmp_path, method):
 
 
 def test_local_sends_nothing(tmp_path):
-    result = run_audit(RunConfig(method="local", **TINY), tmp_path, evidence=False, progress=False)
+    result = run_audit(RunConfig.of(method="local", **TINY), tmp_path, evidence=False, progress=False)
     assert "NOTHING_UPLOADED" in {f["code"] for f in result["findings"]}
     assert result["summary"]["total_upload_bytes"] == 0
 
@@ -56,7 +56,7 @@ class LeakyFedeCouple(FedeCouple):
 
 def test_anchor_check_catches_a_leaking_variant(tmp_path, monkeypatch):
     monkeypatch.setitem(METHODS, "leaky-fedecouple", LeakyFedeCouple)
-    result = run_audit(RunConfig(method="leaky-fedecouple", **TINY), tmp_path, evidence=False, progress=False)
+    result = run_audit(RunConfig.of(method="leaky-fedecouple", **TINY), tmp_path, evidence=False, progress=False)
     leak = [f for f in result["findings"] if f["code"] == "ANCHORS_UPLOADED"]
     assert leak and leak[0]["severity"] == "high"
     assert leak[0]["evidence"]["field"] == "debug_summary" and leak[0]["evidence"]["exact_matches"] > 0

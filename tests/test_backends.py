@@ -12,7 +12,7 @@ from fedecouple.backends import RayBackend, SequentialBackend, make_backend
 from fedecouple.channel import Interceptor
 from fedecouple.errors import UserError
 from attacks.base import Budget
-from fedsec.attack import run_attack
+from fedsec.attack import AttackSettings, run_attack
 from fedsec.runner import RunConfig, prepare, train
 
 from helpers import tiny_federation
@@ -126,8 +126,8 @@ def test_dropped_download_skips_the_client_under_ray(digits, ray_local):
 @pytest.mark.timeout(300)
 def test_train_writes_the_same_metrics_csv_under_both_backends(tmp_path, ray_local):
     fast = dict(method="fedecouple", dataset="digits", clients=3, rounds=2, seed=0, threads=1)
-    train(RunConfig(**fast), tmp_path / "seq")
-    train(RunConfig(**fast, backend="ray"), tmp_path / "ray")
+    train(RunConfig.of(**fast), tmp_path / "seq")
+    train(RunConfig.of(**fast, backend="ray"), tmp_path / "ray")
     assert ray_local.is_initialized()
     assert (tmp_path / "seq" / "metrics.csv").read_text() == (tmp_path / "ray" / "metrics.csv").read_text()
 
@@ -139,8 +139,8 @@ def test_attack_writes_the_same_attack_csv_under_both_backends(tmp_path, ray_loc
     """Attacks fan out as Ray tasks (one per batch of targets sharing a model, or one per target)."""
     fast = dict(method="fedavg", dataset="digits", clients=4, seed=0, threads=1)
     for backend in ("sequential", "ray"):
-        run_attack(RunConfig(**fast, backend=backend), "dlg", targets=3, budget=Budget(iterations=8),
-                   out=tmp_path / backend, progress=False, batched=batched)
+        run_attack(RunConfig.of(**fast, backend=backend), AttackSettings("dlg", targets=3, iterations=8, batched=batched),
+                   out=tmp_path / backend, progress=False)
     assert ray_local.is_initialized()
     seq = (tmp_path / "sequential" / "attack.csv").read_text()
     assert seq == (tmp_path / "ray" / "attack.csv").read_text()
@@ -152,12 +152,12 @@ def test_missing_ray_is_a_user_error_naming_the_extra(monkeypatch):
     with pytest.raises(UserError, match=r"pip install 'fedsec\[ray\]'"):
         make_backend("ray")
     with pytest.raises(UserError, match=r"fedsec\[ray\]"):
-        prepare(RunConfig(dataset="digits", clients=3, backend="ray"))
+        prepare(RunConfig.of(dataset="digits", clients=3, backend="ray"))
 
 
 def test_backend_flag_errors():
     with pytest.raises(UserError, match="--ray-address needs --backend ray"):
-        prepare(RunConfig(dataset="digits", clients=3, ray_address="auto"))
+        prepare(RunConfig.of(dataset="digits", clients=3, ray_address="auto"))
     with pytest.raises(UserError, match="unknown backend"):
         make_backend("dask")
 

@@ -9,17 +9,22 @@ import pandas as pd
 import pytest
 import torch
 
-from attacks import attack_many, plan_batches
+from attacks import attack_many, plan
 from attacks.base import Budget
 from attacks.batching import BatchedLBFGS, stack_targets
 from attacks.dlg import _setup
 from attacks.metrics import score_reconstructions
-from fedsec.attack import run_attack
+from fedsec.attack import AttackSettings, run_attack
 from fedsec.runner import RunConfig
 
 from test_attacks import synthetic_observation
 
 IMAGES = [40, 11, 7, 100]
+
+
+def groups(name, observations, batched=True):
+    batches, failed = plan(name, observations, Budget(iterations=1), batched=batched)
+    return [b.indices for b in batches]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +99,7 @@ def test_one_vmapped_evaluation_equals_the_targets_one_by_one(shared):
 def test_batched_attacks_give_the_one_by_one_numbers(digits, shared, name, iterations):
     observations = [obs for obs, _, _ in shared]
     seeds = [1, 0, 2, 3]
-    assert plan_batches(name, observations) == [[0, 1, 2, 3]]
+    assert groups(name, observations) == [[0, 1, 2, 3]]
     one = attack_many(name, observations, Budget(iterations=iterations), seeds, batched=False)
     many = attack_many(name, observations, Budget(iterations=iterations), seeds, batched=True)
     prior = digits.images.mean(0)
@@ -118,19 +123,19 @@ def test_targets_of_different_models_are_not_batched(digits):
     model = b.make_model()
     model.normalize.mean.fill_(0.3)  # same weights, another data set's normalisation (a buffer)
     e = dataclasses.replace(b, make_model=lambda: copy.deepcopy(model))
-    assert plan_batches("dlg", [a, b, c, d, e]) == [[0, 1], [2], [3], [4]]
-    assert plan_batches("dlg", [a, b, c, d], batched=False) == [[0], [1], [2], [3]]
-    assert plan_batches("proto", [a, b]) == [[0], [1]]
+    assert groups("dlg", [a, b, c, d, e]) == [[0, 1], [2], [3], [4]]
+    assert groups("dlg", [a, b, c, d], batched=False) == [[0], [1], [2], [3]]
+    assert groups("proto", [a, b]) == [[0], [1]]
 
 
-def test_the_harness_batches_by_default_and_says_so(tmp_path):
-    config = RunConfig(dataset="digits", clients=4, rounds=1, seed=0, threads=1)
-    summary = run_attack(config, "idlg", targets=3, budget=Budget(iterations=5), out=tmp_path / "b", progress=False)
-    assert summary["budget"]["batched"] is True
+def test_the_harness_batches_by_default(tmp_path):
+    config = RunConfig.of(dataset="digits", clients=4, rounds=1, seed=0, threads=1)
+    settings = AttackSettings("idlg", targets=3, iterations=5)
+    summary = run_attack(config, settings, out=tmp_path / "b", progress=False)
     frame = pd.read_csv(tmp_path / "b" / "attack.csv")
     assert len(frame) == 3 and frame["psnr"].notna().all()
     # the three round-0 targets share the initial model: one optimisation of three
     assert [t["batched_with"] for t in summary["per_target"]] == [3, 3, 3]
     assert all(t["seconds"] > 0 for t in summary["per_target"])
-    one = run_attack(config, "idlg", targets=3, budget=Budget(iterations=5), progress=False, batched=False)
+    one = run_attack(config, dataclasses.replace(settings, batched=False), progress=False)
     assert [t["batched_with"] for t in one["per_target"]] == [1, 1, 1]

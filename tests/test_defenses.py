@@ -6,6 +6,7 @@ import copy
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -259,7 +260,7 @@ def test_dp_groups_an_original_with_its_augmented_copy(digits):
     ctx, model = _context(digits, n=20, batch=10)
     method = make_method("fedecouple", gfa=False)
     down = Download(0, 0, method.download(method.init_server(model), 0, 0))
-    session = DPSession("fedecouple", ctx, DPConfig(noise_multiplier=1.0))
+    session = DPSession(make_method("fedecouple", gfa=False), ctx, DPConfig(noise_multiplier=1.0))
     with session:
         method.client_update(session.ctx, method.init_client(model, 0), down)
     phases = {r["phase"] for r in session.probe_results}
@@ -348,7 +349,7 @@ def test_defend_sweep_writes_outputs_and_resumes(tmp_path):
     from fedsec.defend import DefendSettings, defend
     from fedsec.runner import RunConfig
 
-    config = RunConfig(method="fedavg", dataset="digits", clients=2, rounds=1, threads=1)
+    config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=1)
     out = tmp_path / "sweep"
     settings = DefendSettings(defense="prune", values="30", attacks="dlg", iterations=2, targets=1)
     frame = defend(config, settings, out, progress=False)
@@ -363,6 +364,26 @@ def test_defend_sweep_writes_outputs_and_resumes(tmp_path):
     with pytest.raises(UserError, match="different settings"):
         defend(config, DefendSettings(defense="prune", values="30", attacks="dlg", iterations=3, targets=1), out,
                progress=False)
+
+
+def test_dp_sweep_numbers_move_the_right_way(tmp_path):
+    """tradeoff.csv of a DP sweep: ε falls as σ grows, the baseline has no ε, accuracy stays a
+    probability, PSNR and class presence are measured for every value."""
+    from fedsec.defend import DefendSettings, defend
+    from fedsec.runner import RunConfig
+
+    config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=1)
+    settings = DefendSettings(defense="dp", values="0.5,2", attacks="ig,labels", iterations=20, targets=1)
+    defend(config, settings, tmp_path / "dp", progress=False)
+    frame = pd.read_csv(tmp_path / "dp" / "tradeoff.csv")
+    assert list(frame["value"].astype(str)) == ["none", "0.5", "2.0"]
+    assert math.isnan(frame.loc[0, "epsilon"]) and frame.loc[1, "epsilon"] > frame.loc[2, "epsilon"] > 0
+    assert frame["accuracy"].between(0, 1).all()
+    assert frame["mean_psnr_ig"].notna().all() and (frame["mean_psnr_ig"] > 0).all()
+    assert frame["prior_psnr"].notna().all()
+    assert frame["class_presence_labels"].between(0, 1).all()
+    # the attacked client's ε (one step on one image, q = 1) is finite and grows as σ shrinks
+    assert frame.loc[1, "epsilon_attacked"] > frame.loc[2, "epsilon_attacked"] > 0
 
 
 @pytest.mark.parametrize("args,needle", [

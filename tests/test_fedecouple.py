@@ -128,7 +128,8 @@ def test_data_augmentation_doubles_each_batch(digits, monkeypatch):
     real = F.cross_entropy
     monkeypatch.setattr(fc.F, "cross_entropy", lambda logits, y, *a, **k: sizes.append(len(y)) or real(logits, y, *a, **k))
     tiny_federation(digits, clients=1).run_round()
-    # training batches are 10 originals + 10 augmented copies (the last one 5 + 5)
+    # training batches are 10 originals + 10 augmented copies (a ragged last batch is dropped); the
+    # other sizes are evaluation passes over test splits, which go through the same F.cross_entropy
     assert sizes.count(20) > 5 and all(n % 2 == 0 for n in sizes if n <= 20)
     sizes.clear()
     tiny_federation(digits, clients=1, hp={"da": False}).run_round()

@@ -16,12 +16,11 @@ from fedecouple.data.partition import Partition
 from fedecouple.engine import Federation, FederationConfig, GroundTruth
 from fedecouple.errors import UserError
 from fedecouple.methods import METHODS, make_method
-from fedecouple.methods.base import TrainConfig
+from fedecouple.methods.base import TrainConfig, train_head
 from fedecouple.methods.fedpac import head_weight_matrix, solve_simplex_qp
-from fedecouple.methods.fedper import train_head
 
 ALL = list(METHODS)
-COMMUNICATING = [m for m in ALL if getattr(METHODS[m], "communicates", True)]
+COMMUNICATING = [m for m in ALL if METHODS[m].communicates]
 ROUNDS, CLIENTS, BATCH, LR = 3, 4, 20, 0.1
 SHORT = {"fedecouple": 1}  # the slowest method (DA, three phases) is well past chance after 1
 
@@ -195,8 +194,10 @@ def test_trains_and_beats_chance(method, trained, digits, partition):
 
 
 def test_client_state_is_only_what_the_method_keeps(trained):
-    expect = {"fedavg": set(), "ft-fedavg": set(), "fedper": {"classifier"}, "fedrep": {"classifier"},
-              "fedpac": {"classifier"}, "fedproto": {"extractor", "classifier"}, "local": {"extractor", "classifier"}}
+    expect = {"fedecouple": {"extractor", "classifier"}, "fedavg": set(), "ft-fedavg": set(),
+              "fedper": {"classifier"}, "fedrep": {"classifier"}, "fedpac": {"classifier"},
+              "fedproto": {"extractor", "classifier"}, "local": {"extractor", "classifier"}}
+    assert set(expect) == set(ALL)
     for method, groups in expect.items():
         fed, _, _ = trained(method)
         for cid, state in fed.clients.items():
@@ -339,7 +340,7 @@ def test_compare_on_digits(tmp_path, monkeypatch, capsys):
     from fedsec.cli import main
     from fedsec.runner import RunConfig
 
-    base = RunConfig(dataset="digits", clients=3, rounds=1, threads=1)
+    base = RunConfig.of(dataset="digits", clients=3, rounds=1, threads=1)
     frame = cmp.compare(base, ["fedavg", "fedproto"], [0, 1], tmp_path, progress=False)
     table = pd.read_csv(tmp_path / "accuracy.csv")
     assert list(table.columns) == ["method", "seed", "mean_accuracy", "std_accuracy"]
@@ -364,7 +365,7 @@ def test_compare_on_digits(tmp_path, monkeypatch, capsys):
 
     # a changed configuration in the same folder is refused, not overwritten
     with pytest.raises(UserError, match="different configuration"):
-        cmp.compare(RunConfig(dataset="digits", clients=4, rounds=1), ["fedavg"], [0], tmp_path, progress=False)
+        cmp.compare(RunConfig.of(dataset="digits", clients=4, rounds=1), ["fedavg"], [0], tmp_path, progress=False)
 
     # unknown methods: one line, exit status 2
     with pytest.raises(SystemExit) as exc:

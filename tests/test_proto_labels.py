@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from attacks.base import Budget, NotApplicable, Observation
-from attacks.labels import label_inference, presence_threshold, score_label_distribution
-from attacks.metrics import psnr, score_reconstructions
+from attacks.labels import label_inference
+from attacks.metrics import presence_threshold, psnr, score_label_distribution, score_reconstructions
 from attacks.observation import observe
-from attacks.proto import per_class_pattern, prototype_inversion
+from attacks.proto import prototype_inversion
 from fedecouple.methods import make_method
 from fedecouple.methods.base import FieldSpec
 from fedecouple.models import build_model, get_params, set_params
@@ -30,10 +30,9 @@ def _model(ds, seed=0):
 
 
 def _observation(ds, method, download, upload, make_model, previous=None, round=0):
-    return Observation(method=method, round=round, client_id=0, download=download, upload=upload,
+    return Observation(method=make_method(method), round=round, client_id=0, download=download, upload=upload,
                        previous_upload=previous, make_model=make_model, image_shape=tuple(ds.images.shape[1:]),
-                       num_classes=ds.num_classes,
-                       persistent_groups=tuple(make_method(method).persistent_groups))
+                       num_classes=ds.num_classes)
 
 
 def _run(ds, method, rounds, partition="pathological", clients=4):
@@ -75,12 +74,14 @@ def fedproto_run(digits):
 
 
 def test_per_class_pattern_reads_the_manifest_naming():
-    pat = per_class_pattern(FieldSpec("prototype.{k}", "prototype", (4,), per_class=True))
+    pat = FieldSpec("prototype.{k}", "prototype", (4,), per_class=True).pattern
     assert pat.match("prototype.7").group(1) == "7"
     assert pat.match("prototype.12").group(1) == "12"
     assert not pat.match("global.prototype.7") and not pat.match("prototype.7.x")
-    pat = per_class_pattern(FieldSpec("stats.{k}.p", "statistic", (), per_class=True))
+    pat = FieldSpec("stats.{k}.p", "statistic", (), per_class=True).pattern
     assert pat.match("stats.3.p").group(1) == "3" and not pat.match("stats.3.h")
+    with pytest.raises(ValueError, match="placeholder"):
+        FieldSpec("stats", "statistic", (), per_class=True)
 
 
 def test_inversion_recovers_class_typical_images_above_the_prior(digits):
@@ -170,7 +171,7 @@ def test_labels_exact_from_class_counts(digits, fedproto_run, fedpac_run):
             assert result.images.shape == (0, 1, 8, 8) and result.labels.numel() == 0
             assert torch.allclose(result.trace["label_distribution"], counts.double() / counts.sum())
             score = score_label_distribution(result.trace["label_distribution"], counts)
-            assert score["label_accuracy"] == 1.0 and score["total_variation"] < 1e-9 and score["top1_correct"]
+            assert score["class_presence_accuracy"] == 1.0 and score["total_variation"] < 1e-9 and score["top1_correct"]
 
 
 def test_labels_from_fedpac_statistics_when_counts_are_withheld(digits, fedpac_run):
@@ -181,7 +182,7 @@ def test_labels_from_fedpac_statistics_when_counts_are_withheld(digits, fedpac_r
         result = label_inference(obs, Budget(), 0)
         assert result.trace["source"] == "statistics"
         score = score_label_distribution(result.trace["label_distribution"], _true_counts(fed, digits, 1, c))
-        assert score["label_accuracy"] == 1.0 and score["total_variation"] < 0.1
+        assert score["class_presence_accuracy"] == 1.0 and score["total_variation"] < 0.1
 
 
 def test_labels_from_prototype_keys_give_exact_presence(digits, fedproto_run):
@@ -219,7 +220,7 @@ def test_labels_from_a_classifier_update_of_real_sgd_steps(digits):
     score = score_label_distribution(result.trace["label_distribution"], counts)
     assert result.trace["source"] == "classifier_update"
     assert result.trace["present_classes"] == [1, 4, 8]
-    assert score["label_accuracy"] == 1.0 and score["top1_correct"]
+    assert score["class_presence_accuracy"] == 1.0 and score["top1_correct"]
     assert score["total_variation"] < 0.2
     assert torch.allclose(result.trace["label_counts"].sum(), torch.tensor(200.0, dtype=torch.float64))
 
@@ -234,7 +235,7 @@ def test_labels_from_fedecouple_personal_classifier_in_a_later_round(digits):
         result = label_inference(obs, Budget(), 0)
         assert result.trace["source"] == "classifier_update"
         score = score_label_distribution(result.trace["label_distribution"], _true_counts(fed, digits, 1, c))
-        assert score["label_accuracy"] == 1.0, (c, score)
+        assert score["class_presence_accuracy"] == 1.0, (c, score)
 
 
 @pytest.mark.parametrize("method", ["fedper", "fedrep", "local"])
@@ -260,10 +261,10 @@ def test_score_label_distribution_by_hand():
     counts = torch.tensor([6, 3, 1, 0])  # proportions 0.6 0.3 0.1 0
     assert presence_threshold(4) == 0.125
     s = score_label_distribution(torch.tensor([0.6, 0.3, 0.1, 0.0]), counts)
-    assert s["label_accuracy"] == 1.0 and s["total_variation"] == pytest.approx(0.0, abs=1e-6) and s["top1_correct"]
+    assert s["class_presence_accuracy"] == 1.0 and s["total_variation"] == pytest.approx(0.0, abs=1e-6) and s["top1_correct"]
     assert s["present_true"] == [0, 1] and s["held_true"] == [0, 1, 2]  # 0.1 < 1/(2C): absent on both sides
     s = score_label_distribution(torch.tensor([0.0, 0.5, 0.0, 0.5]), counts)
-    assert s["label_accuracy"] == pytest.approx(0.5)  # class 0 missed, class 3 wrongly present
+    assert s["class_presence_accuracy"] == pytest.approx(0.5)  # class 0 missed, class 3 wrongly present
     assert s["total_variation"] == pytest.approx(0.5 * (0.6 + 0.2 + 0.1 + 0.5))
     assert not s["top1_correct"]
     # unnormalised predictions are renormalised

@@ -22,15 +22,15 @@ METHODS = ["fedper", "fedproto"]
 ATTACKS = ["dlg", "proto", "labels"]
 HEADLINE = ["method", "accuracy_mean", "accuracy_std", "upload_mb_per_round", "dlg_mean_psnr", "dlg_median_psnr",
             "dlg_max_psnr", "dlg_prior_psnr", "dlg_ssim", "proto_mean_psnr", "proto_prior_psnr",
-            "label_inference_accuracy", "findings_high", "findings_medium", "findings_low", "findings_info"]
+            "labels_class_presence_accuracy", "findings_high", "findings_medium", "findings_low", "findings_info"]
 
 
 def base_config(**kw) -> RunConfig:
-    return RunConfig(**{"dataset": "digits", "clients": 4, "rounds": 1, "threads": 1, **kw})
+    return RunConfig.of(**{"dataset": "digits", "clients": 4, "rounds": 1, "threads": 1, **kw})
 
 
-def settings() -> rep.AttackSettings:
-    return rep.AttackSettings(targets=1, iterations={a: 3 for a in rep.ATTACK_CHOICES})
+def settings() -> rep.ReportSettings:
+    return rep.ReportSettings(targets=1, iterations={a: 3 for a in ATTACKS})
 
 
 def build(out, **kw):
@@ -51,20 +51,25 @@ class Calls:
         def audit(config, out, *a, **k):
             return self._call("audit", config.method, lambda: real_audit(config, out, *a, **k), out)
 
-        def attack(config, name, *a, **k):
-            return self._call("attack", f"{config.method}/{name}", lambda: real_attack(config, name, *a, **k),
-                              k.get("out"))
+        def attack(config, settings, *a, **k):
+            return self._call("attack", f"{config.method}/{settings.attack}",
+                              lambda: real_attack(config, settings, *a, **k), k.get("out"))
 
         monkeypatch.setattr(rep.runner, "train", train)
         monkeypatch.setattr(rep, "run_audit", audit)
         monkeypatch.setattr(rep, "run_attack", attack)
+
+    # the first file each kind of stage writes, half-written, as a crash in the middle leaves it
+    PARTIAL = {"train": ("config.json", '{"config": {"meth'), "audit": ("audit.csv", "method,round,cli"),
+               "attack": ("attack.csv", "method,attack,mo")}
 
     def _call(self, kind, who, real, out):
         self.count[kind].append(who)
         exc = self.crash.get((kind, who))
         if exc is not None:
             Path(out).mkdir(parents=True, exist_ok=True)
-            (Path(out) / "audit.csv").write_text("method,round,cli")  # a half-written file, as a crash leaves it
+            name, text = self.PARTIAL[kind]
+            (Path(out) / name).write_text(text)
             raise exc
         return real()
 
@@ -151,8 +156,10 @@ def test_renderer_escapes_method_names():
     results = pd.DataFrame([{"method": evil, "attack": "dlg", "psnr": 20.0, "prior_psnr": 10.0}])
     findings = pd.DataFrame([{"method": evil, "severity": "high", "code": evil, "finding": evil, "measured": evil,
                               "evidence": evil}])
-    files = render(summary, results, findings, {}, {"methods": [evil], "attacks": ["dlg"], "title": evil,
-                                                    "command": evil, "notes": [evil], "config": {"x": evil}})
+    files = render(summary, results, findings, {}, {"methods": [evil], "attacks": ["dlg"], "image_attacks": ["dlg"],
+                                                    "label_attacks": [], "psnr_cap_db": 100.0, "leak_gap_db": 3.0,
+                                                    "title": evil, "command": evil, "notes": [evil],
+                                                    "config": {"x": evil}})
     page = files["report.html"]
     assert "<script" not in page and page.count("&lt;script&gt;") >= 6
     assert files["psnr_by_method.png"][:4] == b"\x89PNG"

@@ -18,8 +18,8 @@ def fedsec(*args, cwd=None):
 
 
 def test_outputs_and_determinism(tmp_path):
-    a = train(RunConfig(**FAST, rounds=2), tmp_path / "a")
-    b = train(RunConfig(**FAST, rounds=2), tmp_path / "b")
+    a = train(RunConfig.of(**FAST, rounds=2), tmp_path / "a")
+    b = train(RunConfig.of(**FAST, rounds=2), tmp_path / "b")
     for name in ("config.json", "metrics.csv", "summary.json", "partition.csv", "checkpoint.pt"):
         assert (tmp_path / "a" / name).exists()
     assert (tmp_path / "a" / "metrics.csv").read_text() == (tmp_path / "b" / "metrics.csv").read_text()
@@ -34,8 +34,8 @@ def test_outputs_and_determinism(tmp_path):
 
 
 def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path):
-    train(RunConfig(**FAST, rounds=3), tmp_path / "full")
-    train(RunConfig(**FAST, rounds=1), tmp_path / "part")  # "interrupted" after round 1
+    train(RunConfig.of(**FAST, rounds=3), tmp_path / "full")
+    train(RunConfig.of(**FAST, rounds=1), tmp_path / "part")  # "interrupted" after round 1
     config = json.loads((tmp_path / "part" / "config.json").read_text())
     config["config"]["rounds"] = 3
     (tmp_path / "part" / "config.json").write_text(json.dumps(config))

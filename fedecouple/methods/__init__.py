@@ -1,4 +1,6 @@
-"""Federated methods, one per file, behind the ``Method`` interface of ``base.py``."""
+"""Federated methods, one per file, behind the ``Method`` interface of ``base.py``.
+
+Adding a method: one file defining a ``Method`` dataclass, plus its line in ``METHODS``."""
 from __future__ import annotations
 
 from ..errors import UserError
@@ -23,18 +25,18 @@ METHODS: dict[str, type[Method]] = {
 }
 
 
-def method_names() -> list[str]:
-    return list(METHODS)
+def method_class(name: str) -> type[Method]:
+    """The method registered as ``name``, or a one-line UserError listing the choices."""
+    if name not in METHODS:
+        raise UserError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}")
+    return METHODS[name]
 
 
 def make_method(name: str, **hyperparameters) -> Method:
-    """Instantiate a method by name; unknown hyperparameters are ignored only if ``None``."""
-    if name not in METHODS:
-        raise UserError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}")
-    cls = METHODS[name]
-    accepted = getattr(cls, "__dataclass_fields__", {})
-    kwargs = {k: v for k, v in hyperparameters.items() if k in accepted and v is not None}
-    return cls(**kwargs)
+    """Instantiate a method by name with the hyperparameters it takes (others, and ``None`` values,
+    are ignored: callers that must refuse unknown names check ``Method.accepted`` first)."""
+    cls = method_class(name)
+    return cls(**{k: v for k, v in cls.accepted(hyperparameters).items() if v is not None})
 
 
-__all__ = ["METHODS", "ClientContext", "FieldSpec", "Method", "TrainConfig", "make_method", "method_names"]
+__all__ = ["METHODS", "ClientContext", "FieldSpec", "Method", "TrainConfig", "make_method", "method_class"]

@@ -14,6 +14,7 @@ method uploads: the channel tests hold each method to it.
 """
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
@@ -46,6 +47,17 @@ class FieldSpec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown field kind {self.kind!r}")
+        if self.per_class and "{k}" not in self.name:
+            raise ValueError(f"per-class field {self.name!r} has no '{{k}}' placeholder")
+
+    @property
+    def pattern(self) -> re.Pattern:
+        """The names this field is sent under: the name itself, or for a per-class field every
+        ``name.format(k=class)`` (group 1 is the class id)."""
+        if not self.per_class:
+            return re.compile(re.escape(self.name) + r"\Z")
+        head, tail = self.name.split("{k}", 1)
+        return re.compile(re.escape(head) + r"(\d+)" + re.escape(tail) + r"\Z")
 
 
 def model_fields(model: SplitModel, group: str) -> list[FieldSpec]:
@@ -202,8 +214,60 @@ def sample_weighted_average(uploads: list[Upload], names) -> State:
     return {n: sum(w * u.tensors[n] for w, u in zip(weights, uploads)) for n in names}
 
 
+def by_client(uploads: list[Upload]) -> list[Upload]:
+    """Uploads in client-id order, so an aggregate never depends on the order they arrived in."""
+    return sorted(uploads, key=lambda u: u.client_id)
+
+
+def only_group(tensors, group: str) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in tensors.items() if k.startswith(group + ".")}
+
+
+@contextmanager
+def frozen(module: nn.Module) -> Iterator[None]:
+    """Temporarily stop gradients to ``module``'s parameters (restored even on error)."""
+    saved = [(p, p.requires_grad) for p in module.parameters()]
+    for p, _ in saved:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, flag in saved:
+            p.requires_grad_(flag)
+
+
+def train_head(ctx: ClientContext, model: SplitModel, epochs: int, phase: str = "classifier") -> float:
+    """``epochs`` of cross-entropy on the classifier alone; the extractor is frozen (features are
+    computed without gradient)."""
+    def loss_fn(x, y):
+        with torch.no_grad():
+            feats = model.features(x)
+        return F.cross_entropy(model.classifier(feats), y)
+
+    return train_supervised(ctx, model.classifier.parameters(), epochs, phase, loss_fn)
+
+
+def train_extractor(ctx: ClientContext, model: SplitModel, epochs: int, phase: str = "extractor",
+                    extra: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> float:
+    """``epochs`` on the extractor alone with the classifier frozen: CE (+ ``extra(features, y)``)."""
+    def loss_fn(x, y):
+        feats = model.features(x)
+        loss = F.cross_entropy(model.classifier(feats), y)
+        return loss if extra is None else loss + extra(feats, y)
+
+    with frozen(model.classifier):
+        return train_supervised(ctx, model.extractor.parameters(), epochs, phase, loss_fn)
+
+
 class Method:
-    """Base class. Subclasses are dataclasses whose fields are the method's hyperparameters."""
+    """Base class. Subclasses are dataclasses whose fields are the method's hyperparameters.
+
+    Besides the protocol (the functions below), a method declares the facts the toolkit reads about
+    it in one place, as class attributes: what it keeps on the client (``persistent_groups``),
+    whether it talks to the server at all (``communicates``), whether its local training is plain
+    per-sample cross-entropy SGD (``plain_sgd``: then a replay of T SGD steps reproduces its update
+    exactly), what the paper's preset changes (``paper_preset``) and what DP-SGD covers of it
+    (``dp_per_sample``, ``dp_uncovered``)."""
 
     name: ClassVar[str] = "method"
     summary: ClassVar[str] = ""
@@ -211,9 +275,37 @@ class Method:
     # than what the server sent (FedeCouple's personal classifier); a server that wants the
     # client's update for such a group must use the client's previous upload of it
     persistent_groups: ClassVar[tuple[str, ...]] = ()
+    # False: no download is sent and no upload leaves the client (the engine skips the channel)
+    communicates: ClassVar[bool] = True
+    # True: local training is T plain cross-entropy SGD steps on every trained parameter, one phase,
+    # no augmentation, no extra loss; replaying those steps on the true batch gives the upload exactly
+    plain_sgd: ClassVar[bool] = False
+    # hyperparameters that ``--preset paper`` sets for this method (explicit flags win)
+    paper_preset: ClassVar[dict] = {}
+    # which loss terms are per-sample, in words (DP-SGD's per-sample clipping needs them to be)
+    dp_per_sample: ClassVar[str] = "n/a"
+
+    def dp_uncovered(self) -> str | None:
+        """What DP-SGD cannot cover in this configuration (a clause for an error message), or None."""
+        return None
+
+    @classmethod
+    def hyperparameter_names(cls) -> tuple[str, ...]:
+        """The method's hyperparameters: its dataclass fields."""
+        return tuple(f.name for f in fields(cls)) if hasattr(cls, "__dataclass_fields__") else ()
+
+    @classmethod
+    def accepted(cls, hyperparameters: dict) -> dict:
+        """The entries of ``hyperparameters`` this method takes."""
+        names = cls.hyperparameter_names()
+        return {k: v for k, v in hyperparameters.items() if k in names}
 
     def manifest(self, model: SplitModel) -> list[FieldSpec]:
         raise NotImplementedError
+
+    def upload_kinds(self, model: SplitModel) -> set[str]:
+        """The field kinds this method declares it uploads (empty when it never communicates)."""
+        return {spec.kind for spec in self.manifest(model)} if self.communicates else set()
 
     def init_server(self, model: SplitModel) -> State:
         return {"global." + k: v for k, v in get_params(model).items()}
@@ -234,7 +326,7 @@ class Method:
         raise NotImplementedError
 
     def hyperparameters(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)} if hasattr(self, "__dataclass_fields__") else {}
+        return {name: getattr(self, name) for name in self.hyperparameter_names()}
 
 
 def strip_prefix(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

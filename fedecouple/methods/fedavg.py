@@ -19,13 +19,8 @@ from dataclasses import dataclass
 from ..channel import Download, Upload
 from ..errors import UserError
 from ..models import SplitModel, get_params, set_params
-from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, cross_entropy_loss, make_upload,
-                   model_fields, sample_weighted_average, strip_prefix, train_supervised)
-
-
-def by_client(uploads: list[Upload]) -> list[Upload]:
-    """Uploads in client-id order, so an aggregate never depends on the order they arrived in."""
-    return sorted(uploads, key=lambda u: u.client_id)
+from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, by_client, cross_entropy_loss,
+                   make_upload, model_fields, sample_weighted_average, strip_prefix, train_supervised)
 
 
 @dataclass
@@ -34,6 +29,8 @@ class FedAvg(Method):
 
     name = "fedavg"
     summary = "one global model: full-model upload, sample-weighted average"
+    plain_sgd = True
+    dp_per_sample = "cross-entropy only: per-sample."
 
     def manifest(self, model: SplitModel):
         return model_fields(model, "extractor") + model_fields(model, "classifier") + [SAMPLE_COUNT]
@@ -64,6 +61,8 @@ class FTFedAvg(FedAvg):
 
     name = "ft-fedavg"
     summary = "FedAvg, with the global model fine-tuned locally before evaluation"
+    dp_per_sample = ("cross-entropy only: per-sample (the fine-tuning before evaluation is never uploaded and runs "
+                     "outside DP-SGD).")
 
     def __post_init__(self) -> None:
         if self.finetune_epochs < 0:

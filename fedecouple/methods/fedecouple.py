@@ -90,6 +90,19 @@ class FedeCouple(Method):
     name = "fedecouple"
     persistent_groups = ("classifier",)
     summary = "decoupled extractor/classifier: KD-guided personal classifier, anchor centre loss, cosine aggregation"
+    paper_preset = {"lam": 0.8, "mu": 2.0, "tau": 2.0}  # Section V (equal to the defaults)
+    dp_per_sample = ("CE and λ·KL(teacher ‖ student) (the teacher's logits of the same sample, detached) are "
+                     "per-sample; the adapted teacher's CE is per-sample and is trained under DP-SGD on the same batch "
+                     "(accounted as one mechanism, σ/√2); the centre loss is per-sample in form but its anchors are "
+                     "class means of ALL the client's features, computed outside DP-SGD — not covered, so GFA is "
+                     "refused (--no-gfa); DA: original + augmented copy clipped together.")
+
+    def dp_uncovered(self) -> str | None:
+        if self.gfa:
+            return ("its GFA anchors are class means of all the client's features, computed outside DP-SGD and used "
+                    "in every sample's centre loss; rerun with --no-gfa (DA is fine: an original and its augmented "
+                    "copy are clipped together)")
+        return None
 
     def manifest(self, model: SplitModel):
         return model_fields(model, "extractor") + model_fields(model, "classifier") + [SAMPLE_COUNT]

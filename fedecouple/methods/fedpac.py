@@ -49,12 +49,11 @@ from scipy.optimize import minimize
 from ..channel import Download, Upload
 from ..errors import UserError
 from ..models import SplitModel, get_params, set_params
-from .base import (SAMPLE_COUNT, ClientContext, FieldSpec, Method, State, add_prefix, extract_features,
-                   class_means, make_upload, model_fields, sample_weighted_average, strip_prefix)
-from .fedavg import by_client
-from .fedper import only_group, train_extractor, train_head
-from .fedproto import (PROTOTYPE, local_prototypes, prototype_field, prototype_loss, prototype_table,
-                       prototypes_in, weighted_prototypes)
+from .base import (SAMPLE_COUNT, ClientContext, FieldSpec, Method, State, add_prefix, by_client, class_means,
+                   extract_features, make_upload, model_fields, only_group, sample_weighted_average, strip_prefix,
+                   train_extractor, train_head)
+from .prototypes import (PROTOTYPE, local_prototypes, prototype_field, prototype_loss, prototype_table,
+                         prototypes_in, weighted_prototypes)
 
 HEAD = "head.{cid}."
 
@@ -128,6 +127,11 @@ class FedPAC(Method):
 
     name = "fedpac"
     summary = "prototype feature alignment; per-client QP combines all heads; uploads base, head, prototypes, label stats"
+    dp_per_sample = ("CE and the prototype term are per-sample, but it uploads class counts, prototypes and feature "
+                     "statistics computed from all its data outside DP-SGD — refused.")
+
+    def dp_uncovered(self) -> str | None:
+        return "it uploads class counts, prototypes and feature statistics computed from all its data"
 
     def __post_init__(self) -> None:
         if self.head_epochs < 0:

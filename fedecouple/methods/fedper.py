@@ -8,65 +8,15 @@ trains base and head *jointly* on cross-entropy for ``local_epochs`` epochs. It 
 Personalised model for evaluation: the newest global base θ^{t+1} with the client's own head φ_i
 (as in PFLlib, where clients receive the new base before they are evaluated). No data
 augmentation. No hyperparameters beyond the shared training config.
-
-Also holds the small training helpers FedRep and FedPAC reuse (``frozen``, ``train_head``,
-``train_extractor``).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
-
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 from ..channel import Download, Upload
 from ..models import SplitModel, get_params, set_params
-from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, cross_entropy_loss, make_upload,
-                   model_fields, sample_weighted_average, strip_prefix, train_supervised)
-from .fedavg import by_client
-
-
-@contextmanager
-def frozen(module: nn.Module) -> Iterator[None]:
-    """Temporarily stop gradients to ``module``'s parameters (restored even on error)."""
-    saved = [(p, p.requires_grad) for p in module.parameters()]
-    for p, _ in saved:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p, flag in saved:
-            p.requires_grad_(flag)
-
-
-def only_group(tensors, group: str) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in tensors.items() if k.startswith(group + ".")}
-
-
-def train_head(ctx: ClientContext, model: SplitModel, epochs: int, phase: str = "classifier") -> float:
-    """``epochs`` of cross-entropy on the classifier alone; the extractor is frozen (features are
-    computed without gradient)."""
-    def loss_fn(x, y):
-        with torch.no_grad():
-            feats = model.features(x)
-        return F.cross_entropy(model.classifier(feats), y)
-
-    return train_supervised(ctx, model.classifier.parameters(), epochs, phase, loss_fn)
-
-
-def train_extractor(ctx: ClientContext, model: SplitModel, epochs: int, phase: str = "extractor",
-                    extra: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> float:
-    """``epochs`` on the extractor alone with the classifier frozen: CE (+ ``extra(features, y)``)."""
-    def loss_fn(x, y):
-        feats = model.features(x)
-        loss = F.cross_entropy(model.classifier(feats), y)
-        return loss if extra is None else loss + extra(feats, y)
-
-    with frozen(model.classifier):
-        return train_supervised(ctx, model.extractor.parameters(), epochs, phase, loss_fn)
+from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, by_client, cross_entropy_loss,
+                   make_upload, model_fields, only_group, sample_weighted_average, strip_prefix, train_supervised)
 
 
 @dataclass
@@ -77,6 +27,8 @@ class FedPer(Method):
     name = "fedper"
     summary = "shared base averaged by sample count; personal head trained jointly, never uploaded"
     persistent_groups = ("classifier",)
+    plain_sgd = True
+    dp_per_sample = "cross-entropy on base and head jointly: per-sample."
 
     def manifest(self, model: SplitModel):
         return model_fields(model, "extractor") + [SAMPLE_COUNT]

@@ -17,11 +17,10 @@ paper's nearest-prototype inference is not used).
 
 Defaults: λ = 1.0 (the paper's and reference code's ``ld``). No data augmentation.
 
-Also holds the prototype helpers FedPAC reuses.
+The prototype helpers it shares with FedPAC are in ``prototypes.py``.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -29,65 +28,9 @@ import torch.nn.functional as F
 
 from ..channel import Download, Upload
 from ..models import SplitModel, get_params, set_params
-from .base import (ClientContext, FieldSpec, Method, State, add_prefix, class_means, extract_features,
-                   make_upload, train_supervised)
-from .fedavg import by_client
-
-PROTOTYPE = "prototype.{k}"
-CLASS_COUNT = "class_count.{k}"
-_PROTO_RE = re.compile(r"^prototype\.(\d+)$")
-
-
-def prototype_field(model: SplitModel) -> FieldSpec:
-    return FieldSpec(PROTOTYPE, "prototype", (model.feature_dim,), per_class=True)
-
-
-def prototypes_in(tensors) -> dict[int, torch.Tensor]:
-    """{class: prototype} for every ``prototype.{k}`` in a message or state."""
-    out = {}
-    for name, value in tensors.items():
-        m = _PROTO_RE.match(name)
-        if m:
-            out[int(m.group(1))] = value
-    return out
-
-
-def prototype_table(protos: dict[int, torch.Tensor], num_classes: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(C, d) table of targets and a (C,) mask of the classes that have one."""
-    table = torch.zeros(num_classes, dim)
-    has = torch.zeros(num_classes, dtype=torch.bool)
-    for k, v in protos.items():
-        if 0 <= k < num_classes:
-            table[k] = v.to(table.dtype)
-            has[k] = True
-    return table, has
-
-
-def prototype_loss(features: torch.Tensor, labels: torch.Tensor, table: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
-    """MSE between each feature and its class's target, averaged over batch × feature elements;
-    samples of classes without a target contribute zeros (they still count in the mean)."""
-    diff = (features - table[labels]) * has[labels].unsqueeze(1).to(features.dtype)
-    return diff.pow(2).mean()
-
-
-def local_prototypes(ctx: ClientContext, model: SplitModel) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-class mean feature of the client's (un-augmented) training images, and per-class counts."""
-    return class_means(extract_features(model, ctx.images), ctx.labels, ctx.num_classes)
-
-
-def weighted_prototypes(per_client: list[tuple[dict[int, torch.Tensor], dict[int, float]]]) -> dict[int, torch.Tensor]:
-    """Σ_i w_ik C_i(k) / Σ_i w_ik per class, over the clients that sent class k (clients in a fixed order)."""
-    sums: dict[int, torch.Tensor] = {}
-    weights: dict[int, float] = {}
-    for protos, counts in per_client:
-        for k, proto in protos.items():
-            w = float(counts.get(k, 0.0))
-            if w <= 0:
-                continue
-            sums[k] = sums.get(k, 0) + w * proto.to(torch.float32)
-            weights[k] = weights.get(k, 0.0) + w
-    return {k: sums[k] / weights[k] for k in sorted(sums)}
-
+from .base import ClientContext, FieldSpec, Method, State, add_prefix, by_client, make_upload, train_supervised
+from .prototypes import (CLASS_COUNT, PROTOTYPE, local_prototypes, prototype_field, prototype_loss, prototype_table,
+                         prototypes_in, weighted_prototypes)
 
 @dataclass
 class FedProto(Method):
@@ -98,6 +41,11 @@ class FedProto(Method):
     name = "fedproto"
     summary = "whole model local; uploads per-class prototypes and counts only (no weights)"
     persistent_groups = ("extractor", "classifier")
+    dp_per_sample = ("CE and the prototype term are per-sample, but it uploads prototypes and class counts computed "
+                     "from all its data outside DP-SGD — refused.")
+
+    def dp_uncovered(self) -> str | None:
+        return "it uploads prototypes and class counts computed from all its data"
 
     def manifest(self, model: SplitModel):
         return [prototype_field(model), FieldSpec(CLASS_COUNT, "class_counts", (), per_class=True)]

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from ..channel import Download, Upload
 from ..errors import UserError
-from .base import ClientContext, State
-from .fedper import FedPer, train_extractor, train_head
+from .base import ClientContext, State, train_extractor, train_head
+from .fedper import FedPer
 
 
 @dataclass
@@ -33,6 +33,8 @@ class FedRep(FedPer):
 
     name = "fedrep"
     summary = "head epochs (base frozen) then base epochs (head frozen); base averaged, head personal"
+    plain_sgd = False  # two phases, each on one group
+    dp_per_sample = "cross-entropy (head phase, then base phase): per-sample."
 
     def __post_init__(self) -> None:
         if self.head_epochs is not None and self.head_epochs < 0:

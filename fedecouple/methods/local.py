@@ -24,6 +24,8 @@ class Local(Method):
     summary = "no communication: each client trains alone"
     persistent_groups = ("extractor", "classifier")
     communicates = False
+    plain_sgd = True
+    dp_per_sample = "cross-entropy only: per-sample (nothing is uploaded)."
 
     def manifest(self, model: SplitModel):
         return []

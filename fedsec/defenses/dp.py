@@ -41,7 +41,8 @@ each): an augmented copy belongs to the same person as its original, so per-samp
 summed over the pair *before* clipping (one clipped gradient per original sample); the sensitivity
 is therefore still C per person.
 
-Which loss terms are per-sample (``PER_SAMPLE``, also in the refusal messages):
+Which loss terms are per-sample (each method's ``dp_per_sample``; what is not covered is its
+``dp_uncovered()``, named in the refusal):
 """
 from __future__ import annotations
 
@@ -66,24 +67,13 @@ ACCOUNT_KEY = "dp.accountant"
 ACCOUNTANTS = ("rdp", "prv")
 PROBE_TOLERANCE = 1e-3
 
-PER_SAMPLE = {
-    "fedavg": "cross-entropy only: per-sample.",
-    "ft-fedavg": "cross-entropy only: per-sample (the fine-tuning before evaluation is never uploaded and runs "
-                 "outside DP-SGD).",
-    "fedper": "cross-entropy on base and head jointly: per-sample.",
-    "fedrep": "cross-entropy (head phase, then base phase): per-sample.",
-    "local": "cross-entropy only: per-sample (nothing is uploaded).",
-    "fedecouple": "CE and λ·KL(teacher ‖ student) (the teacher's logits of the same sample, detached) are per-sample; "
-                  "the adapted teacher's CE is per-sample and is trained under DP-SGD on the same batch (accounted "
-                  "as one mechanism, σ/√2); the centre loss is per-sample in form but its anchors are class means "
-                  "of ALL the client's features, computed outside DP-SGD — not covered, so GFA is refused "
-                  "(--no-gfa); DA: original + augmented copy clipped together.",
-    "fedpac": "CE and the prototype term are per-sample, but it uploads class counts, prototypes and feature "
-              "statistics computed from all its data outside DP-SGD — refused.",
-    "fedproto": "CE and the prototype term are per-sample, but it uploads prototypes and class counts computed "
-                "from all its data outside DP-SGD — refused.",
-}
-__doc__ += "\n".join(f"\n* ``{k}``: {v}" for k, v in PER_SAMPLE.items()) + "\n"
+def _per_sample_terms() -> str:
+    from fedecouple.methods import METHODS
+
+    return "".join(f"\n* ``{name}``: {cls.dp_per_sample}" for name, cls in METHODS.items()) + "\n"
+
+
+__doc__ += _per_sample_terms()  # each method declares its own (``Method.dp_per_sample``)
 
 
 @dataclass(frozen=True)
@@ -283,19 +273,13 @@ class _PrivateContext(ClientContext):
         return f"PrivateClientContext(client={self.client_id}, round={self.round})"
 
 
-REFUSAL_HINTS = {
-    "fedecouple": "its GFA anchors are class means of all its training features; rerun with --no-gfa",
-    "fedpac": "it uploads class counts, prototypes and feature statistics computed from all its data",
-    "fedproto": "it uploads prototypes and class counts computed from all its data",
-}
-
-
 class DPSession:
     """DP-SGD for one client update: optimizer hook, per-sample-gradient hooks, Poisson batches,
     probe and accountant steps. Use as a context manager around the method's ``client_update``."""
 
-    def __init__(self, method: str, ctx: ClientContext, config: DPConfig, history: torch.Tensor | None = None):
-        self.method, self.config = method, config
+    def __init__(self, method: Method, ctx: ClientContext, config: DPConfig, history: torch.Tensor | None = None):
+        self.method, self.config = method.name, config
+        self.uncovered = method.dp_uncovered()
         self.base = ctx
         self.n = ctx.num_samples
         self.batch_size = min(ctx.config.batch_size, self.n) if self.n else 0
@@ -346,7 +330,7 @@ class DPSession:
         return dp
 
     def refusal(self, what: str) -> str:
-        hint = REFUSAL_HINTS.get(self.method, "it computes statistics of the whole data set")
+        hint = self.uncovered or "it computes statistics of the whole data set"
         return (f"DP-SGD cannot cover {self.method}: it reads the client's whole training set ({what}) outside the "
                 f"per-sample training loop — {hint}; its upload would not be covered by ε, so the run is refused")
 
@@ -498,15 +482,11 @@ class DPSession:
 
 
 def check_supported(method: Method) -> None:
-    """Refuse, before any training, the configurations known not to be coverable (see PER_SAMPLE)."""
-    name = method.name
-    if name == "fedecouple" and getattr(method, "gfa", False):
-        raise UserError("DP-SGD cannot cover FedeCouple with GFA: its anchors are class means of all the client's "
-                        "features, computed outside DP-SGD and used in every sample's centre loss; rerun with "
-                        "--no-gfa (DA is fine: an original and its augmented copy are clipped together)")
-    if name in ("fedpac", "fedproto"):
-        raise UserError(f"DP-SGD cannot cover {name}: {REFUSAL_HINTS[name]}, outside DP-SGD; its ε would be "
-                        f"meaningless (use an upload filter such as noise or exclude instead)")
+    """Refuse, before any training, what the method declares DP-SGD cannot cover (``dp_uncovered``)."""
+    reason = method.dp_uncovered()
+    if reason is not None:
+        raise UserError(f"DP-SGD cannot cover {method.name}: {reason}; its ε would be meaningless (for methods "
+                        f"without a DP mode, use an upload filter such as noise or exclude instead)")
 
 
 class DPMethod(Method):
@@ -518,8 +498,9 @@ class DPMethod(Method):
         self.inner, self.dp = method, config
         self.name = method.name
         self.summary = method.summary + " [DP-SGD]"
-        self.persistent_groups = tuple(getattr(method, "persistent_groups", ()))
-        self.communicates = getattr(method, "communicates", True)
+        self.persistent_groups = method.persistent_groups
+        self.communicates = method.communicates
+        self.plain_sgd = method.plain_sgd
 
     def __getattr__(self, item):
         if item in ("inner", "__setstate__", "__getstate__"):
@@ -543,7 +524,7 @@ class DPMethod(Method):
         return self.inner.download(server, client_id, round)
 
     def client_update(self, ctx, state, download):
-        session = DPSession(self.name, ctx, self.dp, state.get(ACCOUNT_KEY))
+        session = DPSession(self.inner, ctx, self.dp, state.get(ACCOUNT_KEY))
         with session:
             new_state, upload = self.inner.client_update(session.ctx, self._strip(state), download)
         return {**new_state, ACCOUNT_KEY: session.history_tensor()}, upload

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import re
 from dataclasses import replace
 from typing import Iterable, Mapping, Sequence
 
@@ -63,20 +62,12 @@ def infer_kind(name: str) -> str:
 
 def kind_resolver(manifest=None):
     """name → kind, from a method manifest (``FieldSpec`` list) where it lists the field."""
-    exact: dict[str, str] = {}
-    patterns: list[tuple[re.Pattern, str]] = []
-    for spec in manifest or ():
-        if spec.per_class:
-            patterns.append((re.compile("^" + re.escape(spec.name).replace(re.escape("{k}"), r"\d+") + "$"), spec.kind))
-        else:
-            exact[spec.name] = spec.kind
+    specs = list(manifest or ())
 
     def resolve(name: str) -> str:
-        if name in exact:
-            return exact[name]
-        for pattern, kind in patterns:
-            if pattern.match(name):
-                return kind
+        for spec in specs:
+            if spec.pattern.match(name):
+                return spec.kind
         return infer_kind(name)
 
     return resolve
@@ -320,7 +311,9 @@ class FilterChain(Interceptor):
 
     @classmethod
     def for_method(cls, filters: Sequence[UploadFilter], method, model, seed: int = 0) -> "FilterChain":
-        return cls(filters, getattr(method, "persistent_groups", ()), method.manifest(model), seed)
+        """A chain for ``method``'s uploads: its manifest gives the field kinds, its persistent groups
+        the reference of Δ."""
+        return cls(filters, method.persistent_groups, method.manifest(model), seed)
 
     def describe(self) -> str:
         return " → ".join(f.describe() for f in self.filters) or "none"

@@ -1,0 +1,98 @@
+"""The attack registry: every attack declares itself once, as an ``AttackSpec``.
+
+Everything around the attacks reads this declaration instead of repeating facts about them: the
+CLI's choices and defaults (``fedsec attack``, ``report --attacks``, ``defend --attacks``), the
+applicability check made before anything trains, which scoring applies to a result, and the
+report's columns. Adding an attack is one file that defines its functions and calls ``register``
+at import, plus the line in ``attacks/__init__.py`` that imports that file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+# what an attack rebuilds, and so how its result is scored (``attacks.metrics.score_result``)
+KINDS = ("gradient", "image", "labels")
+SCORINGS = ("images", "class-images", "labels")
+WEIGHT_KINDS = frozenset({"extractor", "classifier"})
+_UPLOAD_WORDS = {"prototype": "class prototypes", "class_counts": "class counts", "statistic": "statistics",
+                 "sample_count": "its sample count", "extractor": "the extractor", "classifier": "the classifier"}
+
+
+@dataclass(frozen=True)
+class AttackSpec:
+    """One attack, declared once.
+
+    ``attack_one(observation, budget, seed, **options)`` attacks one target;
+    ``plan(observations, budget, mode, batched)`` prepares many at once and returns
+    ``(batches, failed)`` (``attacks.batching``: each ``Batch`` one optimisation, ``failed`` the
+    targets with nothing to attack); ``None``: one by one. ``applies_to`` holds the upload field kinds (``fedecouple.methods.base.KINDS``) the attack
+    can use: it applies to a method that uploads any of them. ``default_victim_batch`` is the
+    victim setting ``fedsec attack`` uses by default (1: one image, the textbook setting; 0: the
+    method's real local training). ``needs`` and ``hint`` make the sentence shown where it does
+    not apply."""
+
+    name: str
+    kind: str
+    summary: str
+    attack_one: Callable
+    plan: Callable | None
+    default_iterations: int
+    default_victim_batch: int
+    applies_to: frozenset[str]
+    scoring: str
+    needs: str  # what it needs, in words ("model weights")
+    hint: str = ""  # what to do instead, with {method} and {attack} placeholders
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"attack {self.name}: unknown kind {self.kind!r}; one of {KINDS}")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"attack {self.name}: unknown scoring {self.scoring!r}; one of {SCORINGS}")
+
+    @property
+    def rebuilds_images(self) -> bool:
+        return self.scoring != "labels"
+
+    def not_applicable(self, method_name: str, upload_kinds: set[str]) -> str | None:
+        """Why this attack has nothing to work on in a method that uploads ``upload_kinds`` (None:
+        it applies). Known before any training, from the method's manifest."""
+        if upload_kinds & self.applies_to:
+            return None
+        if not upload_kinds:
+            return f"{method_name} never communicates with the server: there is nothing to attack"
+        sent = ", ".join(sorted(_UPLOAD_WORDS.get(k, k) for k in upload_kinds))
+        hint = self.hint.format(method=method_name, attack=self.name) if self.hint else \
+            f"{self.name} has nothing to work on"
+        return f"{method_name} uploads no {self.needs}: it sends only {sent}; {hint}"
+
+
+ATTACKS: dict[str, AttackSpec] = {}
+
+
+def register(spec: AttackSpec) -> AttackSpec:
+    """Add ``spec`` to the registry (a second registration of a name replaces the first)."""
+    ATTACKS[spec.name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    """Remove an attack (tests that register a toy attack clean up with this)."""
+    ATTACKS.pop(name, None)
+
+
+def names(kind: str | None = None) -> list[str]:
+    """Registered attack names (of one kind), in registration order."""
+    return [n for n, s in ATTACKS.items() if kind is None or s.kind == kind]
+
+
+def get(name: str) -> AttackSpec:
+    """The spec of ``name``; ``KeyError`` names the choices."""
+    try:
+        return ATTACKS[name]
+    except KeyError:
+        raise KeyError(f"unknown attack {name!r}; choose one of: {', '.join(ATTACKS)}") from None
+
+
+GRADIENT_HINT = ("there is no gradient for {attack} to invert; use `fedsec attack proto --method {method}` "
+                 "(prototype inversion) or `fedsec attack labels --method {method}`")

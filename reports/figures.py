@@ -1,0 +1,50 @@
+"""Figures of reconstructions: pure rendering (tensors in, PNG bytes out; nothing touches the disk)."""
+from __future__ import annotations
+
+import io
+import math
+
+
+def _png(fig, dpi: int) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
+    return buf.getvalue()
+
+
+def reconstruction_grid(panels: list[tuple], title: str) -> bytes:
+    """Ground truth (top row) above reconstruction (bottom row), PSNR under each reconstruction.
+
+    ``panels``: (truth (C, H, W) tensor, reconstruction (C, H, W) tensor, PSNR in dB, caption)."""
+    from matplotlib.figure import Figure
+
+    n = max(len(panels), 1)
+    fig = Figure(figsize=(1.6 * n + 0.6, 3.8))
+    axes = fig.subplots(2, n, squeeze=False)
+    for col in range(n):
+        for row in range(2):
+            ax = axes[row][col]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if col >= len(panels):
+                ax.axis("off")
+                continue
+            truth, recon, psnr, caption = panels[col]
+            img = (truth if row == 0 else recon).detach().clamp(0, 1)
+            if img.shape[0] == 1:
+                ax.imshow(img[0].numpy(), cmap="gray", vmin=0, vmax=1)
+            else:
+                ax.imshow(img.permute(1, 2, 0).numpy())
+            if row == 0:
+                ax.set_title(caption, fontsize=8)
+            else:
+                ax.set_xlabel("inf dB" if math.isinf(psnr) else f"{psnr:.1f} dB", fontsize=9)
+    axes[0][0].set_ylabel("truth", fontsize=9)
+    axes[1][0].set_ylabel("reconstruction", fontsize=9)
+    if not panels:
+        axes[0][0].text(0.5, 0.5, "nothing to show", ha="center", va="center")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return _png(fig, 110)

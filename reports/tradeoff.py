@@ -1,0 +1,203 @@
+"""The privacy–utility trade-off of ``fedsec defend``: pure rendering (the trade-off frame and a few
+facts about the sweep in ``meta``; Markdown, a PNG and one line per value out).
+
+``meta``: ``defense, method, dataset, image_attacks, label_attacks, delta, max_grad_norm,
+accountant, targets, victim_batch, victim_steps, rounds, clients, partition, local_epochs, lr,
+batch_size, seed, dp_per_sample, leak_gap_db`` (the "at chance" margin the audit uses).
+"""
+from __future__ import annotations
+
+import io
+import math
+from typing import Mapping
+
+import numpy as np
+import pandas as pd
+
+BASELINE = "none"
+VALUE_MEANING = {
+    "dp": "noise multiplier σ of DP-SGD",
+    "noise": "variance v of the noise on the gradient −Δ/lr (σ on Δ = lr·√v)",
+    "clip": "bound on the L2 norm of Δ",
+    "prune": "percent of the entries of Δ zeroed (smallest |Δ| first)",
+    "quantize": "bits per entry of Δ (2^k levels per tensor)",
+    "exclude": "field kind or name pattern dropped from every upload",
+}
+
+
+def _fmt(x, digits=2, pct=False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    if isinstance(x, float) and math.isinf(x):
+        return "∞"
+    return f"{100 * x:.1f}" if pct else f"{x:.{digits}f}"
+
+
+def _fmt_eps(x) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    if math.isinf(float(x)):
+        return "∞"
+    return f"{float(x):.3g}"
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not (isinstance(x, float) and math.isnan(x))
+
+
+def value_line(row: Mapping) -> str:
+    """One sweep value for the terminal: accuracy, ε, PSNR per image attack, class presence."""
+    parts = [f"{row['defense']} {row['value']}: accuracy {100 * row['accuracy']:.2f}%"]
+    if _finite(row.get("epsilon")):
+        parts.append(f"epsilon {row['epsilon']:.3g}")
+    psnr = ", ".join(f"{k[len('mean_psnr_'):].upper()} {row[k]:.2f} dB" for k in row
+                     if k.startswith("mean_psnr_") and _finite(row[k]))
+    if psnr:
+        parts.append(psnr + (f" (prior {row['prior_psnr']:.2f} dB)" if _finite(row.get("prior_psnr")) else ""))
+    parts += [f"{k[len('class_presence_'):]} class presence {row[k]:.2f}" for k in row
+              if k.startswith("class_presence_") and _finite(row[k])]
+    return ", ".join(parts)
+
+
+def claim_check(frame: pd.DataFrame, meta: Mapping) -> str | None:
+    """For noise and prune with DLG: where the DLG paper's claim (noise variance ≥ 1e-2 or pruning
+    more than 20 % defeats DLG) lands in this sweep."""
+    defense, margin = meta["defense"], float(meta["leak_gap_db"])
+    if defense not in ("noise", "prune") or "dlg" not in meta["image_attacks"]:
+        return None
+    sub = frame[frame["defense"] == defense].copy()
+    if sub.empty:
+        return None
+    sub["gap"] = sub["mean_psnr_dlg"] - sub["prior_psnr"]
+    sub = sub.sort_values("value")
+    defeated = sub[sub["gap"] < margin]
+    base = frame[frame["defense"] == BASELINE]
+    base_gap = float(base["mean_psnr_dlg"].iloc[0] - base["prior_psnr"].iloc[0]) if not base.empty else float("nan")
+    threshold, unit = (1e-2, "variance") if defense == "noise" else (20.0, "% pruned")
+    claim = ("the DLG paper: Gaussian noise of variance ≥ 1e-2 defeats DLG" if defense == "noise"
+             else "the DLG paper: pruning more than 20 % of the gradient defeats DLG")
+    lines = [f"**DLG claim check** ({claim}; 'defeated' here = mean DLG PSNR within {margin:g} dB of the "
+             f"prior baseline). Without defense DLG is {_fmt(base_gap)} dB above the prior."]
+    if defeated.empty:
+        lines.append(f"No value tried defeats DLG here (largest tried: {sub['value'].max():g} {unit}).")
+        return " ".join(lines)
+    lines.append(f"The smallest value tried that defeats it is {float(defeated['value'].iloc[0]):g} {unit}.")
+    beyond = sub[sub["value"] >= threshold] if defense == "noise" else sub[sub["value"] > threshold]
+    if beyond.empty:
+        lines.append(f"No value at or beyond the claim's threshold ({threshold:g} {unit}) was tried.")
+    elif bool((beyond["gap"] < margin).all()):
+        lines.append(f"Every value tried at or beyond the claim's threshold ({threshold:g} {unit}) defeats DLG: "
+                     f"the claim holds here.")
+    else:
+        missed = beyond[beyond["gap"] >= margin]["value"]
+        lines.append(f"At {', '.join(f'{v:g}' for v in missed)} {unit} (at or beyond the claim's threshold "
+                     f"{threshold:g}) DLG is still more than {margin:g} dB above the prior: the claim does "
+                     f"not hold here.")
+    gaps = sub["gap"].tolist()
+    if any(gaps[i + 1] > gaps[i] + 1.0 for i in range(len(gaps) - 1)):
+        lines.append("The PSNR does not fall monotonically with the value (rises by more than 1 dB somewhere).")
+    return " ".join(lines)
+
+
+def _leakage_axes(ax, frame: pd.DataFrame, meta: Mapping) -> None:
+    markers = {"dlg": "o", "idlg": "v", "ig": "s", "proto": "^"}
+    for a in meta["image_attacks"]:
+        col = f"mean_psnr_{a}"
+        ok = frame[col].notna()
+        ax.plot(frame.loc[ok, col], frame.loc[ok, "accuracy"] * 100, marker=markers.get(a, "o"), linestyle="-",
+                label=a.upper())
+        for _, r in frame[ok].iterrows():
+            ax.annotate(str(r["value"]), (r[col], r["accuracy"] * 100), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+    prior = frame["prior_psnr"].dropna()
+    if len(prior):
+        ax.axvline(float(prior.mean()), color="grey", linestyle="--", label="prior baseline")
+    ax.set_xlabel("mean PSNR of reconstructions (dB)  ← more private")
+    ax.set_ylabel("mean client test accuracy (%)")
+    ax.set_title(f"{meta['defense']} on {meta['method']}: accuracy vs leakage", fontsize=9)
+    if meta["image_attacks"] or len(prior):
+        ax.legend(fontsize=7)
+
+
+def _epsilon_axes(ax, frame: pd.DataFrame, meta: Mapping) -> None:
+    eps = frame["epsilon"].astype(float)
+    sub = frame[(frame["defense"] == "dp") & np.isfinite(eps) & (eps > 0)]
+    ax.plot(sub["epsilon"], sub["accuracy"] * 100, marker="o")
+    for _, r in sub.iterrows():
+        ax.annotate(f"σ={r['value']}", (r["epsilon"], r["accuracy"] * 100), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    base = frame[frame["defense"] == BASELINE]
+    if not base.empty:
+        ax.axhline(float(base["accuracy"].iloc[0]) * 100, color="grey", linestyle="--", label="no defense")
+        ax.legend(fontsize=7)
+    if len(sub):
+        ax.set_xscale("log")
+    ax.set_xlabel(f"ε (max over clients, δ={meta['delta']:g})  ← more private")
+    ax.set_ylabel("mean client test accuracy (%)")
+    ax.set_title("accuracy vs formal privacy", fontsize=9)
+
+
+def tradeoff_plot(frame: pd.DataFrame, meta: Mapping) -> bytes:
+    """Accuracy against mean PSNR per image attack; for DP also accuracy against ε. PNG bytes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    show_eps = meta["defense"] == "dp"
+    fig = Figure(figsize=(10 if show_eps else 5.5, 4))
+    axes = fig.subplots(1, 2 if show_eps else 1, squeeze=False)
+    _leakage_axes(axes[0][0], frame, meta)
+    if show_eps:
+        _epsilon_axes(axes[0][1], frame, meta)
+    fig.tight_layout()
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
+    return buf.getvalue()
+
+
+def _table(frame: pd.DataFrame, meta: Mapping) -> list[str]:
+    image, labels = meta["image_attacks"], meta["label_attacks"]
+    head = ["value", "accuracy (%)"]
+    if meta["defense"] == "dp":
+        head += [f"ε train (δ={meta['delta']:g})", "ε attacked client"]
+    head += [f"{a.upper()} PSNR (dB)" for a in image] + (["prior PSNR (dB)"] if image else [])
+    head += [f"{a} class presence" for a in labels]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for _, r in frame.iterrows():
+        cells = [str(r["value"]), f"{_fmt(r['accuracy'], pct=True)} ± {_fmt(r['accuracy_std'], pct=True)}"]
+        if meta["defense"] == "dp":
+            cells += [_fmt_eps(r["epsilon"]), _fmt_eps(r["epsilon_attacked"])]
+        cells += [_fmt(r[f"mean_psnr_{a}"]) for a in image] + ([_fmt(r["prior_psnr"])] if image else [])
+        cells += [_fmt(r.get(f"class_presence_{a}")) for a in labels]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def tradeoff_markdown(frame: pd.DataFrame, meta: Mapping, command: str | None) -> str:
+    """``tradeoff.md``: the table, the plot, what the value means, the DLG claim check, notes."""
+    m = meta
+    lines = [f"## Defense: {m['defense']} on {m['method']} ({m['dataset']})", "",
+             f"Value = {VALUE_MEANING[m['defense']]}. Each value: train {m['rounds']} rounds × {m['clients']} clients "
+             f"({m['partition']}, {m['local_epochs']} local epoch(s), lr {m['lr']:g}, batch {m['batch_size']}, seed "
+             f"{m['seed']}) with the defense, then attack round 0 of a fresh run with the same defense ({m['targets']} "
+             f"targets; DLG/IG: each target trains {m['victim_steps']} step(s) on {m['victim_batch']} image(s)).", ""]
+    lines += _table(frame, m)
+    lines += ["", "![privacy–utility trade-off](tradeoff.png)", ""]
+    if m["defense"] == "dp":
+        lines.append(f"DP-SGD (Opacus): per-sample clipping to C = {m['max_grad_norm']:g}, Poisson batches "
+                     f"(q = batch size / client samples), one {m['accountant'].upper()} accountant per client kept "
+                     f"across rounds; ε = the maximum over clients of the cumulative ε of the training run. "
+                     f"'ε attacked client' is the victim run's (q = 1, {m['victim_steps']} step(s)). "
+                     f"Per-sample terms of {m['method']}: {m['dp_per_sample']}")
+    else:
+        lines.append("Channel filter on the client's update Δ (upload − download; for a kept personal classifier, "
+                     "upload − the client's previous upload); no formal guarantee, so no ε.")
+    check = claim_check(frame, m)
+    if check:
+        lines += ["", check]
+    if "notes" in frame.columns:
+        lines += [f"- value {r['value']}: {r['notes']}" for _, r in frame.iterrows()
+                  if isinstance(r.get("notes"), str) and r["notes"]]
+    if command:
+        lines += ["", f"Command: `{command}`"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,27 @@
+"""A toy attack in one file: ``install()`` registers it, and nothing else anywhere is edited.
+
+It returns a mid-grey image per target and no label (it uses no data of any client)."""
+from __future__ import annotations
+
+import torch
+
+from attacks.base import AttackResult, Budget, Observation
+from attacks.registry import WEIGHT_KINDS, AttackSpec, register, unregister
+
+
+def grey(observation: Observation, budget: Budget, seed: int) -> AttackResult:
+    images = torch.full((budget.batch, *observation.image_shape), 0.5)
+    return AttackResult(images=images, labels=torch.full((budget.batch,), -1, dtype=torch.int64),
+                        trace={"mode": "grey", "objective": 0.0, "seconds": 0.0}, notes=["a grey guess"])
+
+
+SPEC = AttackSpec("toy", "image", "a grey guess (test only)", grey, None, default_iterations=1,
+                  default_victim_batch=1, applies_to=WEIGHT_KINDS, scoring="images", needs="model weights")
+
+
+def install() -> AttackSpec:
+    return register(SPEC)
+
+
+def uninstall() -> None:
+    unregister("toy")
