@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
 SAMPLE_COUNT = "sample_count"
 METRIC_PREFIX = "metric."

@@ -33,7 +33,7 @@ uploads, and none that the declaration keeps local.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from torch import nn

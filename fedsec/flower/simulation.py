@@ -11,6 +11,8 @@
   directory, joined back to (round, client) after the run;
 * run config: ``run_simulation`` hands apps an empty run config; both apps get the app's
   ``[tool.flwr.app.config]`` with the overrides applied, as ``flwr run --run-config`` would give them;
+* the app's ServerApp starts once every simulated node is registered (``_audit_server_app``), so each
+  round's sampling sees the whole federation;
 * Flower's telemetry is switched off for the run (an audit makes no network calls) and its log kept to
   errors unless ``quiet=False``; Ray gets ``ray_cpus`` CPUs and each ClientApp one CPU and
   ``threads`` torch threads.
@@ -91,11 +93,26 @@ class AuditClientApp(ClientApp):
             context.run_config = given
 
 
-def _audit_server_app(app: ServerApp, run_config: dict) -> ServerApp:
+NODES_TIMEOUT = 120.0  # seconds the ServerApp waits for the simulated nodes to register
+
+
+def _audit_server_app(app: ServerApp, run_config: dict, nodes: int) -> ServerApp:
+    """The app's ServerApp, started once all ``nodes`` nodes are registered and given the run config.
+
+    The simulation engine starts the ServerApp's thread before it registers the nodes, and Flower's
+    strategies sample from the nodes connected at that moment (waiting only for their
+    ``min_available_nodes``): on a busy machine a round could otherwise go out to fewer nodes than
+    the federation has, differently from run to run."""
     audit = ServerApp()
 
     @audit.main()
     def main(grid, context) -> None:
+        deadline = time.monotonic() + NODES_TIMEOUT
+        while len(list(grid.get_node_ids())) < nodes:
+            if time.monotonic() > deadline:
+                raise UserError(f"only {len(list(grid.get_node_ids()))} of {nodes} simulated nodes registered within "
+                                f"{NODES_TIMEOUT:g} s; lower --nodes")
+            time.sleep(0.05)
         context.run_config = dict(run_config)
         app(grid, context)
 
@@ -196,18 +213,27 @@ def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict 
 
 
 def _name_clients_by_partition(recorder: Recorder, nodes: dict[int, int], records: dict[str, dict]) -> dict[int, dict]:
-    """Rename the recorded clients from node-id ranks to the nodes' partition ids where every node reported
-    one (simulation), so that client c is the node holding partition c, as client c of fedsec's engine,
-    and the same seed picks the same targets in every run (Flower's node ids are random). The partition
-    id only names a node: nothing an attack reads depends on it. Returns client id → {node_id, partition_id}."""
-    partition_of = {int(r["node_id"]): r["partition_id"] for r in records.values()}
-    recorded = {cid for _, cid in recorder.exchanges}
-    if recorded and all(partition_of.get(nodes[cid]) is not None for cid in recorded):
-        mapping = {cid: int(partition_of[nodes[cid]]) for cid in recorded}
-        if len(set(mapping.values())) == len(mapping):
+    """Rename the recorded clients from node-id ranks (``nodes``: rank → node id) to the nodes' partition
+    ids, as the ground-truth records report them (simulation), so that client c is the node holding
+    partition c, as client c of fedsec's engine, and the same seed picks the same targets in every run
+    (Flower's node ids are random). The partition id only names a node: nothing an attack reads
+    depends on it. Without partition ids (or if renaming would merge clients) the ranks stay.
+    Returns client id → {"node_id", "partition_id"} for the clients recorded."""
+    partition_of = {int(r["node_id"]): int(r["partition_id"]) for r in records.values()
+                    if r["partition_id"] is not None}
+    mapping = {cid: partition_of[node] for cid, node in nodes.items() if node in partition_of}
+    node_of = dict(nodes)
+    if mapping and len(set(mapping.values())) == len(mapping):
+        try:
             recorder.relabel(mapping)
-            return {mapping[cid]: {"node_id": nodes[cid], "partition_id": mapping[cid]} for cid in sorted(recorded)}
-    return {cid: {"node_id": nodes[cid], "partition_id": partition_of.get(nodes[cid])} for cid in sorted(recorded)}
+        except ValueError:  # a client without a partition id would take another's name
+            pass
+        else:
+            node_of = {mapping[cid]: node for cid, node in nodes.items() if cid in mapping}
+            for cid, node in nodes.items():  # nodes never recorded keep their rank where it is free
+                node_of.setdefault(cid, node)
+    recorded = sorted({cid for _, cid in recorder.exchanges})
+    return {cid: {"node_id": node_of[cid], "partition_id": partition_of.get(node_of[cid])} for cid in recorded}
 
 
 def _run(app: FlowerApp, config: dict, server_app, client_app, nodes: int, recorder: Recorder, interceptors: list,
@@ -230,6 +256,6 @@ def _run(app: FlowerApp, config: dict, server_app, client_app, nodes: int, recor
         sys.path.insert(0, str(app.directory))
     audit_client = AuditClientApp(client_app, GroundTruthMod(ground_truth_dir), config, threads)
     with _offline_and_quiet(quiet), wrapping_started_strategies(wrap) as strategies:
-        run_simulation(server_app=_audit_server_app(server_app, config), client_app=audit_client,
+        run_simulation(server_app=_audit_server_app(server_app, config, nodes), client_app=audit_client,
                        num_supernodes=nodes, backend_config=backend_config)
     return strategies, read_records(ground_truth_dir)
