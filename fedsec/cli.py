@@ -429,6 +429,9 @@ def defend(ctx, defense, values, attack_list, baseline, max_grad_norm, delta, ac
     click.echo(f"{len(frame)} values → {out}/tradeoff.csv, {out}/tradeoff.md, {out}/tradeoff.png")
 
 
+cli.add_command(__import__("fedsec.flower.cli", fromlist=["flower"]).flower)  # imports Flower only when run
+
+
 def main(argv=None) -> None:
     """Entry point: user errors become one line on stderr and exit status 2, never a traceback."""
     try:
