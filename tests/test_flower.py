@@ -1,7 +1,7 @@
 """fedsec.flower: recording a Flower app's federation, its ground truth, and the one-line errors.
 
-The simulations run the example app (examples/flower_mnist) in Flower's simulation engine on Ray with
-4 nodes, 1 round and one CPU (about 20 s each on a 2-core machine).
+The three simulations run the example app (examples/flower_mnist) in Flower's simulation engine on Ray
+with 4 nodes, 1 round and one CPU (20-30 s each on a shared 2-core machine, mostly Ray and worker start-up).
 """
 import json
 import os

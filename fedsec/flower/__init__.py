@@ -13,7 +13,7 @@ The only part of fedsec that imports Flower (``pip install 'fedsec[flower]'``). 
 * ``fedsec flower attack|audit`` (``cli``).
 
 Importing this package does not import Flower: the ground-truth hook (``log_batch``,
-``log_training_set``) works without it, and the rest loads on first use, raising a one-line
+``log_training_set``, ``GroundTruthMod``) works without it, and the rest loads on first use, raising a one-line
 ``UserError`` naming the extra when Flower is missing.
 """
 from __future__ import annotations
@@ -22,13 +22,12 @@ import importlib
 
 from fedecouple.errors import UserError
 
-from .groundtruth import log_batch, log_training_set
+from .groundtruth import GroundTruthMod, log_batch, log_training_set
 
 FLOWER_HINT = "pip install 'fedsec[flower]'"
 
 _LAZY = {
     "RecordingStrategy": "recording",
-    "GroundTruthMod": "groundtruth",
     "simulate": "simulation",
     "FlowerRun": "simulation",
     "read_app": "app",
@@ -51,10 +50,9 @@ def require_flwr() -> None:
 
 def __getattr__(name: str):
     if name in _LAZY:
-        if _LAZY[name] != "groundtruth":
-            require_flwr()
+        require_flwr()
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["FLOWER_HINT", "log_batch", "log_training_set", "require_flwr", *_LAZY]
+__all__ = ["FLOWER_HINT", "GroundTruthMod", "log_batch", "log_training_set", "require_flwr", *_LAZY]

@@ -4,8 +4,8 @@ It wraps a ``flwr.serverapp.strategy.Strategy`` the way Flower's own DP wrappers
 it does. In each training round:
 
 * ``configure_train``: the wrapped strategy builds its messages; each node's message is recorded as a
-  ``fedecouple.channel.Download`` (its arrays as named tensors, its config values in the metadata) and
-  the messages go out unchanged;
+  ``fedecouple.channel.Download`` (its whole content as named tensors, as for replies below; its config
+  values also in plain form in the metadata) and the messages go out unchanged;
 * ``aggregate_train``: each reply is recorded as an ``Upload`` (``convert.content_to_tensors``: arrays
   under their own names, the weighting metric as ``sample_count``, other metrics and config values
   under ``metric.``/``config.``) after passing the interceptors (e.g. ``fedsec.defenses.FilterChain``,
@@ -97,7 +97,6 @@ class RecordingStrategy(Strategy):
         self.client_ids = ClientIds()
         # the metric Flower's FedAvg family weights by; recorded as ``sample_count``
         self.weight_key = str(getattr(strategy, "weighted_by_key", DEFAULT_WEIGHT_KEY))
-        self.rounds: list[int] = []  # Flower rounds that configured training, in order
         self.failures: list[dict] = []  # replies carrying an error: {"round", "client", "node_id", "reason"}
 
     def __getattr__(self, name: str):
@@ -111,7 +110,6 @@ class RecordingStrategy(Strategy):
                         grid: Grid) -> Iterable[Message]:
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         self.client_ids.see(grid.get_node_ids())
-        self.rounds.append(int(server_round))
         for message in messages:
             node = int(message.metadata.dst_node_id)
             download = Download(int(server_round) - 1, self.client_ids[node], content_to_tensors(message.content, self.weight_key),
