@@ -145,6 +145,15 @@ def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name
                   trace, notes)
 
 
+def _start(setup: _Setup, seed: int, restart: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A start's seeded dummy batch: images uniform in [0, 1], label logits standard normal (None
+    when the labels are fixed)."""
+    gen = torch.Generator().manual_seed(_seed(seed, restart, 0xD16))
+    x = torch.rand(setup.shape, generator=gen)
+    y = None if setup.labels is not None else torch.randn((setup.shape[0], setup.num_classes), generator=gen)
+    return x, y
+
+
 def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int]) -> list[AttackResult]:
     """DLG's L-BFGS on targets that share a model (``setups[0]``'s), all at once.
 
@@ -153,92 +162,110 @@ def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int]) ->
     iterate kept, a start ended early when it converged, stalled or diverged."""
     if len(setups) == 1:
         return [_optimise_one(setups[0], budget, seeds[0])]
-    start_time = time.perf_counter()
-    lead, n = setups[0], len(setups)
-    fixed = lead.labels is not None
-    b, c, h, w = lead.shape
-    image_size, label_size = b * c * h * w, b * lead.num_classes
-    size = image_size + (0 if fixed else label_size)
-    transform = vmap(lead.gradient_and_value())
-    targets = stack_targets([s.target for s in setups])
-    labels = torch.stack([s.labels for s in setups]) if fixed else None
-    lbfgs = BatchedLBFGS(n, size, lr=LBFGS_LR)
-    notes = [list(s.notes) for s in setups]
-    restart = [0] * n
-    best = [{"objective": float("inf"), "images": None, "labels": None} for _ in setups]
-    runs: list[dict] = [{} for _ in setups]
-    record: list[dict] = [{"objectives": [], "histories": [], "evaluations": 0, "stalled": []} for _ in setups]
+    return _LockstepDLG(setups, budget, seeds).run()
 
-    def begin(k: int) -> None:
-        gen = torch.Generator().manual_seed(_seed(seeds[k], restart[k], 0xD16))
-        x0 = [torch.rand(lead.shape, generator=gen).reshape(-1)]
-        if not fixed:
-            x0.append(torch.randn((b, lead.num_classes), generator=gen).reshape(-1))
-        lbfgs.start(k, torch.cat(x0))
-        runs[k] = {"objective": float("inf"), "images": None, "labels": None, "evals": 0, "history": []}
 
-    def finish(k: int) -> None:
-        run = runs[k]
-        record[k]["evaluations"] += run["evals"]
-        record[k]["objectives"].append(run["objective"])
-        record[k]["histories"].append(run["history"])
-        if run["images"] is not None and run["objective"] < best[k]["objective"]:
-            best[k] = run
-        restart[k] += 1
-        if restart[k] < max(1, int(budget.restarts)):
-            begin(k)
+class _LockstepDLG:
+    """Several targets' DLG starts in lockstep: one vmapped evaluation for every running target, one
+    ``BatchedLBFGS`` holding each target's own L-BFGS state."""
+
+    def __init__(self, setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int]):
+        self.setups, self.budget, self.seeds = list(setups), budget, list(seeds)
+        lead, n = setups[0], len(setups)
+        self.lead, self.n, self.fixed = lead, n, lead.labels is not None
+        b, c, h, w = lead.shape
+        self.image_size = b * c * h * w
+        size = self.image_size + (0 if self.fixed else b * lead.num_classes)
+        self.transform = vmap(lead.gradient_and_value())
+        self.targets = stack_targets([s.target for s in setups])
+        self.labels = torch.stack([s.labels for s in setups]) if self.fixed else None
+        self.lbfgs = BatchedLBFGS(n, size, lr=LBFGS_LR)
+        self.notes = [list(s.notes) for s in setups]
+        self.restart = [0] * n
+        self.best = [{"objective": float("inf"), "images": None, "labels": None} for _ in setups]
+        self.runs: list[dict] = [{} for _ in setups]
+        self.record = [{"objectives": [], "histories": [], "evaluations": 0, "stalled": []} for _ in setups]
+
+    def begin(self, k: int) -> None:
+        x, y = _start(self.setups[k], self.seeds[k], self.restart[k])
+        self.lbfgs.start(k, torch.cat([x.reshape(-1)] + ([] if y is None else [y.reshape(-1)])))
+        self.runs[k] = {"objective": float("inf"), "images": None, "labels": None, "evals": 0, "history": []}
+
+    def finish(self, k: int) -> None:
+        run, record = self.runs[k], self.record[k]
+        record["evaluations"] += run["evals"]
+        record["objectives"].append(run["objective"])
+        record["histories"].append(run["history"])
+        if run["images"] is not None and run["objective"] < self.best[k]["objective"]:
+            self.best[k] = run
+        self.restart[k] += 1
+        if self.restart[k] < max(1, int(self.budget.restarts)):
+            self.begin(k)
         else:
-            lbfgs.stop(k)
+            self.lbfgs.stop(k)
 
-    for k in range(n):
-        begin(k)
-    members: list[int] = []
-    while pending := lbfgs.pending():
-        if pending != members:  # the running targets change rarely: select their rows only then
-            members, rows = pending, torch.tensor(pending)
-            target = [t[rows] for t in targets]
-            fixed_labels = labels[rows] if fixed else None
-        flat = lbfgs.x[rows]
-        x = flat[:, :image_size].reshape(len(pending), *lead.shape)
-        if fixed:
-            gx, values = transform(x, fixed_labels, target)
-            grads = gx.reshape(len(pending), -1)
-        else:
-            y = flat[:, image_size:].reshape(len(pending), b, lead.num_classes)
-            (gx, gy), values = transform(x, y, target)
-            grads = torch.cat([gx.reshape(len(pending), -1), gy.reshape(len(pending), -1)], dim=1)
+    def evaluate(self, pending: list[int], rows: torch.Tensor, target: list[torch.Tensor], fixed_labels):
+        """(images, label logits or None, objective values, gradients) at the running targets' iterates."""
+        flat = self.lbfgs.x[rows]
+        x = flat[:, :self.image_size].reshape(len(pending), *self.lead.shape)
+        if self.fixed:
+            gx, values = self.transform(x, fixed_labels, target)
+            return x, None, values, gx.reshape(len(pending), -1)
+        y = flat[:, self.image_size:].reshape(len(pending), self.lead.shape[0], self.lead.num_classes)
+        (gx, gy), values = self.transform(x, y, target)
+        return x, y, values, torch.cat([gx.reshape(len(pending), -1), gy.reshape(len(pending), -1)], dim=1)
+
+    def take(self, pending: list[int], rows: torch.Tensor, x, y, values: list[float]) -> tuple[list, list, list]:
+        """Record each running target's value (its best iterate so far); a non-finite value ends the
+        start. Returns (targets, values, row positions) to hand to L-BFGS."""
         told, losses, told_rows = [], [], []
-        for j, (k, value) in enumerate(zip(pending, values.tolist())):
-            run = runs[k]
+        for j, (k, value) in enumerate(zip(pending, values)):
+            run = self.runs[k]
             run["evals"] += 1
             if not np.isfinite(value):
-                notes[k].append(f"restart {restart[k]}: the objective became non-finite; the best iterate before it "
-                                f"is kept")
-                finish(k)
+                self.notes[k].append(f"restart {self.restart[k]}: the objective became non-finite; the best iterate "
+                                     f"before it is kept")
+                self.finish(k)
                 continue
             if value < run["objective"]:
                 run["objective"] = value
                 run["images"] = x[j].detach().clone()
-                run["labels"] = labels[rows[j]].clone() if fixed else y[j].argmax(dim=-1)
+                run["labels"] = self.labels[rows[j]].clone() if self.fixed else y[j].argmax(dim=-1)
             told.append(k)
             losses.append(value)
             told_rows.append(j)
-        for k in lbfgs.tell(told, losses, grads[told_rows]):  # these finished one torch L-BFGS step
-            history = runs[k]["history"]
-            history.append(runs[k]["objective"])
-            verdict = _after_step(history)
-            if verdict == "stalled":
-                record[k]["stalled"].append(len(history))
-            if verdict or len(history) >= int(budget.iterations):
-                finish(k)
+        return told, losses, told_rows
 
-    share = (time.perf_counter() - start_time) / n
-    return [_result(setup, best[k], notes[k], {"restart_objectives": record[k]["objectives"],
-                                               "history": record[k]["histories"],
-                                               "evaluations": record[k]["evaluations"],
-                                               "stalled_at_steps": record[k]["stalled"], "seconds": share,
-                                               "batched_with": n, "optimizer": "L-BFGS (batched)"})
-            for k, setup in enumerate(setups)]
+    def after_step(self, k: int) -> None:
+        """A target finished one torch L-BFGS step: stop its start if it converged, stalled or is done."""
+        history = self.runs[k]["history"]
+        history.append(self.runs[k]["objective"])
+        verdict = _after_step(history)
+        if verdict == "stalled":
+            self.record[k]["stalled"].append(len(history))
+        if verdict or len(history) >= int(self.budget.iterations):
+            self.finish(k)
+
+    def run(self) -> list[AttackResult]:
+        start_time = time.perf_counter()
+        for k in range(self.n):
+            self.begin(k)
+        members: list[int] = []
+        while pending := self.lbfgs.pending():
+            if pending != members:  # the running targets change rarely: select their rows only then
+                members, rows = pending, torch.tensor(pending)
+                target = [t[rows] for t in self.targets]
+                fixed_labels = self.labels[rows] if self.fixed else None
+            x, y, values, grads = self.evaluate(pending, rows, target, fixed_labels)
+            told, losses, told_rows = self.take(pending, rows, x, y, values.tolist())
+            for k in self.lbfgs.tell(told, losses, grads[told_rows]):
+                self.after_step(k)
+        share = (time.perf_counter() - start_time) / self.n
+        return [_result(setup, self.best[k], self.notes[k],
+                        {"restart_objectives": self.record[k]["objectives"], "history": self.record[k]["histories"],
+                         "evaluations": self.record[k]["evaluations"], "stalled_at_steps": self.record[k]["stalled"],
+                         "seconds": share, "batched_with": self.n, "optimizer": "L-BFGS (batched)"})
+                for k, setup in enumerate(self.setups)]
 
 
 def _optimise_one(setup: _Setup, budget: Budget, seed: int) -> AttackResult:
@@ -246,14 +273,13 @@ def _optimise_one(setup: _Setup, budget: Budget, seed: int) -> AttackResult:
     start_time = time.perf_counter()
     notes, labels = list(setup.notes), setup.labels
     fixed = labels is not None
-    b = setup.shape[0]
     transform = setup.gradient_and_value()
     best = {"objective": float("inf"), "images": None, "labels": None}
     objectives, histories, evaluations, stalled = [], [], 0, []
     for restart in range(max(1, int(budget.restarts))):
-        gen = torch.Generator().manual_seed(_seed(seed, restart, 0xD16))
-        x = torch.rand(setup.shape, generator=gen).requires_grad_(True)
-        y = None if fixed else torch.randn((b, setup.num_classes), generator=gen).requires_grad_(True)
+        x, y = _start(setup, seed, restart)
+        x.requires_grad_(True)
+        y = None if y is None else y.requires_grad_(True)
         opt = torch.optim.LBFGS([x] if fixed else [x, y], lr=LBFGS_LR)
         run = {"objective": float("inf"), "images": None, "labels": None, "evals": 0}
 

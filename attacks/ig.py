@@ -98,55 +98,64 @@ def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int], tv
 
     Adam and the sign step act element-wise and the targets' objectives are independent, so this is
     the same optimisation per target as running each alone (a batch of one)."""
-    start_time = time.perf_counter()
-    lead = setups[0]
-    n = len(setups)
-    b = max(1, int(budget.batch))
-    c, h, w = lead.matcher.observation.image_shape
-    k = lead.matcher.observation.num_classes
-    fixed = lead.labels is not None
-    targets = torch.stack([s.target for s in setups])
-    labels = torch.stack([s.labels for s in setups]) if fixed else None
+    return _StackedIG(setups, budget, seeds, tv_weight, lr).run()
 
-    def objective(x: torch.Tensor, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        soft = y if fixed else torch.softmax(y, dim=-1)
-        return cosine_objective(lead.matcher.dummy(x, soft), target) + tv_weight * total_variation(x)
 
-    transform = vmap(grad_and_value(objective, argnums=0 if fixed else (0, 1)))
-    notes = [list(s.notes) for s in setups]
-    best: list[dict] = [{"objective": float("inf")} for _ in setups]
-    restart_objectives: list[list[float]] = [[] for _ in setups]
-    histories: list[list[list[float]]] = [[] for _ in setups]
-    iterations = max(1, int(budget.iterations))
-    for restart in range(max(1, int(budget.restarts))):
+class _StackedIG:
+    """The targets' images (and label logits) stacked into one variable; their objectives evaluated
+    in one vmapped call; one signed Adam over the stack."""
+
+    def __init__(self, setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int], tv_weight: float, lr: float):
+        self.setups, self.seeds, self.lr = list(setups), list(seeds), lr
+        lead = setups[0]
+        self.n, self.fixed = len(setups), lead.labels is not None
+        self.shape = (max(1, int(budget.batch)), *lead.matcher.observation.image_shape)
+        self.num_classes = lead.matcher.observation.num_classes
+        self.iterations, self.restarts = max(1, int(budget.iterations)), max(1, int(budget.restarts))
+        self.targets = torch.stack([s.target for s in setups])
+        self.labels = torch.stack([s.labels for s in setups]) if self.fixed else None
+        fixed = self.fixed
+
+        def objective(x: torch.Tensor, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            soft = y if fixed else torch.softmax(y, dim=-1)
+            return cosine_objective(lead.matcher.dummy(x, soft), target) + tv_weight * total_variation(x)
+
+        self.transform = vmap(grad_and_value(objective, argnums=0 if fixed else (0, 1)))
+        self.notes = [list(s.notes) for s in setups]
+        self.best: list[dict] = [{"objective": float("inf")} for _ in setups]
+        self.restart_objectives: list[list[float]] = [[] for _ in setups]
+        self.histories: list[list[list[float]]] = [[] for _ in setups]
+
+    def _variables(self, restart: int) -> list[torch.Tensor]:
+        """Each target's seeded start, stacked: [images] or [images, label logits]."""
         xs, ys = [], []
-        for seed in seeds:
+        for seed in self.seeds:
             gen = torch.Generator().manual_seed(_seed(seed, restart, 0x16))
-            xs.append(torch.rand((b, c, h, w), generator=gen))
-            if not fixed:
-                ys.append(torch.randn((b, k), generator=gen))
-        x = torch.stack(xs).requires_grad_(True)
-        y_logits = None if fixed else torch.stack(ys).requires_grad_(True)
-        variables = [x] if fixed else [x, y_logits]
-        opt = torch.optim.Adam(variables, lr=lr)
-        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones(iterations), gamma=0.1)
-        stopped = torch.zeros(n, dtype=torch.bool)
-        history: list[list[float]] = [[] for _ in setups]
+            xs.append(torch.rand(self.shape, generator=gen))
+            if not self.fixed:
+                ys.append(torch.randn((self.shape[0], self.num_classes), generator=gen))
+        return [torch.stack(xs).requires_grad_(True)] + ([] if self.fixed else [torch.stack(ys).requires_grad_(True)])
 
-        def evaluate():
-            if fixed:
-                gx, values = transform(x.detach(), labels, targets)
-                return values, [gx]
-            (gx, gy), values = transform(x.detach(), y_logits.detach(), targets)
-            return values, [gx, gy]
+    def _evaluate(self, variables: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self.fixed:
+            gx, values = self.transform(variables[0].detach(), self.labels, self.targets)
+            return values, [gx]
+        (gx, gy), values = self.transform(variables[0].detach(), variables[1].detach(), self.targets)
+        return values, [gx, gy]
 
-        for it in range(iterations):
-            values, grads = evaluate()
+    def _start(self, restart: int) -> None:
+        variables = self._variables(restart)
+        x = variables[0]
+        opt = torch.optim.Adam(variables, lr=self.lr)
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones(self.iterations), gamma=0.1)
+        stopped = torch.zeros(self.n, dtype=torch.bool)
+        history: list[list[float]] = [[] for _ in self.setups]
+        for it in range(self.iterations):
+            values, grads = self._evaluate(variables)
             newly = ~torch.isfinite(values) & ~stopped
-            if bool(newly.any()):
-                for i in torch.nonzero(newly).flatten().tolist():
-                    notes[i].append(f"restart {restart}: the objective became non-finite at step {it}; stopped there")
-                stopped |= newly
+            for i in torch.nonzero(newly).flatten().tolist():
+                self.notes[i].append(f"restart {restart}: the objective became non-finite at step {it}; stopped there")
+            stopped |= newly
             if bool(stopped.all()):
                 break
             kept = [v.detach().clone() for v in variables] if bool(stopped.any()) else None
@@ -159,28 +168,37 @@ def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int], tv
                 if kept is not None:  # a stopped target keeps the iterate it stopped at
                     for v, old in zip(variables, kept):
                         v[stopped] = old[stopped]
-            if it % max(1, iterations // 50) == 0:
+            if it % max(1, self.iterations // 50) == 0:
                 for i, value in enumerate(values.tolist()):
                     if not stopped[i]:
                         history[i].append(value)
-        finals, _ = evaluate()
-        for i in range(n):
+        self._keep_best(variables, history)
+
+    def _keep_best(self, variables: list[torch.Tensor], history: list[list[float]]) -> None:
+        finals, _ = self._evaluate(variables)
+        for i in range(self.n):
             final = float(finals[i])
-            restart_objectives[i].append(final)
-            histories[i].append(history[i])
-            if final < best[i]["objective"] or "images" not in best[i]:
-                best[i] = {"objective": final, "images": x[i].detach().clone(),
-                           "labels": labels[i].clone() if fixed else y_logits[i].detach().argmax(dim=-1)}
-    share = (time.perf_counter() - start_time) / n
-    results = []
-    for i, setup in enumerate(setups):
-        trace = {**setup.trace, "objective": best[i]["objective"], "restart_objectives": restart_objectives[i],
-                 "history": histories[i], "seconds": share}
-        if n > 1:
-            trace["batched_with"] = n
-        results.append(AttackResult(images=best[i]["images"].clamp(0, 1), labels=best[i]["labels"].to(torch.int64),
-                                    trace=trace, notes=notes[i]))
-    return results
+            self.restart_objectives[i].append(final)
+            self.histories[i].append(history[i])
+            if final < self.best[i]["objective"] or "images" not in self.best[i]:
+                self.best[i] = {"objective": final, "images": variables[0][i].detach().clone(),
+                                "labels": self.labels[i].clone() if self.fixed
+                                else variables[1][i].detach().argmax(dim=-1)}
+
+    def run(self) -> list[AttackResult]:
+        start_time = time.perf_counter()
+        for restart in range(self.restarts):
+            self._start(restart)
+        share = (time.perf_counter() - start_time) / self.n
+        results = []
+        for i, setup in enumerate(self.setups):
+            trace = {**setup.trace, "objective": self.best[i]["objective"],
+                     "restart_objectives": self.restart_objectives[i], "history": self.histories[i], "seconds": share}
+            if self.n > 1:
+                trace["batched_with"] = self.n
+            results.append(AttackResult(images=self.best[i]["images"].clamp(0, 1),
+                                        labels=self.best[i]["labels"].to(torch.int64), trace=trace, notes=self.notes[i]))
+        return results
 
 
 def inverting_gradients(observation: Observation, budget: Budget, seed: int, mode: str = "auto",

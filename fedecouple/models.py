@@ -140,7 +140,3 @@ def set_params(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
     own = dict(model.named_parameters())
     for name, value in params.items():
         own[name].copy_(value)
-
-
-def param_bytes(params: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in params.values())

@@ -12,6 +12,7 @@ from fedecouple.data import DATASETS, SCHEMES
 from fedecouple.errors import UserError
 from fedecouple.methods import METHODS
 from fedecouple.models import ARCHITECTURES
+from reports.tradeoff import VALUE_MEANING
 
 from .runner import PAPER_FEDERATION, RunConfig
 
@@ -379,7 +380,7 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, reuse, out
 
 @cli.command()
 @train_options
-@click.option("--defense", type=click.Choice(["dp", "noise", "clip", "prune", "quantize", "exclude"]), required=True,
+@click.option("--defense", type=click.Choice(list(VALUE_MEANING)), required=True,
               help="dp: DP-SGD (Opacus) in every client's local training; the others filter each upload's update "
                    "before it leaves the client.")
 @click.option("--values", required=True,
