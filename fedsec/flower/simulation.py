@@ -256,6 +256,13 @@ def _run(app: FlowerApp, config: dict, server_app, client_app, nodes: int, recor
         sys.path.insert(0, str(app.directory))
     audit_client = AuditClientApp(client_app, GroundTruthMod(ground_truth_dir), config, threads)
     with _offline_and_quiet(quiet), wrapping_started_strategies(wrap) as strategies:
-        run_simulation(server_app=_audit_server_app(server_app, config, nodes), client_app=audit_client,
-                       num_supernodes=nodes, backend_config=backend_config)
+        try:
+            run_simulation(server_app=_audit_server_app(server_app, config, nodes), client_app=audit_client,
+                           num_supernodes=nodes, backend_config=backend_config)
+        except UserError:
+            raise
+        except Exception as exc:  # the app's ServerApp raised (e.g. a run-config value it rejects)
+            reason = " ".join(str(exc).split())[:300]
+            raise UserError(f"the app's ServerApp failed in Flower's simulation: {type(exc).__name__}: {reason}; "
+                            f"check the app and its run config (--flower-log shows Flower's log)") from exc
     return strategies, read_records(ground_truth_dir)
