@@ -35,7 +35,7 @@ from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.engine import GroundTruth
 from fedecouple.errors import UserError
 from fedecouple.methods.base import FieldSpec
-from fedecouple.models import set_params
+from fedecouple.models import group_of, set_params
 from reports.audit import SEVERITIES, audit_markdown
 
 from . import io
@@ -205,7 +205,8 @@ def audit_recorded(run: RecordedRun, out: str | Path, rounds: int, evidence: dic
     evidence = evidence or {}
     findings = (_protocol_findings(run, frame, kinds) + _label_findings(run, manifest, uploads, frame, kinds, evidence)
                 + _reconstruction_findings(kinds, evidence)
-                + _private_value_findings(run, uploads, kinds, inversion_iterations))
+                + _private_value_findings(run, uploads, kinds, inversion_iterations)
+                + _kept_parameter_findings(run, uploads))
     traffic = _traffic(run, rounds)
     findings.append(_communication_finding(traffic, run.dataset.num_classes))
     findings.sort(key=lambda f: SEVERITIES.index(f["severity"]))
@@ -292,6 +293,29 @@ def _private_value_findings(run: RecordedRun, uploads: list, kinds: set[str], in
     if run.method.name == "fedecouple" or checked:
         findings.append(_count_finding(run, uploads, kinds))
     return findings
+
+
+def _kept_parameter_findings(run: RecordedRun, uploads: list) -> list[dict]:
+    """Verify which model parameters never left the clients: none of the recorded uploads carried them
+    (e.g. FedPer's head). Checked against the model, not the method's manifest."""
+    if not uploads:
+        return []
+    names = [name for name, _ in run.make_model().named_parameters()]
+    sent = {name for up in uploads for name in up.tensors}
+    kept = [name for name in names if name not in sent]
+    if not kept:
+        return []
+    groups = {}
+    for name in names:
+        groups.setdefault(group_of(name), []).append(name)
+    parts = [f"the {group}" if all(n in kept for n in members) else ", ".join(n for n in members if n in kept)
+             for group, members in groups.items() if any(n in kept for n in members)]
+    rounds = sorted({up.round for up in uploads})
+    return [_finding("info", "PARAMETERS_NEVER_UPLOADED",
+                     f"Verified: {' and '.join(parts)} never left the clients: none of the {len(uploads)} recorded "
+                     f"uploads ({len(rounds)} round(s)) carried {', '.join(kept)}.",
+                     parameters=kept, uploads_checked=len(uploads), rounds=rounds)]
+
 
 
 ANCHOR_APPROXIMATE = 0.5  # a cosine this high between an uploaded row and an anchor: its direction leaks

@@ -445,6 +445,11 @@ def defend(ctx, defense, values, attack_list, baseline, max_grad_norm, delta, ac
     click.echo(f"{len(frame)} values → {out}/tradeoff.csv, {out}/tradeoff.md, {out}/tradeoff.png")
 
 
+from .flower.cli import flower  # noqa: E402  (the group imports Flower only when a command runs)
+
+cli.add_command(flower)
+
+
 def main(argv=None) -> None:
     """Entry point: user errors become one line on stderr and exit status 2, never a traceback."""
     try:

@@ -36,6 +36,18 @@ def test_every_uploaded_field_is_classified_by_the_manifest(tmp_path, method):
     assert (tmp_path / "audit.md").read_text().startswith("# Upload audit")
 
 
+@pytest.mark.parametrize("method, kept", [("fedper", ["classifier.weight", "classifier.bias"]), ("fedavg", None)])
+def test_parameters_that_never_left_the_clients_are_verified(tmp_path, method, kept):
+    result = run_audit(RunConfig.of(method=method, **TINY), tmp_path, evidence=False, progress=False)
+    found = [f for f in result["findings"] if f["code"] == "PARAMETERS_NEVER_UPLOADED"]
+    if kept is None:
+        assert not found
+    else:
+        (finding,) = found
+        assert finding["evidence"]["parameters"] == kept and finding["evidence"]["uploads_checked"] == 3
+        assert "the classifier never left the clients" in finding["finding"]
+
+
 def test_local_sends_nothing(tmp_path):
     result = run_audit(RunConfig.of(method="local", **TINY), tmp_path, evidence=False, progress=False)
     assert "NOTHING_UPLOADED" in {f["code"] for f in result["findings"]}
