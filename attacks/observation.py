@@ -229,7 +229,7 @@ def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: lis
                          steps=steps, num_classes=obs.num_classes, notes=notes)
 
 
-COPY_MODELS = ("family", "free")
+COPY_MODELS = ("free", "family")
 FAMILY_PARAMETERS = 8  # per copy: gain a, offset b, and a 2x3 affine map
 
 
@@ -268,8 +268,8 @@ class GradientMatcher:
     the targets are the observed Δ of each attacked weight and the uploaded statistics the replay
     also produces (FedPAC's prototypes, h, V, class counts), compared group by group
     (``groups``). ``dummy_images`` images are optimised: the ``originals`` reconstructions, then one
-    free image per augmented copy the client trained on when ``observation.copies`` is "free"; with
-    "family" (the default) each copy is ``family_copy`` of its image with ``copy_parameters`` unknown
+    free image per augmented copy the client trained on when ``observation.copies`` is "free" (the
+    default); with "family" each copy is ``family_copy`` of its image with ``copy_parameters`` unknown
     parameters; with known draws (oracle) the copies are the client's.
     """
 
@@ -334,8 +334,10 @@ class GradientMatcher:
         self.free_copies = copies if self.copy_model == "free" else 0
         self.copy_parameters = copies * FAMILY_PARAMETERS if self.copy_model == "family" else 0
         # the method's replay produces every field of its manifest but the sample count: besides the
-        # weights, the statistics it uploads are matched too
-        statistics = [s for s in obs.manifest() if s.kind in ("prototype", "statistic", "class_counts")]
+        # weights, the statistics it uploads are matched too, but scalar ones (FedPAC's V, a variance
+        # computed as a difference of large terms, zero by construction for a one-image client): their
+        # float rounding outweighs what they carry
+        statistics = [s for s in obs.manifest() if s.kind in ("prototype", "statistic", "class_counts") and s.shape]
         self.aux_names = sorted(n for n in obs.upload if any(s.pattern.match(n) for s in statistics))
         self.target = [self.update.delta[n] for n in self.names] + [obs.upload[n].to(torch.float32)
                                                                       for n in self.aux_names]
@@ -430,13 +432,12 @@ class GradientMatcher:
     # -- comparing the two sides -----------------------------------------------------------------
     def l2_objective(self, dummy: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
         """DLG's distance: Σ‖a − b‖² (with an unknown scale, min over s ≥ 0 of Σ‖a − s·b‖²); in the
-        method mode the sum over groups of ‖a_g − b_g‖²/‖b_g‖² (scale-free per group)."""
+        method mode the sum over groups of ‖a_g − b_g‖²/‖b_g‖² (scale-free per group, ``_relative_error``)."""
         if self.mode != "method":
             return gradient_distance(dummy, target, self.scale_known)
         total = 0.0
         for g in self.groups:
-            a, b = flat([dummy[i] for i in g]), flat([target[i] for i in g])
-            total = total + ((a - b) ** 2).sum() / (b * b).sum().clamp_min(1e-30)
+            total = total + _relative_error(flat([dummy[i] for i in g]), flat([target[i] for i in g]))
         return total
 
     def cosine_objective(self, dummy: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
@@ -450,7 +451,7 @@ class GradientMatcher:
             if k < self.weight_groups:
                 total = total + 1.0 - F.cosine_similarity(a, b, dim=0, eps=1e-20)
             else:
-                total = total + ((a - b) ** 2).sum() / (b * b).sum().clamp_min(1e-30)
+                total = total + _relative_error(a, b)
         return total
 
     @functools.cached_property
@@ -490,6 +491,16 @@ class GradientMatcher:
             return None
         target = self.target[self.names.index(CLASSIFIER_WEIGHT)]
         return -target if self.mode == "method" else target
+
+
+# per element, the squared size below which an observed value counts as zero: a statistic that is zero
+# by construction (FedPAC's V of a one-image client) must not turn float rounding into a huge error
+ZERO_FLOOR = 1e-8
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """‖a − b‖² / ‖b‖², with ‖b‖² floored at ZERO_FLOOR per element."""
+    return ((a - b) ** 2).sum() / ((b * b).sum() + ZERO_FLOOR * b.numel())
 
 
 def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

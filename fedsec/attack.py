@@ -70,7 +70,7 @@ MAX_PANELS = 16
 # 6-8x faster than two for IG on the 28x28 CNN (measured, see BENCHMARKS.md)
 ATTACK_THREADS = 1
 SCORE_KEYS = SUMMARY_KEYS
-AUGMENTATION_MODELS = ("family", "free", "oracle")
+AUGMENTATION_MODELS = ("free", "family", "oracle")
 
 
 @dataclass
@@ -82,17 +82,18 @@ class AttackSettings:
     rounds: tuple[int, ...] = (0,)
     targets: int = 2  # clients attacked per attacked round (seeded choice)
     iterations: int | None = None
-    restarts: int = 1
+    restarts: int | None = None  # default: the attack's declared restarts
     images: int | None = None  # images rebuilt per target (default: victim_batch, or 1)
     victim_batch: int | None = None
     victim_steps: int = 1
     seed: int | None = None  # target choice and attack starts (default: the run's seed)
     hyperparameters_known: bool = True
     head_known: bool = True
-    # how the attacker models the augmented copies a client trains on: "family" (transforms of the
-    # image, parameters unknown), "free" (unknown images), "oracle" (the client's batch order and
-    # draws are known: an upper bound)
-    augmentations: str = "family"
+    # how the attacker models the augmented copies a client trains on: "free" (unknown images),
+    # "family" (transforms of the image, parameters unknown), "oracle" (the client's batch order and
+    # draws are known: an upper bound). free was the stronger of the two without the draws on the
+    # tuning federation (seed 1; BENCHMARKS.md, "Attacks")
+    augmentations: str = "free"
     mode: str = "auto"
     start: str = "noise"  # DLG's dummy images: noise or the per-channel mean
     aux_data: str | None = None  # public data the server holds (an embedded data set's name)
@@ -114,14 +115,16 @@ class AttackSettings:
         return Budget(iterations=self.iterations, restarts=self.restarts, batch=self.images_per_target,
                       start=self.start)
 
-    def resolved(self, config: RunConfig) -> "AttackSettings":
-        """Defaults filled in and every value checked (one-line ``UserError``s)."""
+    def resolved(self, seed: int = 0, threads: int | None = None) -> "AttackSettings":
+        """Defaults filled in and every value checked (one-line ``UserError``s): the attack's declared
+        iterations and victim setting; ``seed`` and ``threads`` (the run's) where none was given."""
         spec = self.spec
         out = replace(self, rounds=tuple(parse_rounds(self.rounds)),
                       iterations=spec.default_iterations if self.iterations is None else int(self.iterations),
+                      restarts=spec.default_restarts if self.restarts is None else int(self.restarts),
                       victim_batch=spec.default_victim_batch if self.victim_batch is None else int(self.victim_batch),
-                      seed=config.federation.seed if self.seed is None else int(self.seed),
-                      threads=int(self.threads or config.execution.threads or ATTACK_THREADS))
+                      seed=int(seed) if self.seed is None else int(self.seed),
+                      threads=int(self.threads or threads or ATTACK_THREADS))
         out.validate()
         return out
 
@@ -223,7 +226,7 @@ def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | No
     so the server sees their output; ``dp`` (a ``fedsec.defenses.DPConfig``) trains every client with
     DP-SGD and adds the per-client ε to the summary (``"dp"``)."""
     start = time.perf_counter()
-    settings = settings.resolved(config)
+    settings = settings.resolved(config.federation.seed, config.execution.threads)
     config = config.updated(rounds=settings.rounds_to_train, threads=settings.threads)
     previous_threads = torch.get_num_threads()
     try:

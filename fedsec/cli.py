@@ -14,6 +14,7 @@ from fedecouple.methods import METHODS
 from fedecouple.models import ARCHITECTURES
 from reports.tradeoff import VALUE_MEANING
 
+from .options import pop_threat_model, threat_model_options
 from .runner import PAPER_FEDERATION, RunConfig
 
 HYPERPARAMETER_FLAGS = ("lam", "mu", "tau", "teacher", "center_reduction")
@@ -227,7 +228,8 @@ def compare(ctx, methods, seeds, out, **opts):
 @click.option("--iterations", type=int, default=None,
               help=f"Optimiser steps per reconstruction [each attack's default: {attack_defaults()}; dlg/idlg count "
                    f"L-BFGS steps of up to 20 evaluations, ig Adam steps].")
-@click.option("--restarts", type=int, default=1, show_default=True, help="Independent starts; the best objective is kept.")
+@click.option("--restarts", type=int, default=None,
+              help="Independent starts; the lowest objective is kept [each attack's default: ig 3, the others 1].")
 @click.option("--victim-batch", type=int, default=None,
               help="B: attacked clients train on B of their images in the attacked round, and B images are rebuilt "
                    "[1 for the gradient attacks; 0 (= the method's real local training) for the others].")
@@ -236,36 +238,12 @@ def compare(ctx, methods, seeds, out, **opts):
               help="Images rebuilt per target [--victim-batch; 1 with --victim-batch 0]; e.g. 2 for a method that "
                    "trains on each image and an augmented copy.")
 @click.option("--attack-seed", type=int, default=None, help="Seed for target choice and attack starts [--seed].")
-@click.option("--mode", type=click.Choice(["auto", "method", "replay", "scaled"]), default="auto", show_default=True,
-              help="Gradient attacks' forward model: method = replay the attacked method's own local training "
-                   "(its phases, losses, augmentation; needs known hyperparameters); replay = plain cross-entropy "
-                   "SGD steps; scaled = the update read as one gradient. auto: method where the method's training "
-                   "is not plain SGD, else replay for T > 1, else scaled (the same computation for plain SGD).")
-@click.option("--augmentations", type=click.Choice(["family", "free", "oracle"]), default="family", show_default=True,
-              help="Method mode, for methods that train on augmented copies (FedeCouple's DA): family = each copy "
-                   "is a transform of its image from the augmentation family (gain, offset, affine warp), its "
-                   "parameters unknown; free = each copy is an unknown image; oracle = the server knows the "
-                   "client's augmentation draws and batch order (an upper bound).")
-@click.option("--start", type=click.Choice(["noise", "mean"]), default="noise", show_default=True,
-              help="DLG/iDLG dummy images start as uniform noise or as the per-channel mean image.")
-@click.option("--aux-data", default=None, metavar="DATASET",
-              help="Threat model: the server holds public data of the same domain (an embedded data set: digits "
-                   "or mnist5k, resized; the attacked clients' own images left out). proto then inverts through a "
-                   "surrogate extractor trained on it towards the round's prototypes, and the class-mean prior "
-                   "comes from it.")
-@click.option("--hyperparameters-known/--hyperparameters-unknown", default=True, show_default=True,
-              help="Whether the server knows the client's lr, steps and batch size.")
-@click.option("--head-known/--head-unknown", default=True, show_default=True,
-              help="--head-unknown: the attack does not use the classifier's update (private-head threat model).")
-@click.option("--batched/--no-batched", default=True, show_default=True,
-              help="Gradient attacks: optimise the targets that share a model (e.g. all of round 0) together in one "
-                   "vmapped batch. Each evaluation equals --no-batched (one by one) to float rounding; a stalled "
-                   "optimisation (DLG on cnn28) can end in another local minimum.")
+@threat_model_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder: attack.csv, summary.json, reconstructions.png [runs/attack-<attack>-<method>].")
 @click.pass_context
 def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_batch, victim_steps, images, attack_seed,
-           mode, augmentations, start, aux_data, hyperparameters_known, head_known, batched, out, **opts):
+           out, **opts):
     """Train, intercept what the server sees, attack it, and score the result against what the client trained on.
 
     Example: fedsec attack dlg --method fedecouple   (round 0, 2 clients, one image each, one local step)
@@ -276,12 +254,11 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     from .attack import AttackSettings, default_out, parse_rounds, run_attack
 
     train_rounds = opts["rounds"] if ctx.get_parameter_source("rounds") == click.core.ParameterSource.COMMANDLINE else None
+    threat = pop_threat_model(opts)
     config = config_from_options(ctx, **opts)
     settings = AttackSettings(attack=attack, rounds=tuple(parse_rounds(attack_rounds)), targets=targets,
                               iterations=iterations, restarts=restarts, images=images, victim_batch=victim_batch,
-                              victim_steps=victim_steps, seed=attack_seed, hyperparameters_known=hyperparameters_known,
-                              head_known=head_known, augmentations=augmentations, mode=mode, start=start,
-                              aux_data=aux_data, batched=batched, train_rounds=train_rounds)
+                              victim_steps=victim_steps, seed=attack_seed, train_rounds=train_rounds, **threat)
     out = out or default_out(attack, config.method)
     summary = run_attack(config, settings, out=out)
     click.echo(attack_headline(summary, out))

@@ -73,14 +73,15 @@ class ReportSettings:
     rounds: tuple[int, ...] = (0,)
     targets: int = DEFAULT_TARGETS
     iterations: dict[str, int] = field(default_factory=dict)  # per attack; missing → the attack's default
-    restarts: int = 1
+    restarts: int | None = None  # None: each attack's declared restarts
     images: int = 1  # images rebuilt per target when the victim trains normally (proto, labels)
 
     def for_attack(self, attack: str) -> AttackSettings:
         spec = attacks.get(attack)
         return AttackSettings(attack=attack, rounds=tuple(int(r) for r in self.rounds), targets=int(self.targets),
                               iterations=int(self.iterations.get(attack, spec.default_iterations)),
-                              restarts=int(self.restarts), images=int(self.images),
+                              restarts=spec.default_restarts if self.restarts is None else int(self.restarts),
+                              images=int(self.images),
                               victim_batch=spec.default_victim_batch, victim_steps=1)
 
 
@@ -427,7 +428,7 @@ def validate(base: RunConfig, methods: list[str], attack_names: list[str], setti
         raise UserError(f"no reported method takes hyperparameter {', '.join(unused)}")
     if settings.targets < 1:
         raise UserError(f"--targets must be at least 1, got {settings.targets}")
-    if settings.restarts < 1 or settings.images < 1:
+    if (settings.restarts is not None and settings.restarts < 1) or settings.images < 1:
         raise UserError("--restarts and --images must be at least 1")
     settings.rounds = tuple(parse_rounds(settings.rounds))
     if out.exists() and not out.is_dir():
