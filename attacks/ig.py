@@ -203,8 +203,9 @@ class _StackedIG:
             if self.n > 1:
                 trace["batched_with"] = self.n
             best = self.best[i]
-            results.append(AttackResult(images=best["images"][:self.originals].clamp(0, 1),
-                                        labels=best["labels"].to(torch.int64), trace=trace, notes=self.notes[i],
+            rebuilt = setup.matcher.reconstructions(best["images"])
+            results.append(AttackResult(images=rebuilt.clamp(0, 1), labels=best["labels"].to(torch.int64)[:len(rebuilt)],
+                                        trace=trace, notes=self.notes[i],
                                         variables={"images": best["images"], "labels": best["probs"],
                                                    "copy_parameters": best["copy_parameters"]}))
         return results

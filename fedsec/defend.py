@@ -131,7 +131,7 @@ def value_slug(value) -> str:
 
 def make_filter(defense: str, value, config: RunConfig):
     if defense == "noise":
-        return GaussianNoise(sigma=config.lr * math.sqrt(float(value)))
+        return GaussianNoise(sigma=config.federation.train.lr * math.sqrt(float(value)))
     if defense == "clip":
         return NormClip(float(value))
     if defense == "prune":

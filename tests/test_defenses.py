@@ -350,6 +350,9 @@ def test_defend_sweep_writes_outputs_and_resumes(tmp_path):
     from fedsec.runner import RunConfig
 
     config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=1)
+    noisy = defend(config, DefendSettings(defense="noise", values="0.01", attacks="dlg", iterations=2, targets=1,
+                                          baseline=False), tmp_path / "noise", progress=False)
+    assert list(noisy["value"]) == [0.01] and noisy["mean_psnr_dlg"].notna().all()
     out = tmp_path / "sweep"
     settings = DefendSettings(defense="prune", values="30", attacks="dlg", iterations=2, targets=1)
     frame = defend(config, settings, out, progress=False)
