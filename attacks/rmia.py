@@ -1,0 +1,90 @@
+"""Offline RMIA (Zarifzadeh, Liu & Shokri, "Low-cost high-power membership inference attacks",
+ICML 2024).
+
+Registry entry ``rmia``: inputs → one score per record, higher = more likely a member.
+
+* Inputs: the target model's probability of the true label p(x|θ) for every record x and for
+  population records z (known non-members); the same probabilities under reference models that
+  did *not* train on the record ("OUT" references, ``(n, k)``); optional groups (e.g. client ids,
+  so that x is compared only with z of its own client's label mix) and record ids (a record that
+  is also a population record is never compared with itself).
+* Probabilities: softmax of logits / ``temperature`` at the true label (``probability``).
+* Offline p(x): with only OUT references, p(x) ≈ ½((1 + a)·mean_OUT p(x|θ') + (1 − a)) — the
+  paper's linear approximation of the IN mean from the OUT mean (p_IN ≈ a·p_OUT + 1 − a).
+* Score(x) = fraction of population z with [p(x|θ)/p(x)] / [p(z|θ)/p(z)] > γ.
+* Defaults: γ = 2 and temperature 2 (the paper's attack configs,
+  privacytrustlab/ml_privacy_meter ``research/2023_rmia/attack_configs``); a = 0.3 when not
+  tuned. ``tune_offline_a`` picks a from {0, 0.1, …, 1} by the AUC of attacking one model of a
+  reference pair with the other reference models, as the reference code's ``tune_offline_a``
+  (``modules/mia/attacks/rmia.py``) does. (The current ML Privacy Meter compares the ratio with
+  γ = 1; ``gamma`` is a parameter.)
+
+Pure functions over numpy arrays; no training.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .statistics import auc
+
+DEFAULT_GAMMA = 2.0
+DEFAULT_TEMPERATURE = 2.0
+DEFAULT_OFFLINE_A = 0.3
+A_GRID = tuple(round(0.1 * i, 1) for i in range(11))
+
+
+def probability(logits, labels, temperature: float = DEFAULT_TEMPERATURE) -> np.ndarray:
+    """softmax(logits / temperature) at the true label, per record (float64). ``logits`` may carry
+    leading model axes: shape (..., n, C) with labels (n,) gives (..., n)."""
+    z = torch.as_tensor(np.asarray(logits), dtype=torch.float64) / float(temperature)
+    y = torch.as_tensor(np.asarray(labels), dtype=torch.int64)
+    p = torch.softmax(z, dim=-1)
+    index = y.expand(p.shape[:-1]).unsqueeze(-1)
+    return p.gather(-1, index).squeeze(-1).numpy()
+
+
+def offline_p(p_out, a: float) -> np.ndarray:
+    """p(x) from OUT reference probabilities ``(n, k)``: ½((1 + a)·mean_OUT + (1 − a))."""
+    mean_out = np.asarray(p_out, np.float64).reshape(len(p_out), -1).mean(axis=1)
+    return 0.5 * ((1 + a) * mean_out + (1 - a))
+
+
+def rmia_scores(p_x, p_out_x, p_z, p_out_z, gamma: float = DEFAULT_GAMMA, a: float = DEFAULT_OFFLINE_A,
+                x_group=None, z_group=None, x_ids=None, z_ids=None) -> np.ndarray:
+    """Offline RMIA score per record: the fraction of same-group population records z with
+    LR(x, z) = [p(x|θ)/p(x)] / [p(z|θ)/p(z)] > γ. A record with no other z in its group gets NaN."""
+    ratio_x = np.asarray(p_x, np.float64).ravel() / offline_p(p_out_x, a)
+    ratio_z = np.asarray(p_z, np.float64).ravel() / offline_p(p_out_z, a)
+    gx = np.zeros(len(ratio_x), np.int64) if x_group is None else np.asarray(x_group).ravel()
+    gz = np.zeros(len(ratio_z), np.int64) if z_group is None else np.asarray(z_group).ravel()
+    out = np.full(len(ratio_x), np.nan)
+    for g in np.unique(gx):
+        rows = np.flatnonzero(gx == g)
+        pop = np.sort(ratio_z[gz == g])
+        # ratio_x / ratio_z > γ  ⇔  ratio_z < ratio_x / γ (all ratios are positive)
+        count = np.searchsorted(pop, ratio_x[rows] / gamma, side="left").astype(np.float64)
+        total = np.full(len(rows), float(len(pop)))
+        if x_ids is not None and z_ids is not None:
+            self_in = np.isin(np.asarray(x_ids)[rows], np.asarray(z_ids)[gz == g])
+            total = total - self_in
+            if gamma < 1:  # a record's ratio against itself is 1, counted only when 1 > γ
+                count = count - self_in
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[rows] = np.where(total > 0, count / np.maximum(total, 1), np.nan)
+    return out
+
+
+def tune_offline_a(p_x, p_out_x, p_z, p_out_z, members, gamma: float = DEFAULT_GAMMA, x_group=None, z_group=None,
+                   x_ids=None, z_ids=None, grid=A_GRID) -> tuple[float, dict[float, float]]:
+    """The a in ``grid`` whose RMIA scores on a known-membership model (one model of a reference
+    pair, attacked with the other reference models) give the highest AUC; ties keep the smaller
+    a. Returns (a, {a: AUC})."""
+    members = np.asarray(members).astype(bool).ravel()
+    aucs: dict[float, float] = {}
+    for a in grid:
+        scores = rmia_scores(p_x, p_out_x, p_z, p_out_z, gamma, a, x_group, z_group, x_ids, z_ids)
+        ok = np.isfinite(scores)
+        aucs[float(a)] = auc(scores[ok], members[ok]) if ok.any() else float("nan")
+    best = max(aucs, key=lambda k: (np.nan_to_num(aucs[k], nan=-1.0), -k))
+    return best, aucs
