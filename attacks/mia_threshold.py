@@ -9,9 +9,11 @@ Registry entries (name: inputs → one score per record, higher = more likely a 
 * ``population`` ("Attack-P", Ye et al., CCS 2022): the target model's loss on each record and on
   population records known not to be members, grouped (e.g. by client, so each record is compared
   with population records of its own client's label mix) → the fraction of same-group population
-  records whose loss is higher than the record's (ties count ½), a record never compared with
-  itself. A threshold at population quantile α is exactly "score ≥ 1 − α", so the score is
-  Attack-P's test for every α at once. No parameters.
+  records whose loss is higher than the record's (ties count ½). A threshold at population
+  quantile α is exactly "score ≥ 1 − α", so the score is Attack-P's test for every α at once. No
+  parameters. A record that is itself a population record is compared with itself like any other
+  (a tie): every score of a group then has the same denominator, which keeps the ranking of
+  records exact (leaving x out would give it a denominator one smaller).
 
 Pure functions over numpy arrays or tensors; no training.
 """
@@ -60,24 +62,19 @@ def entropy_scores(logits, labels) -> np.ndarray:
     return -modified_entropy(logits, labels)
 
 
-def population_scores(loss_x, loss_z, x_group=None, z_group=None, x_ids=None, z_ids=None) -> np.ndarray:
+def population_scores(loss_x, loss_z, x_group=None, z_group=None) -> np.ndarray:
     """Attack-P: for each record x, the fraction of population records z of the same group with
-    loss(z) > loss(x) (ties ½). With ids, a record that is itself in the population is left out
-    of its own comparison. A record whose group has no other population record gets NaN."""
+    loss(z) > loss(x), ties counting ½. A record whose group has no population record gets NaN."""
     lx, lz = np.asarray(loss_x, np.float64).ravel(), np.asarray(loss_z, np.float64).ravel()
     gx = np.zeros(len(lx), np.int64) if x_group is None else np.asarray(x_group).ravel()
     gz = np.zeros(len(lz), np.int64) if z_group is None else np.asarray(z_group).ravel()
     out = np.full(len(lx), np.nan)
     for g in np.unique(gx):
         rows = np.flatnonzero(gx == g)
-        pop = lz[gz == g]
-        sorted_pop = np.sort(pop)
-        above = len(pop) - np.searchsorted(sorted_pop, lx[rows], side="right")
-        ties = np.searchsorted(sorted_pop, lx[rows], side="right") - np.searchsorted(sorted_pop, lx[rows], side="left")
-        count, total = above + 0.5 * ties, np.full(len(rows), float(len(pop)))
-        if x_ids is not None and z_ids is not None:
-            self_in = np.isin(np.asarray(x_ids)[rows], np.asarray(z_ids)[gz == g])
-            count, total = count - 0.5 * self_in, total - self_in  # a record ties with itself
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out[rows] = np.where(total > 0, count / np.maximum(total, 1), np.nan)
+        pop = np.sort(lz[gz == g])
+        if len(pop) == 0:
+            continue
+        right = np.searchsorted(pop, lx[rows], side="right")
+        left = np.searchsorted(pop, lx[rows], side="left")
+        out[rows] = ((len(pop) - right) + 0.5 * (right - left)) / len(pop)
     return out

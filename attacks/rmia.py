@@ -6,8 +6,12 @@ Registry entry ``rmia``: inputs → one score per record, higher = more likely a
 * Inputs: the target model's probability of the true label p(x|θ) for every record x and for
   population records z (known non-members); the same probabilities under reference models that
   did *not* train on the record ("OUT" references, ``(n, k)``); optional groups (e.g. client ids,
-  so that x is compared only with z of its own client's label mix) and record ids (a record that
-  is also a population record is never compared with itself).
+  so that x is compared only with z of its own client's label mix). A record that is also a
+  population record is compared with itself like any z (LR = 1, counted only when γ < 1), as the
+  reference code does: every score of a group then has the same denominator. Leaving x out gives
+  non-members a denominator one smaller, and since the counts are small integers shared by many
+  records (the few z a typical record beats), members and non-members with the same count then get
+  systematically different scores (per-client AUC 0.29 on a model with no membership signal).
 * Probabilities: softmax of logits / ``temperature`` at the true label (``probability``).
 * Offline p(x): with only OUT references, p(x) ≈ ½((1 + a)·mean_OUT p(x|θ') + (1 − a)) — the
   paper's linear approximation of the IN mean from the OUT mean (p_IN ≈ a·p_OUT + 1 − a).
@@ -51,9 +55,9 @@ def offline_p(p_out, a: float) -> np.ndarray:
 
 
 def rmia_scores(p_x, p_out_x, p_z, p_out_z, gamma: float = DEFAULT_GAMMA, a: float = DEFAULT_OFFLINE_A,
-                x_group=None, z_group=None, x_ids=None, z_ids=None) -> np.ndarray:
+                x_group=None, z_group=None) -> np.ndarray:
     """Offline RMIA score per record: the fraction of same-group population records z with
-    LR(x, z) = [p(x|θ)/p(x)] / [p(z|θ)/p(z)] > γ. A record with no other z in its group gets NaN."""
+    LR(x, z) = [p(x|θ)/p(x)] / [p(z|θ)/p(z)] > γ. A record whose group has no z gets NaN."""
     ratio_x = np.asarray(p_x, np.float64).ravel() / offline_p(p_out_x, a)
     ratio_z = np.asarray(p_z, np.float64).ravel() / offline_p(p_out_z, a)
     gx = np.zeros(len(ratio_x), np.int64) if x_group is None else np.asarray(x_group).ravel()
@@ -62,28 +66,22 @@ def rmia_scores(p_x, p_out_x, p_z, p_out_z, gamma: float = DEFAULT_GAMMA, a: flo
     for g in np.unique(gx):
         rows = np.flatnonzero(gx == g)
         pop = np.sort(ratio_z[gz == g])
+        if len(pop) == 0:
+            continue
         # ratio_x / ratio_z > γ  ⇔  ratio_z < ratio_x / γ (all ratios are positive)
-        count = np.searchsorted(pop, ratio_x[rows] / gamma, side="left").astype(np.float64)
-        total = np.full(len(rows), float(len(pop)))
-        if x_ids is not None and z_ids is not None:
-            self_in = np.isin(np.asarray(x_ids)[rows], np.asarray(z_ids)[gz == g])
-            total = total - self_in
-            if gamma < 1:  # a record's ratio against itself is 1, counted only when 1 > γ
-                count = count - self_in
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out[rows] = np.where(total > 0, count / np.maximum(total, 1), np.nan)
+        out[rows] = np.searchsorted(pop, ratio_x[rows] / gamma, side="left") / len(pop)
     return out
 
 
 def tune_offline_a(p_x, p_out_x, p_z, p_out_z, members, gamma: float = DEFAULT_GAMMA, x_group=None, z_group=None,
-                   x_ids=None, z_ids=None, grid=A_GRID) -> tuple[float, dict[float, float]]:
+                   grid=A_GRID) -> tuple[float, dict[float, float]]:
     """The a in ``grid`` whose RMIA scores on a known-membership model (one model of a reference
     pair, attacked with the other reference models) give the highest AUC; ties keep the smaller
     a. Returns (a, {a: AUC})."""
     members = np.asarray(members).astype(bool).ravel()
     aucs: dict[float, float] = {}
     for a in grid:
-        scores = rmia_scores(p_x, p_out_x, p_z, p_out_z, gamma, a, x_group, z_group, x_ids, z_ids)
+        scores = rmia_scores(p_x, p_out_x, p_z, p_out_z, gamma, a, x_group, z_group)
         ok = np.isfinite(scores)
         aucs[float(a)] = auc(scores[ok], members[ok]) if ok.any() else float("nan")
     best = max(aucs, key=lambda k: (np.nan_to_num(aucs[k], nan=-1.0), -k))

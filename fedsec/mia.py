@@ -239,9 +239,8 @@ def tune_a(ref_p: np.ndarray, ref_in: np.ndarray, owner: np.ndarray, gamma: floa
     others = list(range(2, runs))
     members = ref_in[:, 0]
     p_out = _pick(ref_p[others].T, ~ref_in[:, others])
-    ids = np.arange(len(members))
     z = ~members
-    a, aucs = tune_offline_a(ref_p[0], p_out, ref_p[0][z], p_out[z], members, gamma, owner, owner[z], ids, ids[z])
+    a, aucs = tune_offline_a(ref_p[0], p_out, ref_p[0][z], p_out[z], members, gamma, owner, owner[z])
     return {"a": a, "tuned": True, "auc_by_a": aucs, "pseudo_target": "ref-0", "references": [f"ref-{r}" for r in others]}
 
 
@@ -251,7 +250,7 @@ def score_kind(target: np.ndarray, refs: np.ndarray, records: AuditRecords, ref_
     result = KindScores()
     valid = np.isfinite(target).all(axis=1) & np.isfinite(refs).all(axis=(0, 2))
     t, y = target[valid], records.labels[valid]
-    owner, member, ids = records.owner[valid], records.member[valid], np.flatnonzero(valid)
+    owner, member = records.owner[valid], records.member[valid]
     z = ~member  # the population: the target's held-out records, grouped by client
     inside = ref_in[valid]
     raw: dict[str, np.ndarray] = {}
@@ -261,14 +260,13 @@ def score_kind(target: np.ndarray, refs: np.ndarray, records: AuditRecords, ref_
         raw["entropy"] = entropy_scores(t, y)
     if "population" in settings.attacks:
         loss = cross_entropy(t, y)
-        raw["population"] = population_scores(loss, loss[z], owner, owner[z], ids, ids[z])
+        raw["population"] = population_scores(loss, loss[z], owner, owner[z])
     if "rmia" in settings.attacks:
         p_t = probability(t, y, settings.temperature)
         p_refs = probability(refs[:, valid], y, settings.temperature)
         result.offline_a = _offline_a(p_refs, inside, owner, settings)
         p_out = _pick(p_refs.T, ~inside)
-        raw["rmia"] = rmia_scores(p_t, p_out, p_t[z], p_out[z], settings.gamma, result.offline_a["a"],
-                                  owner, owner[z], ids, ids[z])
+        raw["rmia"] = rmia_scores(p_t, p_out, p_t[z], p_out[z], settings.gamma, result.offline_a["a"], owner, owner[z])
     if "lira" in settings.attacks:
         phi_t, phi_refs = scaled_logit(t, y), scaled_logit(refs[:, valid], y).T
         raw["lira"] = lira_online(phi_t, _pick(phi_refs, inside), _pick(phi_refs, ~inside))
@@ -391,11 +389,10 @@ def per_client_auc_summary(scores: np.ndarray, member: np.ndarray, clients: np.n
 
 
 def estimate_seconds(prep: Prepared, specs: list[RunSpec], dp: DPConfig | None) -> float:
-    """Rough wall time of training every run, in this process, from one timed client update
-    (seconds per training record of client 0, round 0) times the records every run trains on per
-    round, plus 15 % for evaluation and signal collection."""
-    from fedecouple.backends import SequentialBackend
-    from fedecouple.channel import Download
+    """Rough wall time of training every run in one process: one timed round of the target
+    federation (every client's update and the evaluation), scaled by rounds and by the records each
+    run trains on. Signal collection after training (forward passes; a linear probe per client for
+    methods whose server or uploads hold no classifier) comes on top."""
     from fedecouple.engine import Federation
 
     from .runner import build_method
@@ -404,12 +401,10 @@ def estimate_seconds(prep: Prepared, specs: list[RunSpec], dp: DPConfig | None) 
     if dp is not None:
         method = DPMethod(method, dp)
     fed = Federation(method, prep.dataset, prep.partition, prep.config.federation_config())
-    job = fed.client_job(0, 0, Download(0, 0, method.download(fed.server, 0, 0)))
     start = time.perf_counter()
-    SequentialBackend().run_updates(method, prep.dataset, fed.model_spec, fed.model, [job])
-    per_record = (time.perf_counter() - start) / max(len(job.indices), 1)
-    records = sum(int(s.trained.sum()) for s in specs)
-    return 1.15 * per_record * records * prep.config.rounds
+    fed.run_round()
+    per_record = (time.perf_counter() - start) / max(sum(len(t) for t in prep.partition.train), 1)
+    return per_record * sum(int(s.trained.sum()) for s in specs) * prep.config.rounds
 
 
 def train_runs(specs: list[RunSpec], prep: Prepared, threads: int, progress: bool) -> list[dict]:
@@ -454,7 +449,8 @@ def run_mia(config: RunConfig, settings: MiaSettings, out: str | Path, progress:
     if done < len(specs):
         estimate = estimate_seconds(prep, [s for s in specs if done_record(s) is None], dp)
         echo(f"{len(specs) - done} of {len(specs)} federation(s) to train ({config.method}, {config.rounds} rounds, "
-             f"{config.clients} clients); estimated {estimate / 60:.1f} min of training in one process"
+             f"{config.clients} clients); estimated {estimate / 60:.1f} min of training in one process, "
+             f"plus signal collection"
              + (f" (spread over the Ray cluster)" if config.backend == "ray" else ""))
     runs = train_runs(specs, prep, config.threads, progress)
     signals = [load_signals(s) for s in specs]

@@ -77,7 +77,7 @@ def test_modified_entropy_matches_its_formula_and_ranks_confident_correct_lowest
     assert scores[0] > scores[2] > scores[1]  # confident and right > unsure > confident and wrong
 
 
-def test_population_attack_compares_each_record_only_with_its_own_group_and_never_with_itself():
+def test_population_attack_compares_each_record_only_with_its_own_group_and_keeps_ranks_exact():
     loss_x = np.array([0.1, 2.0, 0.1])
     loss_z = np.array([0.5, 1.0, 3.0, 0.05])
     group_z = np.array([0, 0, 0, 1])
@@ -85,8 +85,13 @@ def test_population_attack_compares_each_record_only_with_its_own_group_and_neve
     assert np.allclose(scores, [1.0, 1 / 3, 0.0])
     shifted = population_scores(loss_x, np.r_[loss_z[:3], 9.0], [0, 0, 1], group_z)
     assert np.allclose(shifted[:2], scores[:2])  # another group's population changes nothing here
-    self_excluded = population_scores([1.0, 2.0], [1.0, 2.0], x_ids=[7, 8], z_ids=[7, 8])
-    assert np.allclose(self_excluded, [1.0, 0.0])
+    # a population record scored against its own population ties with itself: one denominator for
+    # every record, so a member and a non-member are ordered exactly as their losses are
+    rng = np.random.default_rng(0)
+    loss_members, loss_nonmembers = rng.exponential(size=50), rng.exponential(size=20)
+    both = np.r_[loss_members, loss_nonmembers]
+    scores = population_scores(both, loss_nonmembers)
+    assert st.auc(scores, np.r_[np.ones(50), np.zeros(20)]) == pytest.approx(st.auc(-both, np.r_[np.ones(50), np.zeros(20)]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,14 +151,28 @@ def test_rmia_calibrates_per_record_difficulty_where_loss_cannot():
     assert st.tpr_at_fpr(rmia, member, 0.01) > st.tpr_at_fpr(loss, member, 0.01) + 0.2
 
 
+def test_rmia_without_membership_signal_scores_chance_when_the_population_is_the_nonmembers():
+    """Members and non-members exchangeable; each client's non-members are its population. A score
+    whose denominator differed between members and non-members ranked them apart (AUC ≈ 0.3)."""
+    rng = np.random.default_rng(0)
+    owner = np.repeat(np.arange(20), 250)
+    member = np.tile(np.r_[np.ones(188, bool), np.zeros(62, bool)], 20)
+    p_out = rng.uniform(0.5, 0.9, (5000, 2))
+    p_target = np.clip(p_out.mean(1) * np.exp(rng.normal(0, 0.05, 5000)), 0, 1)
+    p_target[rng.random(5000) < 0.05] = 0.01  # a few misclassified records: the z most records beat
+    z = ~member
+    scores = rmia_scores(p_target, p_out, p_target[z], p_out[z], 2.0, 0.3, owner, owner[z])
+    assert 0.45 <= st.auc(scores, member) <= 0.55
+    per_client = [st.auc(scores[owner == c], member[owner == c]) for c in range(20)]
+    assert 0.4 <= np.median(per_client) <= 0.6
+
+
 def test_rmia_a_is_tuned_on_a_reference_pair_and_lira_separates_members(shadow_models):
     s = shadow_models
     p_x = probability(s["x"], s["y_x"])
     members0 = s["ref_in"][:, 0]  # pseudo-target: reference run 0, attacked with the other pair
     p_out = p_x[3:].T[~s["ref_in"][:, 2:]].reshape(-1, 1)
-    ids = np.arange(len(members0))
-    a, aucs = tune_offline_a(p_x[1], p_out, p_x[1][~members0], p_out[~members0], members0, x_ids=ids,
-                             z_ids=ids[~members0])
+    a, aucs = tune_offline_a(p_x[1], p_out, p_x[1][~members0], p_out[~members0], members0)
     assert a in aucs and len(aucs) == 11 and aucs[a] == max(aucs.values())
 
     phi = scaled_logit(s["x"], s["y_x"])
