@@ -241,7 +241,8 @@ def tune_a(ref_p: np.ndarray, ref_in: np.ndarray, owner: np.ndarray, gamma: floa
     p_out = _pick(ref_p[others].T, ~ref_in[:, others])
     z = ~members
     a, aucs = tune_offline_a(ref_p[0], p_out, ref_p[0][z], p_out[z], members, gamma, owner, owner[z])
-    return {"a": a, "tuned": True, "auc_by_a": aucs, "pseudo_target": "ref-0", "references": [f"ref-{r}" for r in others]}
+    return {"a": a, "tuned": True, "auc_by_a": aucs, "pseudo_target": "ref-0",
+            "references": [f"ref-{r}" for r in others]}
 
 
 def score_kind(target: np.ndarray, refs: np.ndarray, records: AuditRecords, ref_in: np.ndarray,
@@ -266,7 +267,8 @@ def score_kind(target: np.ndarray, refs: np.ndarray, records: AuditRecords, ref_
         p_refs = probability(refs[:, valid], y, settings.temperature)
         result.offline_a = _offline_a(p_refs, inside, owner, settings)
         p_out = _pick(p_refs.T, ~inside)
-        raw["rmia"] = rmia_scores(p_t, p_out, p_t[z], p_out[z], settings.gamma, result.offline_a["a"], owner, owner[z])
+        raw["rmia"] = rmia_scores(p_t, p_out, p_t[z], p_out[z], settings.gamma, result.offline_a["a"],
+                                  owner, owner[z])
     if "lira" in settings.attacks:
         phi_t, phi_refs = scaled_logit(t, y), scaled_logit(refs[:, valid], y).T
         raw["lira"] = lira_online(phi_t, _pick(phi_refs, inside), _pick(phi_refs, ~inside))
@@ -569,7 +571,8 @@ def write_outputs(out: Path, prep: Prepared, records: AuditRecords, scored: dict
         io.write_csv(out / "exposed.csv", exposed)
         images = prep.dataset.images[torch.from_numpy(exposed["record"].to_numpy().copy())].numpy()
         captions = [f"#{r.record} c{r.client} y={r.label}" for r in exposed.itertuples()]
-        _write_bytes(out / "exposed.png", render.exposed_png(images, captions, f"{kind} model, {attack}: most exposed members"))
+        title = f"{kind} model, {attack}: most exposed members"
+        _write_bytes(out / "exposed.png", render.exposed_png(images, captions, title))
     if curves:
         _write_bytes(out / "roc.png", render.roc_png(curves, title=f"{summary['method']}: membership inference ROC"))
         _write_bytes(out / "histograms.png", render.histograms_png(histograms))

@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+TARGETS = ("personal", "global", "upload")
 COLUMNS = ("method", "target", "attack", "AUC [95% CI]", "TPR@1%FPR [95% CI]", "TPR@0.1%FPR", "advantage",
            "per-client AUC (median, IQR)", "members / non-members", "empirical ε ≥ (δ)", "accounted ε")
 
@@ -107,6 +108,49 @@ def html_table(rows: Sequence[Mapping], columns: Sequence[str] = COLUMNS) -> str
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(r.get(c, '') or ''))}</td>" for c in columns) + "</tr>"
                    for r in rows)
     return f'<table class="mia"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def metric_cell(summary: Mapping, target: str, attack: str, key: str) -> str:
+    """``key`` (``auc``, ``tpr_at_1pct_fpr``, ...) of one target and attack with its interval; "—"
+    where the model or attack does not exist."""
+    info = (summary.get("targets") or {}).get(target) or {}
+    if not info.get("available", False):
+        return "—"
+    m = (info.get("attacks") or {}).get(attack) or {}
+    if "auc" not in m:
+        return "—"
+    return _with_ci(m.get(key), m.get(key + "_ci"))
+
+
+METHOD_COLUMNS = ("method", "accuracy", "personal AUC", "personal TPR@1%FPR", "global AUC", "global TPR@1%FPR",
+                  "upload AUC", "upload TPR@1%FPR", "update test AUC", "update test TPR@1%FPR",
+                  "empirical ε ≥ (personal)", "accounted ε")
+
+
+def method_rows(summaries: Sequence[Mapping], attack: str = "lira") -> list[dict]:
+    """One row per ``fedsec mia`` summary: AUC and TPR at 1 % FPR [95 % client-bootstrap interval]
+    of ``attack`` on the personal, global and uploaded models, of the server's update test, and
+    (with DP) the empirical ε lower bound of ``attack`` on the personal models next to the
+    accountant's ε. "—": the method has no such model (or the attack does not apply)."""
+    rows = []
+    for summary in summaries:
+        dp = summary.get("dp") or {}
+        name = str(summary.get("method", ""))
+        if dp:
+            name += f" (DP-SGD σ={dp.get('noise_multiplier')})"
+        personal = ((summary.get("targets") or {}).get("personal") or {}).get("attacks", {}).get(attack, {})
+        eps = (personal.get("empirical_epsilon") or {}).get("epsilon_lower_bound")
+        accounted = _num(dp.get("epsilon_accounted_max"))
+        rows.append({
+            "method": name, "accuracy": _with_ci(summary.get("target_accuracy"), None, 4),
+            **{f"{t} AUC": metric_cell(summary, t, attack, "auc") for t in TARGETS},
+            **{f"{t} TPR@1%FPR": metric_cell(summary, t, attack, "tpr_at_1pct_fpr") for t in TARGETS},
+            "update test AUC": metric_cell(summary, "upload", "update", "auc"),
+            "update test TPR@1%FPR": metric_cell(summary, "upload", "update", "tpr_at_1pct_fpr"),
+            "empirical ε ≥ (personal)": f"{eps:.3f}" if _num(eps) is not None else "—",
+            "accounted ε": f"{accounted:.3g}" if accounted is not None else "—",
+        })
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------

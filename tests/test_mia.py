@@ -91,7 +91,8 @@ def test_population_attack_compares_each_record_only_with_its_own_group_and_keep
     loss_members, loss_nonmembers = rng.exponential(size=50), rng.exponential(size=20)
     both = np.r_[loss_members, loss_nonmembers]
     scores = population_scores(both, loss_nonmembers)
-    assert st.auc(scores, np.r_[np.ones(50), np.zeros(20)]) == pytest.approx(st.auc(-both, np.r_[np.ones(50), np.zeros(20)]))
+    member = np.r_[np.ones(50), np.zeros(20)]
+    assert st.auc(scores, member) == pytest.approx(st.auc(-both, member))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,3 +380,25 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, args
 def test_parse_attacks_keeps_order_and_drops_duplicates():
     assert parse_attacks("rmia, loss,rmia") == ("rmia", "loss")
     MiaSettings().validate()
+
+
+def test_rendering_escapes_every_string_and_shows_refusals_and_missing_models():
+    from reports.mia import html_table, markdown_table, method_rows, summary_rows
+
+    summary = {"method": "<b>fedx</b>", "target_accuracy": 0.9, "dp": {"noise_multiplier": 1.0,
+                                                                       "epsilon_accounted_max": 7.5},
+               "targets": {
+                   "personal": {"available": True, "attacks": {"lira": {
+                       "auc": 0.61, "auc_ci": [0.58, 0.64], "tpr_at_1pct_fpr": 0.05, "tpr_at_1pct_fpr_ci": [0.03, 0.07],
+                       "tpr_at_0_1pct_fpr": "not reported: TPR at 0.1% FPR needs at least 10000 non-members; x",
+                       "n_members": 10, "n_nonmembers": 5, "empirical_epsilon": {"epsilon_lower_bound": 0.2,
+                                                                                  "delta": 1e-5}}}},
+                   "global": {"available": False, "note": "the server holds <no> model weights"}}}
+    rows = summary_rows(summary)
+    assert rows[0]["AUC [95% CI]"] == "0.610 [0.580, 0.640]" and rows[0]["TPR@0.1%FPR"].startswith("not reported")
+    page = html_table(rows)
+    assert "<b>fedx" not in page and "&lt;b&gt;fedx&lt;/b&gt;" in page and "&lt;no&gt;" in page
+    row = method_rows([summary])[0]
+    assert row["personal TPR@1%FPR"] == "0.050 [0.030, 0.070]" and row["global AUC"] == "—"
+    assert row["empirical ε ≥ (personal)"] == "0.200" and row["accounted ε"] == "7.5"
+    assert markdown_table(rows).count("\n") == len(rows) + 1
