@@ -7,8 +7,9 @@ Records and membership. Every record of every client is audited: the client's tr
 *each class the client holds* (``split_train_test``), so a client's non-members follow its own
 label mix: a member is never compared with another client's images (under label skew that would
 measure distribution shift, not membership). The held-out records double as the population data
-of ``population`` and ``rmia`` (each record is left out of its own comparison; a client's records
-are compared with its own client's population only).
+of ``population`` and ``rmia``: a client's records are compared with its own client's held-out
+records only (a held-out record also with itself, like any population record, so that every score
+of a client has the same denominator).
 
 Target run: the federation the user asked for (``config``), on the usual partition and seed.
 Reference runs (``--reference-runs R``, even): shadow federations trained the way the target was —
@@ -47,7 +48,7 @@ import pandas as pd
 import torch
 
 from attacks import statistics as st
-from attacks.lira import lira_offline, lira_online, scaled_logit
+from attacks.lira import lira_online, scaled_logit
 from attacks.mia_threshold import cross_entropy, entropy_scores, loss_scores, population_scores
 from attacks.mia_update import loss_decrease, update_scores
 from attacks.rmia import DEFAULT_GAMMA, DEFAULT_OFFLINE_A, DEFAULT_TEMPERATURE, probability, rmia_scores, tune_offline_a
