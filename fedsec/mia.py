@@ -34,6 +34,8 @@ Statistics (``attacks.statistics``), per target and attack, pooled over clients:
 TPR at 1 % and 0.1 % FPR (refused with a sentence below 10/α non-members), each with a 95 %
 bootstrap interval that resamples clients; TPR at the fixed 1 %-FPR threshold with a
 Clopper–Pearson interval; the per-client AUC distribution; the empirical ε lower bound at δ.
+Per target, the chance level of the split: the LOSS AUC the same members and non-members get from
+models that trained on neither (``chance_level``).
 """
 from __future__ import annotations
 
@@ -230,6 +232,7 @@ class KindScores:
     not_applicable: dict[str, str] = field(default_factory=dict)
     offline_a: dict = field(default_factory=dict)
     note: str | None = None  # how the target model was assembled, when that needs saying
+    chance: dict = field(default_factory=dict)  # the split's LOSS AUC under models trained on neither
 
 
 def tune_a(ref_p: np.ndarray, ref_in: np.ndarray, owner: np.ndarray, gamma: float) -> dict:
@@ -290,6 +293,17 @@ def _offline_a(p_refs: np.ndarray, inside: np.ndarray, owner: np.ndarray, settin
     return tune_a(p_refs, inside, owner, settings.gamma)
 
 
+def chance_level(refs: np.ndarray, records: AuditRecords, ref_in: np.ndarray) -> dict:
+    """The LOSS AUC of the target's member/non-member split under models that trained on neither:
+    each reference run's models on the records that run left out. One random train/held-out split
+    is not exactly balanced in difficulty, so this, not 0.5, is the chance level of the audit."""
+    per_run = []
+    for r in range(refs.shape[0]):
+        out = ~ref_in[:, r] & np.isfinite(refs[r]).all(axis=1)
+        per_run.append(st.auc(loss_scores(refs[r][out], records.labels[out]), records.member[out]))
+    return {"loss_auc_mean": float(np.mean(per_run)), "loss_auc_per_run": per_run}
+
+
 def score_update(signals: dict, records: AuditRecords) -> np.ndarray:
     """The update test's scores (all records) from the target run's last-round loss matrices."""
     clients = signals["update_clients"].numpy()
@@ -311,6 +325,7 @@ def score_all(target: dict, refs: list[dict], records: AuditRecords, ref_in: np.
         stacked = np.stack([r[kind].numpy().astype(np.float64) for r in refs])
         result = score_kind(target[kind].numpy().astype(np.float64), stacked, records, ref_in, settings)
         result.note = notes.get(kind)
+        result.chance = chance_level(stacked, records, ref_in)
         if kind == "upload" and "update" in settings.attacks:
             if "loss_down" in target and len(target["update_clients"]) >= 3:
                 result.scores["update"] = score_update(target, records)
@@ -487,7 +502,7 @@ def build_summary(config: RunConfig, settings: MiaSettings, records: AuditRecord
             else:
                 attacks[name] = {"not_applicable": "the update test scores the uploads (target 'upload') only"}
         targets[kind] = {"available": True, "note": result.note, "offline_a": result.offline_a or None,
-                         "attacks": attacks}
+                         "chance_level": result.chance, "attacks": attacks}
     record = run_record(config)
     summary = {"method": config.method, "dataset": config.dataset, "seed": config.seed, "command": command,
                "config": record["config"], "method_hyperparameters": record["method_hyperparameters"],

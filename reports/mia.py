@@ -122,14 +122,15 @@ def metric_cell(summary: Mapping, target: str, attack: str, key: str) -> str:
     return _with_ci(m.get(key), m.get(key + "_ci"))
 
 
-METHOD_COLUMNS = ("method", "accuracy", "personal AUC", "personal TPR@1%FPR", "global AUC", "global TPR@1%FPR",
-                  "upload AUC", "upload TPR@1%FPR", "update test AUC", "update test TPR@1%FPR",
-                  "empirical ε ≥ (personal)", "accounted ε")
+METHOD_COLUMNS = ("method", "accuracy", "chance (LOSS AUC, untrained-on)", "personal AUC", "personal TPR@1%FPR",
+                  "global AUC", "global TPR@1%FPR", "upload AUC", "upload TPR@1%FPR", "update test AUC",
+                  "update test TPR@1%FPR", "empirical ε ≥ (personal)", "accounted ε")
 
 
 def method_rows(summaries: Sequence[Mapping], attack: str = "lira") -> list[dict]:
-    """One row per ``fedsec mia`` summary: AUC and TPR at 1 % FPR [95 % client-bootstrap interval]
-    of ``attack`` on the personal, global and uploaded models, of the server's update test, and
+    """One row per ``fedsec mia`` summary: the chance level of its split (LOSS AUC of the personal
+    models' reference runs on records they left out), AUC and TPR at 1 % FPR [95 % client-bootstrap
+    interval] of ``attack`` on the personal, global and uploaded models, of the server's update test, and
     (with DP) the empirical ε lower bound of ``attack`` on the personal models next to the
     accountant's ε. "—": the method has no such model (or the attack does not apply)."""
     rows = []
@@ -141,8 +142,10 @@ def method_rows(summaries: Sequence[Mapping], attack: str = "lira") -> list[dict
         personal = ((summary.get("targets") or {}).get("personal") or {}).get("attacks", {}).get(attack, {})
         eps = (personal.get("empirical_epsilon") or {}).get("epsilon_lower_bound")
         accounted = _num(dp.get("epsilon_accounted_max"))
+        chance = (((summary.get("targets") or {}).get("personal") or {}).get("chance_level") or {}).get("loss_auc_mean")
         rows.append({
             "method": name, "accuracy": _with_ci(summary.get("target_accuracy"), None, 4),
+            "chance (LOSS AUC, untrained-on)": _with_ci(chance, None),
             **{f"{t} AUC": metric_cell(summary, t, attack, "auc") for t in TARGETS},
             **{f"{t} TPR@1%FPR": metric_cell(summary, t, attack, "tpr_at_1pct_fpr") for t in TARGETS},
             "update test AUC": metric_cell(summary, "upload", "update", "auc"),

@@ -329,6 +329,7 @@ def test_cli_writes_every_output_and_reuses_finished_runs(tmp_path, capsys):
     assert isinstance(m["tpr_at_0_1pct_fpr"], str) and "10000" in m["tpr_at_0_1pct_fpr"]
     assert summary["versions"]["torch"] and summary["seed"] == 0 and summary["config"]["clients"] == 3
     assert summary["targets"]["personal"]["offline_a"]["tuned"] is False  # 2 reference runs: default a
+    assert 0.3 < summary["targets"]["personal"]["chance_level"]["loss_auc_mean"] < 0.7
     stamp = (out / "runs" / "ref-1" / "done.json").stat().st_mtime_ns
     main(["mia", "--method", "fedavg", *TINY, "--reference-runs", "2", "--out", str(out)])
     assert (out / "runs" / "ref-1" / "done.json").stat().st_mtime_ns == stamp
