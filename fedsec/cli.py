@@ -422,6 +422,76 @@ def defend(ctx, defense, values, attack_list, baseline, max_grad_norm, delta, ac
     click.echo(f"{len(frame)} values → {out}/tradeoff.csv, {out}/tradeoff.md, {out}/tradeoff.png")
 
 
+@cli.command()
+@train_options
+@click.option("--attacks", "attack_list", default="loss,entropy,population,rmia,lira,update", show_default=True,
+              help="Comma-separated attacks: loss, entropy (modified entropy), population (Attack-P), rmia (offline), "
+                   "lira (online, global variance), update (the server's test on each upload; FedMIA-style).")
+@click.option("--reference-runs", type=int, default=4, show_default=True,
+              help="Shadow federations, in complementary pairs (even, >= 2): each client trains on a seeded half of "
+                   "its records in one run of a pair and on the other half in the other.")
+@click.option("--gamma", type=float, default=2.0, show_default=True, help="rmia: likelihood-ratio threshold gamma.")
+@click.option("--temperature", type=float, default=2.0, show_default=True, help="rmia: softmax temperature.")
+@click.option("--offline-a", default="tune", show_default=True,
+              help="rmia: offline a in [0, 1], or 'tune' (on reference pair 0; needs --reference-runs >= 4, "
+                   "else 0.3).")
+@click.option("--dp", "dp_noise", type=float, default=None,
+              help="Train target and reference runs with DP-SGD at this noise multiplier; the summary then shows the "
+                   "accountant's epsilon next to the empirical lower bound.")
+@click.option("--max-grad-norm", type=float, default=1.0, show_default=True, help="--dp: per-sample clipping bound C.")
+@click.option("--delta", type=float, default=1e-5, show_default=True,
+              help="delta of the accounted and of the empirical epsilon.")
+@click.option("--bootstrap", type=int, default=1000, show_default=True, help="Client-bootstrap resamples per interval.")
+@click.option("--exposed", type=int, default=16, show_default=True, help="Most exposed member records to list and show.")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Output folder [runs/mia-<method>]: mia.csv, summary.json, mia.md, per_client_auc.csv, roc.png, "
+                   "histograms.png, exposed.csv, exposed.png, runs/<run>/ (rerun to resume).")
+@click.pass_context
+def mia(ctx, attack_list, reference_runs, gamma, temperature, offline_a, dp_noise, max_grad_norm, delta, bootstrap,
+        exposed, out, **opts):
+    """Membership inference audit: can a model (personal, global, or a client's upload) tell which
+    records a client trained on? Trains the federation and --reference-runs shadow federations.
+
+    Members are each client's training records, non-members its own held-out records (same label
+    mix). Torch runs one thread unless --threads is given.
+
+    Example: fedsec mia --method fedper --clients 20 --rounds 5 --reference-runs 4 --out runs/mia-fedper
+    """
+    import shlex
+
+    from .mia import MiaSettings, parse_attacks, parse_offline_a, run_mia
+
+    settings = MiaSettings(attacks=parse_attacks(attack_list), reference_runs=reference_runs, gamma=gamma,
+                           temperature=temperature, offline_a=parse_offline_a(offline_a), dp_noise=dp_noise,
+                           max_grad_norm=max_grad_norm, delta=delta, bootstrap=bootstrap, exposed=exposed)
+    if offline_a.strip().lower() == "tune" and reference_runs < 4 and \
+            ctx.get_parameter_source("offline_a") == click.core.ParameterSource.COMMANDLINE:
+        raise UserError("--offline-a tune needs --reference-runs >= 4 (a reference pair plus another pair); "
+                        "give a number instead, e.g. --offline-a 0.3")
+    config = config_from_options(ctx, **opts)
+    out = out or f"runs/mia-{config.method}"
+    command = "fedsec " + shlex.join(sys.argv[1:]) if len(sys.argv) > 1 and sys.argv[1] == "mia" else None
+    summary = run_mia(config, settings, out, echo=click.echo, command=command)
+    click.echo(f"{config.method}: target accuracy {summary['target_accuracy']:.4f}; "
+               f"{summary['records']['members']} members / {summary['records']['nonmembers']} non-members "
+               f"over {summary['records']['clients']} clients")
+    for target, info in summary["targets"].items():
+        if not info["available"]:
+            click.echo(f"  {target}: not applicable ({info['note']})")
+            continue
+        parts = []
+        for name, m in info["attacks"].items():
+            if "auc" in m:
+                tpr = m.get("tpr_at_1pct_fpr")
+                tpr_text = f"{tpr:.3f}" if isinstance(tpr, float) else "refused"
+                parts.append(f"{name} AUC {m['auc']:.3f} TPR@1%FPR {tpr_text}")
+        click.echo(f"  {target}: " + "; ".join(parts))
+    if "dp" in summary:
+        click.echo(f"  DP-SGD sigma {summary['dp']['noise_multiplier']}: accounted epsilon "
+                   f"{summary['dp']['epsilon_accounted_max']:.3g} at delta {summary['dp']['delta']:g}")
+    click.echo(f"→ {out}/summary.json, {out}/mia.csv, {out}/mia.md, {out}/roc.png")
+
+
 from .flower.cli import flower  # noqa: E402  (the group imports Flower only when a command runs)
 
 cli.add_command(flower)
