@@ -42,8 +42,8 @@ import torch
 
 import attacks
 from attacks.base import AttackResult, Budget, KnownSchedule, LocalHyperparameters, NotApplicable
-from attacks.metrics import (SUMMARY_KEYS, prediction_accuracy, score_images, score_label_distribution,
-                             summarize_scores)
+from attacks.metrics import (SUMMARY_KEYS, leakage_statistics, prediction_accuracy, score_images,
+                             score_label_distribution, summarize_scores)
 from attacks.observation import MODES, observe
 from attacks.registry import AttackSpec
 from fedecouple.channel import Recorder, ServerChannel
@@ -514,10 +514,11 @@ def _summary(run: RecordedRun, settings: AttackSettings, targets: dict, scored: 
         if spec.scoring == "class-images":
             notes = notes + [f"{spec.name} images are labelled by the prototype's class: label_accuracy does not apply"]
     presence = [s["class_presence_accuracy"] for s in label_scores]
+    statistics = leakage_statistics(rows, seed=settings.seed) if spec.rebuilds_images else {}
     summary = {
         "method": run.method.name, "attack": spec.name, "dataset": run.dataset.name, "run": run.label,
         **{k: scores[k] for k in SCORE_KEYS},
-        "label_accuracy": label_accuracy,
+        **statistics, "label_accuracy": label_accuracy,
         "class_presence_accuracy": float(np.mean(presence)) if presence else float("nan"),
         "images_scored": len(rows) if spec.rebuilds_images else 0,
         "seconds": round(seconds, 2), "seed": settings.seed, "attack_rounds": list(settings.rounds),

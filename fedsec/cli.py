@@ -277,9 +277,15 @@ def attack_headline(summary: dict, out) -> str:
     if attacks.get(summary["attack"]).scoring == "labels":
         return f"{where}: class-presence accuracy {fmt(summary['class_presence_accuracy'])}  → {out}"
     modes = ",".join(summary["threat_model"]["modes_used"]) or "n/a"
-    return (f"{where} ({modes}): mean PSNR {fmt(summary['mean_psnr'], ' dB')} "
+    ci, rate, rate_ci = summary.get("mean_psnr_ci"), summary.get("success_rate"), summary.get("success_rate_ci")
+    interval = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci and None not in ci else ""
+    recovered = (f", recovered {100 * rate:.0f} % [{100 * rate_ci[0]:.0f}, {100 * rate_ci[1]:.0f}]"
+                 if rate is not None and rate_ci and None not in rate_ci else "")
+    flag = " — MIS-SPECIFIED: the attack's forward model was wrong" if summary.get("mis_specified") else ""
+    return (f"{where} ({modes}): mean PSNR {fmt(summary['mean_psnr'], ' dB')}{interval} "
             f"(prior {fmt(summary['mean_prior_psnr'], ' dB')}, max {fmt(summary['max_psnr'], ' dB')}), "
-            f"label accuracy {fmt(summary['label_accuracy'])}, {summary['images_scored']} images  → {out}")
+            f"label accuracy {fmt(summary['label_accuracy'])}, {summary['images_scored']} images{recovered}"
+            f"{flag}  → {out}")
 
 
 @cli.command()
@@ -324,6 +330,9 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
 @click.option("--iterations", default=None, metavar="N|ATTACK=N,...",
               help=f"Optimiser steps per reconstruction, for every attack (N) or per attack (dlg=300,ig=1000) "
                    f"[each attack's default: {attack_defaults()}].")
+@click.option("--mia/--no-mia", default=False, show_default=True,
+              help="Add a membership-inference stage per method (`fedsec mia` with its defaults: 4 shadow "
+                   "federations per method, so about five times the training).")
 @click.option("--reuse", multiple=True, type=click.Path(), metavar="DIR",
               help="Earlier report (or `fedsec train`) folder whose finished stages with the same configuration are "
                    "copied instead of recomputed (repeatable).")
@@ -331,7 +340,7 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
               help="Folder: <method>/<stage>/ stage folders, report.md, report.html, results.csv, summary.csv, "
                    "plots; rerun with the same --out to resume.")
 @click.pass_context
-def report(ctx, methods, attacks, attack_rounds, targets, iterations, reuse, out, **opts):
+def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse, out, **opts):
     """Train, audit and attack several methods on the same partition and seeds; write one comparison.
 
     For each method: train (accuracy), audit (what is uploaded, findings), then each attack. Outputs
@@ -359,8 +368,13 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, reuse, out
                                   iterations=rep.parse_iterations(iterations))
     opts["method"] = None  # set per method; keeps --preset's FedeCouple values from other methods
     base = config_from_options(ctx, **opts)
+    mia_settings = None
+    if mia:
+        from .mia import MiaSettings
+
+        mia_settings = MiaSettings()
     result = rep.build_report(base, method_list, out, attacks=attack_list, settings=settings, reuse=reuse,
-                              command=rep.command_line())
+                              command=rep.command_line(), mia=mia_settings)
     click.echo(rep.headline_markdown(result["summary"], attack_list, method_list))
     click.echo(f"→ {Path(out) / 'report.html'}, {Path(out) / 'report.md'}, {Path(out) / 'summary.csv'}, "
                f"{Path(out) / 'results.csv'}")
@@ -381,7 +395,9 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, reuse, out
                    "update zeroed; quantize: bits; exclude: a field kind (prototype, class_counts, statistic, ...) or "
                    "a field-name pattern (prototype.*).")
 @click.option("--attacks", "attack_list", default="dlg,ig,labels", show_default=True, cls=ListedOption,
-              listed=attacks.names, help="Comma-separated attacks run against each value.")
+              listed=lambda: attacks.names() + ["mia"],
+              help="Comma-separated attacks run against each value (mia: membership inference on the personal "
+                   "models with two shadow federations; --defense dp only).")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also run the method without any defense (the first row).")
 @click.option("--max-grad-norm", type=float, default=1.0, show_default=True, help="dp: per-sample clipping bound C.")
