@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .registry import MembershipSpec, register_membership
+from .statistics import per_group
 
 PROB_FLOOR = 1e-30  # keeps log(0) finite for saturated softmax outputs
 
@@ -67,19 +68,12 @@ def entropy_scores(logits, labels) -> np.ndarray:
 def population_scores(loss_x, loss_z, x_group=None, z_group=None) -> np.ndarray:
     """Attack-P: for each record x, the fraction of population records z of the same group with
     loss(z) > loss(x), ties counting ½. A record whose group has no population record gets NaN."""
-    lx, lz = np.asarray(loss_x, np.float64).ravel(), np.asarray(loss_z, np.float64).ravel()
-    gx = np.zeros(len(lx), np.int64) if x_group is None else np.asarray(x_group).ravel()
-    gz = np.zeros(len(lz), np.int64) if z_group is None else np.asarray(z_group).ravel()
-    out = np.full(len(lx), np.nan)
-    for g in np.unique(gx):
-        rows = np.flatnonzero(gx == g)
-        pop = np.sort(lz[gz == g])
-        if len(pop) == 0:
-            continue
-        right = np.searchsorted(pop, lx[rows], side="right")
-        left = np.searchsorted(pop, lx[rows], side="left")
-        out[rows] = ((len(pop) - right) + 0.5 * (right - left)) / len(pop)
-    return out
+    def above(x: np.ndarray, pop: np.ndarray) -> np.ndarray:
+        right = np.searchsorted(pop, x, side="right")
+        left = np.searchsorted(pop, x, side="left")
+        return ((len(pop) - right) + 0.5 * (right - left)) / len(pop)
+
+    return per_group(loss_x, loss_z, x_group, z_group, above)
 
 
 def _population(inputs) -> np.ndarray:

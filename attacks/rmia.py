@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .registry import MembershipSpec, register_membership
-from .statistics import auc
+from .statistics import auc, per_group
 
 DEFAULT_GAMMA = 2.0
 DEFAULT_TEMPERATURE = 2.0
@@ -61,17 +61,9 @@ def rmia_scores(p_x, p_out_x, p_z, p_out_z, gamma: float = DEFAULT_GAMMA, a: flo
     LR(x, z) = [p(x|θ)/p(x)] / [p(z|θ)/p(z)] > γ. A record whose group has no z gets NaN."""
     ratio_x = np.asarray(p_x, np.float64).ravel() / offline_p(p_out_x, a)
     ratio_z = np.asarray(p_z, np.float64).ravel() / offline_p(p_out_z, a)
-    gx = np.zeros(len(ratio_x), np.int64) if x_group is None else np.asarray(x_group).ravel()
-    gz = np.zeros(len(ratio_z), np.int64) if z_group is None else np.asarray(z_group).ravel()
-    out = np.full(len(ratio_x), np.nan)
-    for g in np.unique(gx):
-        rows = np.flatnonzero(gx == g)
-        pop = np.sort(ratio_z[gz == g])
-        if len(pop) == 0:
-            continue
-        # ratio_x / ratio_z > γ  ⇔  ratio_z < ratio_x / γ (all ratios are positive)
-        out[rows] = np.searchsorted(pop, ratio_x[rows] / gamma, side="left") / len(pop)
-    return out
+    # ratio_x / ratio_z > γ  ⇔  ratio_z < ratio_x / γ (all ratios are positive)
+    return per_group(ratio_x, ratio_z, x_group, z_group,
+                     lambda x, pop: np.searchsorted(pop, x / gamma, side="left") / len(pop))
 
 
 def tune_offline_a(p_x, p_out_x, p_z, p_out_z, members, gamma: float = DEFAULT_GAMMA, x_group=None, z_group=None,

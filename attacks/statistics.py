@@ -101,6 +101,22 @@ def low_fpr_refusal(n_nonmembers: int, alpha: float) -> str | None:
 # intervals
 
 
+def per_group(values_x, values_z, x_group, z_group, score: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+    """``score(x_values_of_group, sorted_z_values_of_group)`` for every group of the x records (all one
+    group when ``x_group`` is None): the population comparisons of Attack-P and RMIA are made within
+    a record's own group (its client). A record whose group has no z record gets NaN."""
+    vx, vz = np.asarray(values_x, np.float64).ravel(), np.asarray(values_z, np.float64).ravel()
+    gx = np.zeros(len(vx), np.int64) if x_group is None else np.asarray(x_group).ravel()
+    gz = np.zeros(len(vz), np.int64) if z_group is None else np.asarray(z_group).ravel()
+    out = np.full(len(vx), np.nan)
+    for g in np.unique(gx):
+        rows = np.flatnonzero(gx == g)
+        pop = np.sort(vz[gz == g])
+        if len(pop):
+            out[rows] = score(vx[rows], pop)
+    return out
+
+
 def cluster_bootstrap(data: Sequence[np.ndarray] | np.ndarray, clusters, statistic: Callable[..., float],
                       n_boot: int = 1000, seed: int = 0, confidence: float = 0.95) -> tuple[float, float]:
     """Percentile interval of ``statistic(*data)`` from ``n_boot`` resamples of whole clusters.
@@ -129,11 +145,15 @@ def cluster_bootstrap(data: Sequence[np.ndarray] | np.ndarray, clusters, statist
     return _percentile_interval(values, confidence)
 
 
+MIN_BOOTSTRAP_CLUSTERS = 5  # below this the bootstrap distribution is too coarse to read tails from
+
+
 def cluster_mean_interval(values, clusters, n_boot: int = 2000, seed: int = 0,
                           confidence: float = 0.95) -> tuple[float, float]:
     """Studentized (bootstrap-t) interval for the mean of per-cluster means: with few clusters (a
     handful of attacked clients) the plain percentile bootstrap covers too rarely; resampling the
-    t-statistic (mean* − mean)/se* of the cluster means keeps the nominal rate (``tests``)."""
+    t-statistic (mean* − mean)/se* of the cluster means keeps the nominal rate (``tests``). Fewer
+    than ``MIN_BOOTSTRAP_CLUSTERS`` clusters: Student's t interval on the cluster means."""
     v = np.asarray(values, dtype=np.float64).ravel()
     cl = np.asarray(clusters).ravel()
     ids, inverse = np.unique(cl, return_inverse=True)
@@ -146,8 +166,15 @@ def cluster_mean_interval(values, clusters, n_boot: int = 2000, seed: int = 0,
     draws = means[rng.integers(0, k, size=(n_boot, k))]
     spread = draws.std(axis=1, ddof=1) / math.sqrt(k)
     ok = spread > 1e-9 * max(1.0, float(np.abs(means).max()))  # a draw of one repeated cluster has no spread
-    if se == 0 or ok.sum() < n_boot // 2:
+    if se == 0:
         return centre, centre
+    if k < MIN_BOOTSTRAP_CLUSTERS or ok.sum() < n_boot // 2:
+        # too few clusters to resample (with two, every usable draw is the pair itself: t = 0 and a
+        # zero-width interval): Student's t on the cluster means instead — wide, as it should be
+        from scipy.stats import t as student_t
+
+        half = float(student_t.ppf(0.5 + confidence / 2, k - 1)) * se
+        return centre - half, centre + half
     t = (draws.mean(axis=1)[ok] - centre) / spread[ok]
     tail = 100 * (1 - confidence) / 2
     t_low, t_high = np.percentile(t, [tail, 100 - tail])

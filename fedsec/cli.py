@@ -1,7 +1,6 @@
 """The ``fedsec`` command line: a thin shell over library functions in ``fedsec`` and ``attacks``."""
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 

@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-import numpy as np
 import pandas as pd
 
 from fedecouple.errors import UserError

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -462,7 +462,7 @@ def run_mia(config: RunConfig, settings: MiaSettings, out: str | Path, progress:
         echo(f"{len(specs) - done} of {len(specs)} federation(s) to train ({config.method}, {config.federation.rounds} rounds, "
              f"{config.data.clients} clients); estimated {estimate / 60:.1f} min of training in one process, "
              f"plus signal collection"
-             + (f" (spread over the Ray cluster)" if config.execution.backend == "ray" else ""))
+             + (" (spread over the Ray cluster)" if config.execution.backend == "ray" else ""))
     runs = train_runs(specs, prep, config.execution.threads, progress)
     signals = [load_signals(s) for s in specs]
     scored = score_all(signals[0], signals[1:], records, ref_in, settings)

@@ -46,7 +46,6 @@ import pandas as pd
 
 import attacks
 from fedecouple.errors import UserError
-from fedecouple.methods import METHODS
 
 from . import io, runner
 from attacks.metrics import PSNR_CAP_DB

@@ -35,13 +35,13 @@ import base64
 import html
 import io
 import json
-import math
 from typing import Any, Mapping
 
 import numpy as np
 import pandas as pd
 
 from .audit import SEVERITIES
+from .formatting import finite_or_none
 
 PLOT_PSNR = "psnr_by_method.png"
 PLOT_SCATTER = "accuracy_vs_leakage.png"
@@ -50,21 +50,13 @@ PLOT_SCATTER = "accuracy_vs_leakage.png"
 # ----------------------------------------------------------------------------------------------
 # formatting helpers
 # ----------------------------------------------------------------------------------------------
-def _num(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
-
 def fmt(x: Any, digits: int = 1, unit: str = "") -> str:
-    v = _num(x)
+    v = finite_or_none(x)
     return "n/a" if v is None else f"{v:.{digits}f}{unit}"
 
 
 def accuracy_cell(mean: Any, std: Any) -> str:
-    m, s = _num(mean), _num(std)
+    m, s = finite_or_none(mean), finite_or_none(std)
     if m is None:
         return "n/a"
     return f"{100 * m:.1f} ± {100 * s:.1f}" if s is not None else f"{100 * m:.1f}"
@@ -86,18 +78,18 @@ def psnr_cell(row: Mapping, attack: str) -> str:
     if status != "done":
         return "n/a"
     flag = " MIS-SPECIFIED" if mis_specified(row, attack) else ""
-    low, high = _num(row.get(f"{attack}_mean_psnr_ci_low")), _num(row.get(f"{attack}_mean_psnr_ci_high"))
+    low, high = finite_or_none(row.get(f"{attack}_mean_psnr_ci_low")), finite_or_none(row.get(f"{attack}_mean_psnr_ci_high"))
     interval = f" [{low:.1f}, {high:.1f}]" if low is not None and high is not None else ""
-    rate = _num(row.get(f"{attack}_success_rate"))
+    rate = finite_or_none(row.get(f"{attack}_success_rate"))
     success = "" if rate is None else f", {100 * rate:.0f} % recovered"
-    n = _num(row.get(f"{attack}_n_images"))
+    n = finite_or_none(row.get(f"{attack}_n_images"))
     return (f"{fmt(row.get(f'{attack}_mean_psnr'))}{interval} / {fmt(row.get(f'{attack}_median_psnr'))} / "
             f"{fmt(row.get(f'{attack}_max_psnr'))} (prior {fmt(row.get(f'{attack}_prior_psnr'))}"
             f"{'' if n is None else f'; n={n:.0f}'}{success}){flag}")
 
 
 def findings_cell(row: Mapping) -> str:
-    return " / ".join(str(int(_num(row.get(f"findings_{s}")) or 0)) for s in SEVERITIES)
+    return " / ".join(str(int(finite_or_none(row.get(f"findings_{s}")) or 0)) for s in SEVERITIES)
 
 
 def headline_rows(summary: pd.DataFrame, meta: Mapping) -> tuple[list[str], list[list[str]]]:
@@ -181,10 +173,10 @@ def psnr_plot(summary: pd.DataFrame, results: pd.DataFrame, meta: Mapping) -> by
     for j, a in enumerate(attacks):
         for i, (_, r) in enumerate(summary.iterrows()):
             x = i - 0.4 + width * (j + 0.5)
-            if status_of(r, a) != "done" or _num(r.get(f"{a}_mean_psnr")) is None:
+            if status_of(r, a) != "done" or finite_or_none(r.get(f"{a}_mean_psnr")) is None:
                 ax.text(x, 0.5, "n/a", ha="center", va="bottom", fontsize=7, rotation=90, color="0.4")
                 continue
-            mean = _num(r.get(f"{a}_mean_psnr"))
+            mean = finite_or_none(r.get(f"{a}_mean_psnr"))
             ax.bar(x, mean, width * 0.9, color=colors[j], alpha=0.55, label=a,
                    hatch="//" if mis_specified(r, a) else None)  # hatched: the attack's forward model was wrong
             top = max(top, mean)
@@ -197,7 +189,7 @@ def psnr_plot(summary: pd.DataFrame, results: pd.DataFrame, meta: Mapping) -> by
                     jitter = rng.uniform(-width * 0.25, width * 0.25, size=len(vals))
                     ax.scatter(x + jitter, vals, s=10, color=colors[j], edgecolor="black", linewidth=0.3, zorder=3)
                     top = max(top, float(vals.max()))
-            prior = _num(r.get(f"{a}_prior_psnr"))
+            prior = finite_or_none(r.get(f"{a}_prior_psnr"))
             if prior is not None:
                 top = max(top, prior)
                 ax.hlines(prior, x - width * 0.45, x + width * 0.45, colors="black", linestyles="--", linewidth=1.2,
@@ -225,11 +217,11 @@ def leakage_points(summary: pd.DataFrame, meta: Mapping) -> list[dict]:
     """One point per method × image attack that ran: accuracy (%) and mean PSNR gain over the prior (dB)."""
     points = []
     for _, r in summary.iterrows():
-        acc = _num(r.get("accuracy_mean"))
+        acc = finite_or_none(r.get("accuracy_mean"))
         for a in meta["attacks"]:
             if a not in meta["image_attacks"] or status_of(r, a) != "done":
                 continue
-            mean, prior = _num(r.get(f"{a}_mean_psnr")), _num(r.get(f"{a}_prior_psnr"))
+            mean, prior = finite_or_none(r.get(f"{a}_mean_psnr")), finite_or_none(r.get(f"{a}_prior_psnr"))
             if acc is None or mean is None or prior is None:
                 continue
             points.append({"method": str(r["method"]), "attack": a, "accuracy": 100 * acc, "gain": mean - prior,

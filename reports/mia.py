@@ -24,29 +24,22 @@ from __future__ import annotations
 
 import html
 import io
-import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from .formatting import finite_or_none
 
 TARGETS = ("personal", "global", "upload")
 COLUMNS = ("method", "target", "attack", "AUC [95% CI]", "TPR@1%FPR [95% CI]", "TPR@0.1%FPR", "advantage",
            "per-client AUC (median, IQR)", "members / non-members", "empirical ε ≥ (δ)", "accounted ε")
 
 
-def _num(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
-
 def _with_ci(value: Any, ci: Any, digits: int = 3) -> str:
-    v = _num(value)
+    v = finite_or_none(value)
     if v is None:
         return str(value) if isinstance(value, str) else "n/a"
-    if isinstance(ci, (list, tuple)) and len(ci) == 2 and _num(ci[0]) is not None and _num(ci[1]) is not None:
+    if isinstance(ci, (list, tuple)) and len(ci) == 2 and finite_or_none(ci[0]) is not None and finite_or_none(ci[1]) is not None:
         return f"{v:.{digits}f} [{float(ci[0]):.{digits}f}, {float(ci[1]):.{digits}f}]"
     return f"{v:.{digits}f}"
 
@@ -55,7 +48,7 @@ def _short(value: Any) -> str:
     """A refusal sentence shortened to its first clause for a table cell (the full one is in summary.json)."""
     if isinstance(value, str):
         return value.split(";")[0]
-    v = _num(value)
+    v = finite_or_none(value)
     return "n/a" if v is None else f"{v:.3f}"
 
 
@@ -64,7 +57,7 @@ def summary_rows(summary: Mapping) -> list[dict]:
     rows = []
     method = str(summary.get("method", ""))
     dp = summary.get("dp") or {}
-    accounted = _num(dp.get("epsilon_accounted_max"))
+    accounted = finite_or_none(dp.get("epsilon_accounted_max"))
     for target, info in (summary.get("targets") or {}).items():
         if not info.get("available", False):
             rows.append({"method": method, "target": target, "attack": "—", "AUC [95% CI]": "not applicable: "
@@ -84,10 +77,10 @@ def summary_rows(summary: Mapping) -> list[dict]:
                 "TPR@0.1%FPR": _short(m.get("tpr_at_0_1pct_fpr")),
                 "advantage": _with_ci(m.get("advantage"), m.get("advantage_ci")),
                 "per-client AUC (median, IQR)": (f"{pc['median']:.3f} ({pc['q1']:.3f}–{pc['q3']:.3f})"
-                                                 if _num(pc.get("median")) is not None else "n/a"),
+                                                 if finite_or_none(pc.get("median")) is not None else "n/a"),
                 "members / non-members": f"{m.get('n_members', 0)} / {m.get('n_nonmembers', 0)}",
                 "empirical ε ≥ (δ)": (f"{eps['epsilon_lower_bound']:.3f} ({eps.get('delta', 0):g})"
-                                      if _num(eps.get("epsilon_lower_bound")) is not None else "n/a"),
+                                      if finite_or_none(eps.get("epsilon_lower_bound")) is not None else "n/a"),
                 "accounted ε": f"{accounted:.3g}" if accounted is not None else "—",
             })
             rows.append(row)
@@ -141,7 +134,7 @@ def method_rows(summaries: Sequence[Mapping], attack: str = "lira") -> list[dict
             name += f" (DP-SGD σ={dp.get('noise_multiplier')})"
         personal = ((summary.get("targets") or {}).get("personal") or {}).get("attacks", {}).get(attack, {})
         eps = (personal.get("empirical_epsilon") or {}).get("epsilon_lower_bound")
-        accounted = _num(dp.get("epsilon_accounted_max"))
+        accounted = finite_or_none(dp.get("epsilon_accounted_max"))
         chance = (((summary.get("targets") or {}).get("personal") or {}).get("chance_level") or {}).get("loss_auc_mean")
         rows.append({
             "method": name, "accuracy": _with_ci(summary.get("target_accuracy"), None, 4),
@@ -150,7 +143,7 @@ def method_rows(summaries: Sequence[Mapping], attack: str = "lira") -> list[dict
             **{f"{t} TPR@1%FPR": metric_cell(summary, t, attack, "tpr_at_1pct_fpr") for t in TARGETS},
             "update test AUC": metric_cell(summary, "upload", "update", "auc"),
             "update test TPR@1%FPR": metric_cell(summary, "upload", "update", "tpr_at_1pct_fpr"),
-            "empirical ε ≥ (personal)": f"{eps:.3f}" if _num(eps) is not None else "—",
+            "empirical ε ≥ (personal)": f"{eps:.3f}" if finite_or_none(eps) is not None else "—",
             "accounted ε": f"{accounted:.3g}" if accounted is not None else "—",
         })
     return rows

@@ -9,7 +9,6 @@ import torch
 from fedecouple.methods import METHODS
 from fedecouple.methods.base import FieldSpec, make_upload
 from fedecouple.methods.fedecouple import FedeCouple
-from fedecouple.models import get_params
 from fedsec.audit import anchor_check, classify_field, run_audit
 from fedsec.runner import RunConfig
 

@@ -11,7 +11,6 @@ import torch
 from fedecouple.backends import RayBackend, SequentialBackend, make_backend
 from fedecouple.channel import Interceptor
 from fedecouple.errors import UserError
-from attacks.base import Budget
 from fedsec.attack import AttackSettings, run_attack
 from fedsec.runner import RunConfig, prepare, train
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedecouple.channel import Download, Recorder, ServerChannel, Upload
+from fedecouple.channel import Download, Upload
 from fedecouple.errors import UserError
 from fedecouple.methods import make_method
 from fedecouple.methods.base import ClientContext, Method, TrainConfig, make_upload, sgd
-from fedecouple.models import build_model, get_params, set_params
+from fedecouple.models import build_model, get_params
 from fedsec.defenses import (DPConfig, DPMethod, Exclude, FilterChain, GaussianNoise, NormClip, Prune, Quantize,
                              epsilon, privacy_report)
 from fedsec.defenses.dp import ACCOUNT_KEY, DPSession, history_rows

@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from fedecouple.methods import fedecouple as fc
-from fedecouple.methods.base import class_means
 from fedecouple.models import build_model, set_params
 
 from helpers import tiny_federation

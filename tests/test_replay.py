@@ -217,6 +217,17 @@ def test_the_bootstrap_interval_covers_a_known_mean_at_its_nominal_rate():
     assert covered >= 180, covered
 
 
+def test_two_targets_give_a_wide_interval_not_a_zero_width_one():
+    """With two attacked clients every usable bootstrap draw is the pair itself; the interval falls
+    back to Student's t on the two client means (t(1) = 12.71, standard error 5): 15 ± 63.5."""
+    from attacks.metrics import leakage_statistics
+
+    rows = [{"round": 0, "client": c, "image": 0, "psnr": p, "prior_psnr": 10.0, "ssim": 0.5}
+            for c, p in enumerate([10.0, 20.0])]
+    low, high = leakage_statistics(rows)["mean_psnr_ci"]
+    assert low == pytest.approx(15 - 12.706 * 5, abs=0.01) and high == pytest.approx(15 + 12.706 * 5, abs=0.01)
+
+
 def test_the_success_rule_on_hand_made_pairs():
     from attacks.metrics import leakage_statistics, paired_difference
 

@@ -143,7 +143,6 @@ class FedeCouple(Method):
         set_params(model, state)
         e_cl = self.classifier_epochs if self.classifier_epochs is not None else ctx.config.local_epochs
         self._classifier_phase(ctx, model, global_classifier, e_cl)
-        personal = get_params(model, "classifier")
 
         set_params(model, {k: v for k, v in glob.items() if k.startswith("extractor.")})  # θ_i ← θ^t
         anchors = None

@@ -1,0 +1,14 @@
+"""Reading the loosely typed cells of result tables (CSV strings, None, NaN) as numbers."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def finite_or_none(x: Any) -> float | None:
+    """``x`` as a float when it is a finite number, else None (missing, text, NaN, ±inf)."""
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
