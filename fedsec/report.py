@@ -56,6 +56,7 @@ from .compare import method_config, parse_list, parse_methods, run_status, share
 from .runner import RunConfig
 from .versions import package_versions
 from reports.audit import SEVERITIES
+from reports.comparison import mis_specified
 
 DEFAULT_METHODS = ("fedecouple", "fedper", "fedpac", "fedproto")
 DEFAULT_ATTACKS = ("dlg", "ig", "proto", "labels")
@@ -434,7 +435,7 @@ def method_comparisons(summary: pd.DataFrame, results: pd.DataFrame, methods: li
         done = [m for m in methods if rows.loc[m].get(f"{a}_status") == "done"]
         for i, m1 in enumerate(done):
             for m2 in done[i + 1:]:
-                wrong = [m for m in (m1, m2) if bool(rows.loc[m].get(f"{a}_mis_specified"))]
+                wrong = [m for m in (m1, m2) if mis_specified(rows.loc[m], a)]
                 if wrong:
                     sentences.append(f"{a}: {m1} vs {m2}: not comparable: the attack on {', '.join(wrong)} was "
                                      f"mis-specified")

@@ -254,3 +254,31 @@ def test_reuse_takes_a_plain_train_run(tmp_path, monkeypatch):
     assert calls.count["train"] == [] and calls.count["audit"] == ["fedproto"]
     assert [r["source"] for r in result["stages"]] == ["reused", "computed", "computed"]
     assert (out / "fedproto" / "train" / "metrics.csv").is_file() and (out / "fedproto" / "train" / "done.json").is_file()
+
+
+def test_method_comparisons_call_a_difference_only_when_the_interval_says_so():
+    """Paired over the same targets: a consistent 8 dB gap over 6 clients is a difference; a gap
+    that flips sign from client to client is not; a mis-specified attack is never compared, and a
+    missing (NaN) flag — proto has no forward-model check — is not taken for one."""
+    import numpy as np
+    import pandas as pd
+
+    from fedsec.report import method_comparisons
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for client in range(6):
+        base = 15 + rng.normal(0, 2)
+        for method, shift in (("a", 8.0), ("b", 0.0), ("c", 3.0 if client % 2 else -3.0)):
+            rows.append({"method": method, "attack": "ig", "round": 0, "client": client, "image": 0,
+                         "psnr": base + shift, "prior_psnr": 10.0, "ssim": 0.5})
+    results = pd.DataFrame(rows)
+    summary = pd.DataFrame([{"method": m, "ig_status": "done", "ig_mis_specified": flag}
+                            for m, flag in (("a", float("nan")), ("b", False), ("c", False))])
+    sentences = method_comparisons(summary, results, ["a", "b", "c"], ["ig"])
+    assert any(s.startswith("ig: a vs b: a leaks more (PSNR above the prior, a minus b: +8.0 dB") for s in sentences)
+    assert any(s.startswith("ig: b vs c: not distinguishable at this sample size") for s in sentences), sentences
+    assert "6 images over 6 targets" in sentences[0]
+    summary.loc[summary["method"] == "b", "ig_mis_specified"] = True
+    assert "ig: a vs b: not comparable: the attack on b was mis-specified" in method_comparisons(
+        summary, results, ["a", "b", "c"], ["ig"])
