@@ -132,6 +132,33 @@ def test_statistic_releases_compose_in_the_accountant_as_opacus_composes_them(di
     assert ours > epsilon([(sigma_stat, 1.0, k)], delta) > 0
 
 
+def test_kept_counts_and_epsilon_survive_a_checkpoint(digits):
+    """FedProto 2 rounds straight = 1 round, checkpoint, load, 1 round: same ε, same kept noisy counts,
+    same uploads (the counts are released once, in round 0)."""
+    def fed():
+        f = tiny_federation(digits, "fedproto", clients=2, rounds=2)
+        f.method = DPMethod(f.method, DPConfig(noise_multiplier=1.0))
+        f.clients.clear()
+        return f
+
+    straight = fed()
+    straight.run(2)
+    first = fed()
+    first.run_round()
+    resumed = fed()
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    resumed.run_round()
+    for cid in straight.clients:
+        assert torch.equal(resumed.clients[cid][COUNTS_KEY], straight.clients[cid][COUNTS_KEY])
+        assert torch.equal(first.clients[cid][COUNTS_KEY], straight.clients[cid][COUNTS_KEY])
+        up_a = straight.channel.recorder.get(1, cid).upload.tensors
+        up_b = resumed.channel.recorder.get(1, cid).upload.tensors
+        assert up_a.keys() == up_b.keys() and all(torch.equal(up_a[k], up_b[k]) for k in up_a)
+    report = privacy_report(straight.clients, straight.method.dp)
+    assert privacy_report(resumed.clients, resumed.method.dp)["epsilon_max"] == report["epsilon_max"]
+    assert report["statistic_releases_per_client"] == {"0": 2, "1": 2}
+
+
 # ------------------------------------------------------------------------------------------------
 # σ → 0: the plain method's upload
 
