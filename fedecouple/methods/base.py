@@ -214,16 +214,13 @@ def cross_entropy_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor
 @dataclass(frozen=True)
 class ClassFeatureSums:
     """What ``ClientContext.class_feature_sums`` returns: per-class sums of features (C, d), class
-    counts (C,) int64, per-class sums of squared feature norms (C,) or None, and the smallest
-    count a statistic divides by (``min_count``: 1 for exact sums; a DP context may raise it so that
-    noisy sums are never divided by a count that could be noise). A class with count 0 is absent:
-    its rows are zero. Means and FedPAC's statistics are formed from these by the same formulas
-    with or without DP."""
+    counts (C,) int64 and per-class sums of squared feature norms (C,) or None. A class with count
+    0 is absent: its rows are zero. Means and FedPAC's statistics are formed from these by the same
+    formulas with or without DP (a DP context returns noisy sums and guarded noisy counts)."""
 
     sums: torch.Tensor
     counts: torch.Tensor
     squared_norms: torch.Tensor | None = None
-    min_count: int = 1
 
     @classmethod
     def of(cls, features: torch.Tensor, labels: torch.Tensor, num_classes: int,
@@ -236,14 +233,9 @@ class ClassFeatureSums:
             squares = torch.zeros(num_classes, dtype=features.dtype).index_add_(0, labels, features.pow(2).sum(dim=1))
         return cls(sums, counts, squares)
 
-    @property
-    def held(self) -> torch.Tensor:
-        """(C,) bool: the classes the statistic treats as present."""
-        return self.counts > 0
-
     def denominators(self) -> torch.Tensor:
-        """(C,) counts clamped below at ``min_count``, in the sums' dtype: what means divide by."""
-        return self.counts.clamp_min(self.min_count).to(self.sums.dtype)
+        """(C,) counts clamped below at 1, in the sums' dtype: what means divide by."""
+        return self.counts.clamp_min(1).to(self.sums.dtype)
 
     def means(self) -> torch.Tensor:
         """(C, d) per-class mean feature; rows of absent classes are zero."""

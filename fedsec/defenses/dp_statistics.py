@@ -141,7 +141,8 @@ class StatisticsMechanism:
     def _probe(self, features: Callable[[torch.Tensor], torch.Tensor], feats: torch.Tensor) -> None:
         """Features of a few images computed alone must equal their rows in the whole computation:
         otherwise one image's row depends on others and the sensitivity C does not hold."""
-        for j in range(min(self.probe, int(feats.shape[0]) if feats.shape[0] >= 2 else 0)):
+        n = int(feats.shape[0])
+        for j in range(min(self.probe, n) if n >= 2 else 0):
             alone = features(self.images[j:j + 1]).detach()
             scale = max(float(feats[j].norm()), 1e-12)
             diff = float((alone.reshape(-1) - feats[j]).norm()) / scale
