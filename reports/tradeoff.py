@@ -180,10 +180,11 @@ def _statistics_sentence(m: Mapping) -> str:
         return f"{m['method']} computes no whole-data statistic: DP-SGD covers all it uploads."
     sigma = "σ of the row" if m.get("stat_noise_multiplier") is None else f"{m['stat_noise_multiplier']:g}"
     clip = m["max_grad_norm"] if m.get("stat_clip") is None else m["stat_clip"]
-    return (f"Whole-data statistics of {m['method']} ({m['dp_statistics']}) go through their own Gaussian "
-            f"mechanism: each sample's feature clipped to norm {clip:g}, noise σ_stat·{clip:g} on every class sum "
-            f"and σ_stat on the class counts (σ_stat = {sigma}; a class is held when its noisy count ≥ max(1, 3σ_stat)); "
-            f"class counts {m.get('counts', 'noised')} in the upload; every release is composed in the same accountant.")
+    return (f"Whole-data statistics go through their own Gaussian mechanism: each sample's feature clipped to "
+            f"norm {clip:g}, noise σ_stat·{clip:g} on every class sum and σ_stat on the class counts (σ_stat = "
+            f"{sigma}; a class is held when its noisy count ≥ max(1, 3σ_stat)); class counts "
+            f"{m.get('counts', 'noised')} in the upload; every release is composed in the same accountant. "
+            f"Statistics of {m['method']}: {m['dp_statistics']}")
 
 
 def tradeoff_markdown(frame: pd.DataFrame, meta: Mapping, command: str | None) -> str:
