@@ -19,11 +19,26 @@ from fedecouple.models import SplitModel
 
 @dataclass
 class LocalHyperparameters:
-    """What the server may know (or guess) about the client's local training."""
+    """What the server may know (or guess) about the client's local training: the learning rate, the
+    batch size and epochs, the client's number of samples (FedAvg-style methods upload it), or, in
+    the victim setting, the steps per phase. ``steps`` is the total number of SGD steps (what the
+    plain replay and the scaled-gradient reading use)."""
 
     lr: float
     steps: int
     batch_size: int
+    epochs: int = 1
+    samples: int | None = None
+    steps_per_phase: int | None = None
+
+
+@dataclass
+class KnownSchedule:
+    """The oracle threat model (an upper bound): the client's true batch order and augmentation
+    draws, per SGD step (``fedecouple.methods.replay.Step``; draws None for an unaugmented step)."""
+
+    steps: list
+    draws: list
 
 
 @dataclass
@@ -42,10 +57,21 @@ class Observation:
     num_classes: int
     known_hyperparameters: LocalHyperparameters | None = None  # None: the server does not know them
     head_known: bool = True  # False: the client's classifier is private (FedPer/FedRep)
+    known_schedule: KnownSchedule | None = None  # the oracle threat model; None: the server guesses it
+    # how an attacker without the draws models each augmented copy: "family" (a transform of the
+    # image from the augmentation family, its parameters unknown) or "free" (an unknown image)
+    copies: str = "family"
+    # public data of the same domain the server holds (images in [0, 1], labels), and the prototypes
+    # it aggregated from every upload of this round: the auxiliary-data threat model of ``proto``
+    auxiliary: tuple[torch.Tensor, torch.Tensor] | None = None
+    round_prototypes: dict[int, torch.Tensor] | None = None
 
     def manifest(self) -> list[FieldSpec]:
         """The fields the method declares it uploads (``Method.manifest``)."""
         return self.method.manifest(self.make_model())
+
+
+STARTS = ("noise", "mean")
 
 
 @dataclass
@@ -53,6 +79,7 @@ class Budget:
     iterations: int = 300
     restarts: int = 1
     batch: int = 1  # how many images to reconstruct
+    start: str = "noise"  # DLG's dummy images: uniform noise, or the per-channel mean (public: the model's Normalize)
 
 
 @dataclass
@@ -61,6 +88,9 @@ class AttackResult:
     labels: torch.Tensor  # (B,) predicted labels, -1 where the attack gives none
     trace: dict = field(default_factory=dict)  # loss history, chosen mode, timings
     notes: list[str] = field(default_factory=list)  # plain sentences for the user
+    # the optimised variables at the kept iterate, for the forward-model check: every dummy image
+    # (the B reconstructions, then any free augmented copies) and the label probability rows
+    variables: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class NotApplicable(Exception):

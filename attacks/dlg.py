@@ -44,10 +44,10 @@ import numpy as np
 import torch
 from torch.func import grad_and_value, vmap
 
-from .base import AttackResult, Budget, Observation
+from .base import STARTS, AttackResult, Budget, Observation
 from .batching import Batch, BatchedLBFGS, plan_by_model, stack_targets
 from .registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
-from .observation import GradientMatcher
+from .observation import FAMILY_PARAMETERS, GradientMatcher, family_start
 
 LBFGS_LR = 1.0
 # a start whose best objective improved by less than 0.1 % over the last 25 L-BFGS steps (up to 500
@@ -89,16 +89,6 @@ def idlg_labels(weight_gradient: torch.Tensor, count: int = 1) -> tuple[torch.Te
     return labels, notes
 
 
-def gradient_distance(dummy: list[torch.Tensor], target: list[torch.Tensor], scale_known: bool) -> torch.Tensor:
-    """Σ_layers ‖a − b‖², or with an unknown scale min_s≥0 Σ ‖a − s·b‖² (s in closed form)."""
-    if scale_known:
-        return sum(((a - b) ** 2).sum() for a, b in zip(dummy, target))
-    dot = sum((a * b).sum() for a, b in zip(dummy, target))
-    bb = sum((b * b).sum() for b in target)
-    s = dot.clamp_min(0.0) / bb.clamp_min(1e-30)
-    return sum(((a - s * b) ** 2).sum() for a, b in zip(dummy, target))
-
-
 @dataclass
 class _Setup:
     """One target's attack, ready to optimise: the matcher, its observed target, the fixed labels
@@ -111,21 +101,43 @@ class _Setup:
     num_classes: int
     trace: dict
     notes: list[str]
+    start: str = "noise"
 
-    def objective(self, x: torch.Tensor, y: torch.Tensor, target: list[torch.Tensor]) -> torch.Tensor:
-        """DLG's objective for one target; ``y`` is the fixed labels or the label logits."""
+    def objective(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, target: list[torch.Tensor]) -> torch.Tensor:
+        """DLG's objective for one target; ``y`` is the fixed labels or the label logits, ``z`` the
+        augmented copies' family parameters ((0, 8) when there are none)."""
         soft = y if self.labels is not None else torch.softmax(y, dim=-1)
-        return gradient_distance(self.matcher.dummy(x, soft), target, self.matcher.scale_known)
+        return self.matcher.l2_objective(self.matcher.dummy(x, soft, z), target)
+
+    @property
+    def originals(self) -> int:
+        """How many of the dummy images are reconstructions (the rest: free augmented copies)."""
+        return self.shape[0] - self.matcher.free_copies
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """Sizes of the flat variable's three parts: images, label logits (0 when fixed), copy parameters."""
+        b, c, h, w = self.shape
+        return b * c * h * w, 0 if self.labels is not None else self.originals * self.num_classes, \
+            self.matcher.copy_parameters
+
+    def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(images, label logits or None, copy parameters) of flat variables (..., size)."""
+        i, l, e = self.sizes
+        lead = flat.shape[:-1]
+        y = None if l == 0 else flat[..., i:i + l].reshape(*lead, self.originals, self.num_classes)
+        return (flat[..., :i].reshape(*lead, *self.shape), y,
+                flat[..., i + l:i + l + e].reshape(*lead, e // FAMILY_PARAMETERS, FAMILY_PARAMETERS))
 
     def gradient_and_value(self):
-        """torch.func transform of ``objective``: (∂/∂x[, ∂/∂y]), value."""
-        return grad_and_value(self.objective, argnums=0 if self.labels is not None else (0, 1))
+        """torch.func transform of ``objective``: (∂/∂x[, ∂/∂y], ∂/∂z), value."""
+        return grad_and_value(self.objective, argnums=(0, 2) if self.labels is not None else (0, 1, 2))
 
 
 def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name: str) -> _Setup:
     matcher = GradientMatcher(obs, mode)
     notes = list(matcher.notes)
-    b = max(1, int(budget.batch))
+    b = matcher.originals or max(1, int(budget.batch))
     trace: dict = {"attack": name, "mode": matcher.mode, "attacked_parameters": list(matcher.names),
                    "optimizer": "L-BFGS", "lr": LBFGS_LR}
     labels = None
@@ -141,17 +153,23 @@ def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name
             trace["label_source"] = "idlg-rule"
     if labels is None:
         trace["label_source"] = "joint (soft label optimised with the image)"
-    return _Setup(matcher, [t.detach() for t in matcher.target], labels, (b, *obs.image_shape), obs.num_classes,
-                  trace, notes)
+    if budget.start not in STARTS:
+        raise ValueError(f"unknown start {budget.start!r}; choose one of: {', '.join(STARTS)}")
+    trace["start"] = budget.start
+    return _Setup(matcher, [t.detach() for t in matcher.target], labels, (b + matcher.free_copies, *obs.image_shape),
+                  obs.num_classes, trace, notes, budget.start)
 
 
-def _start(setup: _Setup, seed: int, restart: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A start's seeded dummy batch: images uniform in [0, 1], label logits standard normal (None
-    when the labels are fixed)."""
+def _start(setup: _Setup, seed: int, restart: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A start's seeded dummy batch: images uniform in [0, 1] (or, with ``Budget.start`` "mean", the
+    per-channel mean the model's normalisation carries), label logits standard normal (None when the
+    labels are fixed), the copies' family parameters at the identity."""
     gen = torch.Generator().manual_seed(_seed(seed, restart, 0xD16))
     x = torch.rand(setup.shape, generator=gen)
-    y = None if setup.labels is not None else torch.randn((setup.shape[0], setup.num_classes), generator=gen)
-    return x, y
+    if setup.start == "mean":
+        x = setup.matcher.model.normalize.mean.reshape(1, -1, 1, 1).expand(setup.shape).clone()
+    y = None if setup.labels is not None else torch.randn((setup.originals, setup.num_classes), generator=gen)
+    return x, y, family_start(setup.matcher.copy_parameters // FAMILY_PARAMETERS)
 
 
 def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int]) -> list[AttackResult]:
@@ -173,9 +191,7 @@ class _LockstepDLG:
         self.setups, self.budget, self.seeds = list(setups), budget, list(seeds)
         lead, n = setups[0], len(setups)
         self.lead, self.n, self.fixed = lead, n, lead.labels is not None
-        b, c, h, w = lead.shape
-        self.image_size = b * c * h * w
-        size = self.image_size + (0 if self.fixed else b * lead.num_classes)
+        size = sum(lead.sizes)
         self.transform = vmap(lead.gradient_and_value())
         self.targets = stack_targets([s.target for s in setups])
         self.labels = torch.stack([s.labels for s in setups]) if self.fixed else None
@@ -187,8 +203,8 @@ class _LockstepDLG:
         self.record = [{"objectives": [], "histories": [], "evaluations": 0, "stalled": []} for _ in setups]
 
     def begin(self, k: int) -> None:
-        x, y = _start(self.setups[k], self.seeds[k], self.restart[k])
-        self.lbfgs.start(k, torch.cat([x.reshape(-1)] + ([] if y is None else [y.reshape(-1)])))
+        x, y, z = _start(self.setups[k], self.seeds[k], self.restart[k])
+        self.lbfgs.start(k, torch.cat([x.reshape(-1)] + ([] if y is None else [y.reshape(-1)]) + [z.reshape(-1)]))
         self.runs[k] = {"objective": float("inf"), "images": None, "labels": None, "evals": 0, "history": []}
 
     def finish(self, k: int) -> None:
@@ -205,17 +221,13 @@ class _LockstepDLG:
             self.lbfgs.stop(k)
 
     def evaluate(self, pending: list[int], rows: torch.Tensor, target: list[torch.Tensor], fixed_labels):
-        """(images, label logits or None, objective values, gradients) at the running targets' iterates."""
-        flat = self.lbfgs.x[rows]
-        x = flat[:, :self.image_size].reshape(len(pending), *self.lead.shape)
-        if self.fixed:
-            gx, values = self.transform(x, fixed_labels, target)
-            return x, None, values, gx.reshape(len(pending), -1)
-        y = flat[:, self.image_size:].reshape(len(pending), self.lead.shape[0], self.lead.num_classes)
-        (gx, gy), values = self.transform(x, y, target)
-        return x, y, values, torch.cat([gx.reshape(len(pending), -1), gy.reshape(len(pending), -1)], dim=1)
+        """(images, label logits or None, copy parameters, objective values, gradients) at the running
+        targets' iterates."""
+        x, y, z = self.lead.split(self.lbfgs.x[rows])
+        grads, values = self.transform(x, fixed_labels if self.fixed else y, z, target)
+        return x, y, z, values, torch.cat([g.reshape(len(pending), -1) for g in grads], dim=1)
 
-    def take(self, pending: list[int], rows: torch.Tensor, x, y, values: list[float]) -> tuple[list, list, list]:
+    def take(self, pending: list[int], rows: torch.Tensor, x, y, z, values: list[float]) -> tuple[list, list, list]:
         """Record each running target's value (its best iterate so far); a non-finite value ends the
         start. Returns (targets, values, row positions) to hand to L-BFGS."""
         told, losses, told_rows = [], [], []
@@ -231,6 +243,8 @@ class _LockstepDLG:
                 run["objective"] = value
                 run["images"] = x[j].detach().clone()
                 run["labels"] = self.labels[rows[j]].clone() if self.fixed else y[j].argmax(dim=-1)
+                run["probs"] = None if self.fixed else torch.softmax(y[j].detach(), dim=-1)
+                run["copy_parameters"] = z[j].detach().clone()
             told.append(k)
             losses.append(value)
             told_rows.append(j)
@@ -256,8 +270,8 @@ class _LockstepDLG:
                 members, rows = pending, torch.tensor(pending)
                 target = [t[rows] for t in self.targets]
                 fixed_labels = self.labels[rows] if self.fixed else None
-            x, y, values, grads = self.evaluate(pending, rows, target, fixed_labels)
-            told, losses, told_rows = self.take(pending, rows, x, y, values.tolist())
+            x, y, z, values, grads = self.evaluate(pending, rows, target, fixed_labels)
+            told, losses, told_rows = self.take(pending, rows, x, y, z, values.tolist())
             for k in self.lbfgs.tell(told, losses, grads[told_rows]):
                 self.after_step(k)
         share = (time.perf_counter() - start_time) / self.n
@@ -277,26 +291,24 @@ def _optimise_one(setup: _Setup, budget: Budget, seed: int) -> AttackResult:
     best = {"objective": float("inf"), "images": None, "labels": None}
     objectives, histories, evaluations, stalled = [], [], 0, []
     for restart in range(max(1, int(budget.restarts))):
-        x, y = _start(setup, seed, restart)
-        x.requires_grad_(True)
-        y = None if y is None else y.requires_grad_(True)
-        opt = torch.optim.LBFGS([x] if fixed else [x, y], lr=LBFGS_LR)
+        x, y, z = _start(setup, seed, restart)
+        variables = [v.requires_grad_(True) for v in (x, y, z) if v is not None and v.numel()]
+        opt = torch.optim.LBFGS(variables, lr=LBFGS_LR)
         run = {"objective": float("inf"), "images": None, "labels": None, "evals": 0}
 
         def closure():
-            if fixed:
-                gx, value = transform(x.detach(), labels, setup.target)
-            else:
-                (gx, gy), value = transform(x.detach(), y.detach(), setup.target)
-                y.grad = gy
-            x.grad = gx
+            grads, value = transform(x.detach(), labels if fixed else y.detach(), z.detach(), setup.target)
+            for v, g in zip((x,) + (() if fixed else (y,)) + (z,), grads):
+                v.grad = g
             objective = float(value)
             run["evals"] += 1
             if not np.isfinite(objective):
                 raise _Diverged
             if objective < run["objective"]:
                 run.update(objective=objective, images=x.detach().clone(),
-                           labels=labels.clone() if fixed else y.detach().argmax(dim=-1))
+                           labels=labels.clone() if fixed else y.detach().argmax(dim=-1),
+                           probs=None if fixed else torch.softmax(y.detach(), dim=-1),
+                           copy_parameters=z.detach().clone())
             return value
 
         history: list[float] = []
@@ -333,12 +345,19 @@ def _after_step(history: list[float]) -> str | None:
 
 
 def _result(setup: _Setup, best: dict, notes: list[str], trace: dict) -> AttackResult:
+    b = setup.originals
     if best["images"] is None:  # every start diverged at once
         best = {"objective": float("nan"), "images": torch.full(setup.shape, 0.5),
-                "labels": torch.full((setup.shape[0],), -1, dtype=torch.int64)}
+                "labels": torch.full((b,), -1, dtype=torch.int64), "probs": None}
         notes = notes + ["the optimisation failed from every start: the output is a grey image"]
-    return AttackResult(images=best["images"].clamp(0, 1), labels=best["labels"].to(torch.int64),
-                        trace={**setup.trace, "objective": best["objective"], **trace}, notes=notes)
+    labels = best["labels"].to(torch.int64)
+    probs = best.get("probs")
+    if probs is None and bool((labels >= 0).all()):
+        probs = torch.nn.functional.one_hot(labels, setup.num_classes).to(torch.float32)
+    return AttackResult(images=best["images"][:b].clamp(0, 1), labels=labels,
+                        trace={**setup.trace, "objective": best["objective"], **trace}, notes=notes,
+                        variables={"images": best["images"], "labels": probs,
+                                   "copy_parameters": best.get("copy_parameters")})
 
 
 class _Diverged(Exception):
@@ -378,7 +397,9 @@ def plan_idlg(observations: Sequence[Observation], budget: Budget, mode: str = "
 
 register(AttackSpec("dlg", "gradient", "Deep Leakage from Gradients: image and soft label by L-BFGS gradient matching",
                     dlg, plan, default_iterations=300, default_victim_batch=1, applies_to=WEIGHT_KINDS,
-                    scoring="images", needs="model weights", hint=GRADIENT_HINT))
+                    scoring="images", needs="model weights", hint=GRADIENT_HINT,
+                    matching="l2"))
 register(AttackSpec("idlg", "gradient", "improved DLG: the label from the classifier's gradient, then DLG",
                     idlg, plan_idlg, default_iterations=300, default_victim_batch=1, applies_to=WEIGHT_KINDS,
-                    scoring="images", needs="model weights", hint=GRADIENT_HINT))
+                    scoring="images", needs="model weights", hint=GRADIENT_HINT,
+                    matching="l2"))

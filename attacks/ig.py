@@ -44,10 +44,10 @@ import torch.nn.functional as F
 from torch.func import grad_and_value, vmap
 
 from .base import AttackResult, Budget, Observation
-from .batching import Batch, plan_by_model
+from .batching import Batch, plan_by_model, stack_targets
 from .registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
 from .dlg import _seed, idlg_labels
-from .observation import GradientMatcher, flat
+from .observation import FAMILY_PARAMETERS, GradientMatcher, family_start
 
 LR = 0.1
 TV_WEIGHT = 0.01
@@ -57,10 +57,6 @@ def total_variation(x: torch.Tensor) -> torch.Tensor:
     return (x[..., :, 1:] - x[..., :, :-1]).abs().mean() + (x[..., 1:, :] - x[..., :-1, :]).abs().mean()
 
 
-def cosine_objective(dummy: list[torch.Tensor], target_flat: torch.Tensor) -> torch.Tensor:
-    return 1.0 - F.cosine_similarity(flat(dummy), target_flat, dim=0, eps=1e-20)
-
-
 def milestones(iterations: int) -> list[int]:
     return sorted({max(1, int(iterations * f)) for f in (3 / 8, 5 / 8, 7 / 8)})
 
@@ -68,7 +64,7 @@ def milestones(iterations: int) -> list[int]:
 @dataclass
 class _Setup:
     matcher: GradientMatcher
-    target: torch.Tensor  # the observed update, flattened
+    target: list[torch.Tensor]  # the observed update (and, in the method mode, uploaded statistics)
     labels: torch.Tensor | None  # fixed labels (iDLG's rule) or None (label logits optimised jointly)
     notes: list[str]
     trace: dict
@@ -81,7 +77,7 @@ def _setup(observation: Observation, budget: Budget, mode: str, tv_weight: float
                    "lr": lr, "tv_weight": tv_weight}
     labels = None
     weight = matcher.classifier_weight_target()
-    if max(1, int(budget.batch)) == 1 and weight is not None:
+    if (matcher.originals or max(1, int(budget.batch))) == 1 and weight is not None:
         labels, _ = idlg_labels(weight, 1)
         trace["label_source"] = "idlg-rule"
     else:
@@ -89,7 +85,7 @@ def _setup(observation: Observation, budget: Budget, mode: str, tv_weight: float
         if weight is None:
             notes.append("no classifier update is available (private or excluded head): the label is optimised "
                          "jointly with the image")
-    return _Setup(matcher, flat([t.detach() for t in matcher.target]), labels, notes, trace)
+    return _Setup(matcher, [t.detach() for t in matcher.target], labels, notes, trace)
 
 
 def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int], tv_weight: float,
@@ -109,39 +105,46 @@ class _StackedIG:
         self.setups, self.seeds, self.lr = list(setups), list(seeds), lr
         lead = setups[0]
         self.n, self.fixed = len(setups), lead.labels is not None
-        self.shape = (max(1, int(budget.batch)), *lead.matcher.observation.image_shape)
+        self.originals = lead.matcher.originals or max(1, int(budget.batch))
+        self.shape = (self.originals + lead.matcher.free_copies, *lead.matcher.observation.image_shape)
         self.num_classes = lead.matcher.observation.num_classes
         self.iterations, self.restarts = max(1, int(budget.iterations)), max(1, int(budget.restarts))
-        self.targets = torch.stack([s.target for s in setups])
+        self.targets = stack_targets([s.target for s in setups])
         self.labels = torch.stack([s.labels for s in setups]) if self.fixed else None
+        self.copies = lead.matcher.copy_parameters // FAMILY_PARAMETERS  # family-modelled augmented copies
         fixed = self.fixed
 
-        def objective(x: torch.Tensor, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        def objective(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, target: list[torch.Tensor]) -> torch.Tensor:
             soft = y if fixed else torch.softmax(y, dim=-1)
-            return cosine_objective(lead.matcher.dummy(x, soft), target) + tv_weight * total_variation(x)
+            return (lead.matcher.cosine_objective(lead.matcher.dummy(x, soft, z), target)
+                    + tv_weight * total_variation(x))
 
-        self.transform = vmap(grad_and_value(objective, argnums=0 if fixed else (0, 1)))
+        self.transform = vmap(grad_and_value(objective, argnums=(0, 2) if fixed else (0, 1, 2)))
         self.notes = [list(s.notes) for s in setups]
         self.best: list[dict] = [{"objective": float("inf")} for _ in setups]
         self.restart_objectives: list[list[float]] = [[] for _ in setups]
         self.histories: list[list[list[float]]] = [[] for _ in setups]
 
     def _variables(self, restart: int) -> list[torch.Tensor]:
-        """Each target's seeded start, stacked: [images] or [images, label logits]."""
+        """Each target's seeded start, stacked: images, then label logits (unless fixed), then the
+        augmented copies' family parameters (when there are any; at the identity)."""
         xs, ys = [], []
         for seed in self.seeds:
             gen = torch.Generator().manual_seed(_seed(seed, restart, 0x16))
             xs.append(torch.rand(self.shape, generator=gen))
             if not self.fixed:
-                ys.append(torch.randn((self.shape[0], self.num_classes), generator=gen))
-        return [torch.stack(xs).requires_grad_(True)] + ([] if self.fixed else [torch.stack(ys).requires_grad_(True)])
+                ys.append(torch.randn((self.originals, self.num_classes), generator=gen))
+        variables = [torch.stack(xs)] + ([] if self.fixed else [torch.stack(ys)])
+        if self.copies:
+            variables.append(family_start(self.copies).repeat(self.n, 1, 1))
+        return [v.requires_grad_(True) for v in variables]
 
     def _evaluate(self, variables: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        if self.fixed:
-            gx, values = self.transform(variables[0].detach(), self.labels, self.targets)
-            return values, [gx]
-        (gx, gy), values = self.transform(variables[0].detach(), variables[1].detach(), self.targets)
-        return values, [gx, gy]
+        """(objective values, gradients of ``variables``) for every target."""
+        z = variables[-1].detach() if self.copies else family_start(0).repeat(self.n, 1, 1)
+        y = self.labels if self.fixed else variables[1].detach()
+        grads, values = self.transform(variables[0].detach(), y, z, self.targets)
+        return values, list(grads)[:len(variables)]
 
     def _start(self, restart: int) -> None:
         variables = self._variables(restart)
@@ -181,9 +184,12 @@ class _StackedIG:
             self.restart_objectives[i].append(final)
             self.histories[i].append(history[i])
             if final < self.best[i]["objective"] or "images" not in self.best[i]:
+                probs = (F.one_hot(self.labels[i], self.num_classes).to(torch.float32) if self.fixed
+                         else torch.softmax(variables[1][i].detach(), dim=-1))
                 self.best[i] = {"objective": final, "images": variables[0][i].detach().clone(),
                                 "labels": self.labels[i].clone() if self.fixed
-                                else variables[1][i].detach().argmax(dim=-1)}
+                                else variables[1][i].detach().argmax(dim=-1), "probs": probs,
+                                "copy_parameters": variables[-1][i].detach().clone() if self.copies else None}
 
     def run(self) -> list[AttackResult]:
         start_time = time.perf_counter()
@@ -196,8 +202,11 @@ class _StackedIG:
                      "restart_objectives": self.restart_objectives[i], "history": self.histories[i], "seconds": share}
             if self.n > 1:
                 trace["batched_with"] = self.n
-            results.append(AttackResult(images=self.best[i]["images"].clamp(0, 1),
-                                        labels=self.best[i]["labels"].to(torch.int64), trace=trace, notes=self.notes[i]))
+            best = self.best[i]
+            results.append(AttackResult(images=best["images"][:self.originals].clamp(0, 1),
+                                        labels=best["labels"].to(torch.int64), trace=trace, notes=self.notes[i],
+                                        variables={"images": best["images"], "labels": best["probs"],
+                                                   "copy_parameters": best["copy_parameters"]}))
         return results
 
 
@@ -224,4 +233,5 @@ def plan(observations: Sequence[Observation], budget: Budget, mode: str = "auto"
 
 register(AttackSpec("ig", "gradient", "Inverting Gradients: cosine gradient matching with a TV prior, signed Adam",
                     inverting_gradients, plan, default_iterations=1000, default_victim_batch=1,
-                    applies_to=WEIGHT_KINDS, scoring="images", needs="model weights", hint=GRADIENT_HINT))
+                    applies_to=WEIGHT_KINDS, scoring="images", needs="model weights", hint=GRADIENT_HINT,
+                    matching="cosine"))

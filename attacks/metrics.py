@@ -67,26 +67,35 @@ def score_reconstructions(reconstructions: torch.Tensor, truths: torch.Tensor, p
 
 
 def score_images(scoring: str, images: torch.Tensor, labels: torch.Tensor, truths: torch.Tensor,
-                 truth_labels: torch.Tensor, prior: torch.Tensor) -> list[tuple[int, int, dict]]:
+                 truth_labels: torch.Tensor, prior: torch.Tensor,
+                 class_priors: torch.Tensor | None = None) -> list[tuple[int, int, dict]]:
     """(image index, truth index, score row) for each scored reconstruction, by the attack's scoring:
 
     * ``images``: reconstructions matched one-to-one to the images the client trained on;
     * ``class-images``: class-typical images (one per class, labelled by class), each scored
       against its best match among the client's images of that class.
+
+    With ``class_priors`` ((C, ...) class-mean images of data the attacker could hold) each row also
+    gets ``class_prior_psnr``: the class-mean image of the matched image's class, scored the same way
+    (the prior of an attacker who knows the class).
     """
     if len(truths) == 0:
         return []
     if scoring == "images":
-        return [(r["image"], r["truth_index"], r) for r in score_reconstructions(images, truths, prior)]
-    if scoring != "class-images":
+        out = [(r["image"], r["truth_index"], r) for r in score_reconstructions(images, truths, prior)]
+    elif scoring == "class-images":
+        out = []
+        for i in range(len(images)):
+            pool = torch.nonzero(truth_labels == int(labels[i])).flatten()
+            if len(pool) == 0:
+                continue
+            (row,) = score_reconstructions(images[i:i + 1], truths[pool], prior)
+            out.append((i, int(pool[row["truth_index"]]), row))
+    else:
         raise ValueError(f"no image scoring {scoring!r}")
-    out = []
-    for i in range(len(images)):
-        pool = torch.nonzero(truth_labels == int(labels[i])).flatten()
-        if len(pool) == 0:
-            continue
-        (row,) = score_reconstructions(images[i:i + 1], truths[pool], prior)
-        out.append((i, int(pool[row["truth_index"]]), row))
+    if class_priors is not None:
+        for _, j, row in out:
+            row["class_prior_psnr"] = psnr(class_priors[int(truth_labels[j])], truths[j])
     return out
 
 
@@ -96,14 +105,19 @@ def prediction_accuracy(pairs: list[tuple[int, int]]) -> float:
     return float(np.mean([t == p for t, p in made])) if made else float("nan")
 
 
+SUMMARY_KEYS = ("mean_psnr", "median_psnr", "max_psnr", "mean_prior_psnr", "mean_class_prior_psnr", "mean_ssim")
+
+
 def summarize_scores(rows: list[dict]) -> dict:
-    """mean / median / max PSNR, mean prior PSNR and mean SSIM over scored images (finite values)."""
+    """mean / median / max PSNR, mean prior and class-prior PSNR and mean SSIM over scored images."""
     if not rows:
-        return {k: float("nan") for k in ("mean_psnr", "median_psnr", "max_psnr", "mean_prior_psnr", "mean_ssim")}
+        return {k: float("nan") for k in SUMMARY_KEYS}
     p = np.array([r["psnr"] for r in rows], dtype=float)
     p = np.where(np.isinf(p), PSNR_CAP_DB, p)
+    class_prior = [r["class_prior_psnr"] for r in rows if r.get("class_prior_psnr") is not None]
     return {"mean_psnr": float(p.mean()), "median_psnr": float(np.median(p)), "max_psnr": float(p.max()),
             "mean_prior_psnr": float(np.mean([r["prior_psnr"] for r in rows])),
+            "mean_class_prior_psnr": float(np.mean(class_prior)) if class_prior else float("nan"),
             "mean_ssim": float(np.mean([r["ssim"] for r in rows]))}
 
 

@@ -46,11 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad
 
+from fedecouple.methods.base import phase_steps
+from fedecouple.methods.replay import ReplayContext, Step
 from fedecouple.models import SplitModel, group_of
 
 from .base import LocalHyperparameters, NotApplicable, Observation
 
-MODES = ("auto", "replay", "scaled")
+MODES = ("auto", "method", "replay", "scaled")
 CLASSIFIER_WEIGHT = "classifier.weight"
 
 
@@ -155,17 +157,24 @@ def update_target(obs: Observation) -> UpdateTarget:
 
 
 def resolve_mode(obs: Observation, mode: str = "auto") -> str:
-    """``replay`` or ``scaled-gradient`` for the requested ``mode`` (auto, replay, scaled)."""
+    """``method``, ``replay`` or ``scaled-gradient`` for the requested ``mode`` (auto, method, replay,
+    scaled). ``auto``: the method's own replay when the hyperparameters are known and its local
+    training is not plain SGD; otherwise the plain replay for more than one step, else the scaled
+    gradient (for plain SGD the three are the same computation)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
-    hp = obs.known_hyperparameters
-    if mode == "replay":
-        if hp is None:
-            raise ValueError("replay needs the client's local hyperparameters (lr, steps, batch size): "
-                             "use the 'hyperparameters known' threat model or the scaled mode")
-        return "replay"
+    hp, method = obs.known_hyperparameters, obs.method
+    if mode in ("replay", "method") and hp is None:
+        raise ValueError(f"{mode} needs the client's local hyperparameters (lr, steps, batch size): "
+                         "use the 'hyperparameters known' threat model or the scaled mode")
+    if mode == "method" and not method.replays():
+        raise ValueError(f"{method.name} declares no replay of its local training; use --mode replay or scaled")
+    if mode in ("replay", "method"):
+        return mode
     if mode == "scaled":
         return "scaled-gradient"
+    if hp is not None and not method.plain_sgd and method.replays():
+        return "method"
     return "replay" if hp is not None and hp.steps > 1 else "scaled-gradient"
 
 
@@ -186,12 +195,82 @@ def soft_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return torch.sum(-labels * F.log_softmax(logits, dim=-1), dim=-1).mean()
 
 
+def planned_steps(method, hp: LocalHyperparameters) -> tuple[list[Step], list[bool]]:
+    """The SGD steps the client took, as a server that knows ``hp`` lays them out: the method's phases
+    (``Method.local_phases``), ``phase_steps`` steps each (ragged last batches dropped, as the client
+    does). In the victim setting every step uses all the client's images; otherwise each epoch is
+    taken in a fixed order (the true shuffle is unknown: a guess, see the notes). Also returns
+    whether each step is augmented."""
+    n = int(hp.samples if hp.samples is not None else hp.batch_size)
+    bs = min(hp.batch_size, n)
+    steps, augmented = [], []
+    for phase, epochs, aug in method.local_phases(hp.epochs):
+        for j in range(phase_steps(epochs, n, bs, hp.steps_per_phase)):
+            if hp.steps_per_phase is not None:
+                members = tuple(range(n))
+            else:
+                start = (j % (n // bs)) * bs
+                members = tuple(range(start, start + bs))
+            steps.append(Step(phase, members))
+            augmented.append(aug)
+    return steps, augmented
+
+
+def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: list[Step]) -> ReplayContext:
+    """What ``Method.replay`` starts from, from the observation alone (``before`` from
+    ``update_target``; the client's kept model: its previous upload, else the initial weights)."""
+    initial = {n: p.detach() for n, p in obs.make_model().named_parameters()}
+    previous = obs.previous_upload or {}
+    kept = {n: previous[n].to(torch.float32) if n in previous else v for n, v in initial.items()}
+    notes = []
+    if obs.round > 0 and not any(n in previous for n in initial):
+        notes.append("no previous upload of this client: its kept model is taken to be the initial one")
+    return ReplayContext(before=before, kept=kept, download=dict(obs.download), lr=obs.known_hyperparameters.lr,
+                         steps=steps, num_classes=obs.num_classes, notes=notes)
+
+
+COPY_MODELS = ("family", "free")
+FAMILY_PARAMETERS = 8  # per copy: gain a, offset b, and a 2x3 affine map
+
+
+def family_start(count: int) -> torch.Tensor:
+    """(count, 8) family parameters of the identity: gain 1, offset 0, the identity affine map."""
+    return torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0]).repeat(count, 1)
+
+
+def family_copy(images: torch.Tensor, parameters: torch.Tensor) -> torch.Tensor:
+    """clamp(a · warp_θ(x) + b, 0, 1) per image: one differentiable family that holds every operation
+    of the paper's augmentation (crop and resize, flip and rotation are affine warps; brightness is a
+    gain a; inversion is a = −1, b = 1). The sampling grid is built by matrix product (not
+    ``affine_grid``) so that it runs under ``torch.func.vmap``."""
+    n, c, h, w = images.shape
+    ys = (torch.arange(h, dtype=images.dtype) * 2 + 1) / h - 1  # pixel centres, align_corners=False
+    xs = (torch.arange(w, dtype=images.dtype) * 2 + 1) / w - 1
+    base = torch.stack([xs.repeat(h), ys.repeat_interleave(w), torch.ones(h * w, dtype=images.dtype)], dim=1)
+    theta = parameters[:, 2:].reshape(n, 2, 3)
+    grid = (base.unsqueeze(0) @ theta.transpose(1, 2)).reshape(n, h, w, 2)
+    warped = F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return (parameters[:, :1, None, None] * warped + parameters[:, 1:2, None, None]).clamp(0.0, 1.0)
+
+
+def one_hot(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Probability rows for class ids (written to run under ``torch.func.vmap``)."""
+    return (labels.unsqueeze(-1) == torch.arange(num_classes)).to(torch.float32)
+
+
 class GradientMatcher:
     """Computes, for a dummy batch, the quantity comparable with the observed update.
 
-    ``target`` is the list of observed tensors (as gradients: g = −Δ/(lr·steps), or −Δ/‖Δ‖), and
-    ``dummy(x, y)`` the dummy's counterpart (same order, differentiable in x and y). ``scale_known``
-    is False when only the direction of the update is known.
+    ``target`` is the list of observed tensors and ``dummy(x, y)`` the dummy's counterpart (same
+    order, differentiable in x and y). In the ``replay`` and ``scaled-gradient`` modes they are
+    gradient-like (g = −Δ/(lr·steps), or −Δ/‖Δ‖ when only the direction is known: ``scale_known``
+    False). In the ``method`` mode the method's own replay (``Method.replay``) is run on the dummy:
+    the targets are the observed Δ of each attacked weight and the uploaded statistics the replay
+    also produces (FedPAC's prototypes, h, V, class counts), compared group by group
+    (``groups``). ``dummy_images`` images are optimised: the ``originals`` reconstructions, then one
+    free image per augmented copy the client trained on when ``observation.copies`` is "free"; with
+    "family" (the default) each copy is ``family_copy`` of its image with ``copy_parameters`` unknown
+    parameters; with known draws (oracle) the copies are the client's.
     """
 
     def __init__(self, obs: Observation, mode: str = "auto"):
@@ -204,26 +283,84 @@ class GradientMatcher:
         self.model.requires_grad_(False)
         self.model.eval()
         self.names = self.update.names
-        gradient = scaled_gradient(self.update, self.hyperparameters)
-        self.target = [gradient[n] for n in self.names]
         self.notes = list(self.update.notes)
-        hp = self.hyperparameters
+        self.originals = None  # the images rebuilt: set by method mode; else the attack's batch
+        self.free_copies = 0
+        self.copy_parameters = 0  # family mode: copies × FAMILY_PARAMETERS unknowns
+        self.copy_model = None
+        self.augmented: list[bool] = []
+        if self.mode == "method":
+            self._set_up_method()
+        else:
+            gradient = scaled_gradient(self.update, self.hyperparameters)
+            self.target = [gradient[n] for n in self.names]
+            self.groups = [list(range(len(self.names)))]
+            self._note_plain_modes()
+
+    def _note_plain_modes(self) -> None:
+        hp, obs = self.hyperparameters, self.observation
         if self.mode == "replay":
             self.notes.append(f"replay mode: {hp.steps} plain cross-entropy SGD step(s) with lr {hp.lr:g} on "
                               f"batches of {hp.batch_size} are replayed from the before-state and matched to the upload")
             if not obs.method.plain_sgd:
                 self.notes.append(f"{obs.method.name} does not train with plain cross-entropy SGD on all parameters "
                                   f"(phases, extra losses or augmentation): the replay is an approximation")
+        elif hp is None:
+            self.notes.append("scaled-gradient mode with unknown hyperparameters: the update is used as "
+                              "g = -delta/||delta|| (direction only)")
         else:
-            if hp is None:
-                self.notes.append("scaled-gradient mode with unknown hyperparameters: the update is used as "
-                                  "g = -delta/||delta|| (direction only)")
-            else:
-                self.notes.append(f"scaled-gradient mode: the update is used as g = -delta/(lr*steps) "
-                                  f"with lr {hp.lr:g}, {hp.steps} step(s)")
-                if not obs.method.plain_sgd:
-                    self.notes.append(f"{obs.method.name}'s local update is not one cross-entropy gradient step "
-                                      f"(phases, extra losses or augmentation): matching it as one is an approximation")
+            self.notes.append(f"scaled-gradient mode: the update is used as g = -delta/(lr*steps) "
+                              f"with lr {hp.lr:g}, {hp.steps} step(s)")
+            if not obs.method.plain_sgd:
+                self.notes.append(f"{obs.method.name}'s local update is not one cross-entropy gradient step "
+                                  f"(phases, extra losses or augmentation): matching it as one is an approximation")
+
+    def _set_up_method(self) -> None:
+        obs, hp = self.observation, self.hyperparameters
+        known = obs.known_schedule
+        if known is not None:
+            steps, self.draws = list(known.steps), list(known.draws)
+            augmented = [d is not None for d in self.draws]
+        else:
+            steps, augmented = planned_steps(obs.method, hp)
+            self.draws = None
+        self.augmented = augmented
+        self.context = replay_context(obs, self.update.before, steps)
+        self.originals = int(hp.samples if hp.samples is not None else hp.batch_size)
+        if obs.copies not in COPY_MODELS:
+            raise ValueError(f"unknown copy model {obs.copies!r}; choose one of: {', '.join(COPY_MODELS)}")
+        copies = 0 if known is not None else sum(len(s.members) for s, a in zip(steps, augmented) if a)
+        self.copy_model = "oracle" if known is not None else obs.copies
+        self.free_copies = copies if self.copy_model == "free" else 0
+        self.copy_parameters = copies * FAMILY_PARAMETERS if self.copy_model == "family" else 0
+        # the method's replay produces every field of its manifest but the sample count: besides the
+        # weights, the statistics it uploads are matched too
+        statistics = [s for s in obs.manifest() if s.kind in ("prototype", "statistic", "class_counts")]
+        self.aux_names = sorted(n for n in obs.upload if any(s.pattern.match(n) for s in statistics))
+        self.target = [self.update.delta[n] for n in self.names] + [obs.upload[n].to(torch.float32)
+                                                                      for n in self.aux_names]
+        kinds = [group_of(n) for n in self.names] + [n.split(".")[0] for n in self.aux_names]
+        order = list(dict.fromkeys(kinds))
+        self.groups = [[i for i, k in enumerate(kinds) if k == g] for g in order]
+        self.weight_groups = len(dict.fromkeys(group_of(n) for n in self.names))
+        phases = ", ".join(f"{p}: {sum(s.phase == p for s in steps)}" for p in dict.fromkeys(s.phase for s in steps))
+        self.notes.append(f"method mode: {obs.method.name}'s own local training is replayed on the dummy data "
+                          f"({len(steps)} SGD steps; {phases}) with lr {hp.lr:g} and matched group by group "
+                          f"({', '.join(order)})")
+        self.notes += self.context.notes
+        if self.free_copies:
+            self.notes.append(f"each augmented copy the client trained on is a free unknown image "
+                              f"({self.free_copies} of them; the augmentation draws are not known)")
+        elif self.copy_parameters:
+            self.notes.append(f"each augmented copy the client trained on is modelled as a transform of its image "
+                              f"from the augmentation family (gain, offset, affine warp: "
+                              f"{self.copy_parameters // FAMILY_PARAMETERS} copies, their draws unknown)")
+        elif known is not None:
+            self.notes.append("oracle threat model: the client's batch order and augmentation draws are known "
+                              "(an upper bound on what leaks)")
+        if hp.steps_per_phase is None and known is None:
+            self.notes.append("real local training: the order of the client's batches is unknown; each epoch is "
+                              "replayed in one fixed order (an approximation)")
 
     # -- the dummy's side ---------------------------------------------------------------------
     # Written with torch.func so that the same code serves one target (ordinary autograd on x and y
@@ -238,13 +375,43 @@ class GradientMatcher:
 
         return grad(loss)({n: params[n] for n in names})
 
-    def dummy(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-        """The dummy batch's gradient-like quantity for every attacked parameter, differentiable in x
-        and y (one target: x (B, C, H, W); under ``torch.func.vmap`` one target per batch row)."""
+    def dummy(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None = None,
+              copies: list | None = None) -> list[torch.Tensor]:
+        """The dummy batch's counterpart of every target, differentiable in x, y (and the family
+        parameters z of the augmented copies; one target: x (dummy images, C, H, W); under
+        ``torch.func.vmap`` one target per batch row). ``copies`` overrides the augmented copies
+        (per step; the forward-model check gives the client's true ones)."""
+        if self.mode == "method":
+            return self._method_replay(x, y, z, copies)
         if self.mode == "replay":
             return self._replay(x, y)
         gradients = self._gradient(self.update.before, self.names, x, y)
         return [gradients[n] for n in self.names]
+
+    def _copies(self, x: torch.Tensor, z: torch.Tensor | None) -> list:
+        """Each step's augmented copies under the copy model (None for an unaugmented step)."""
+        originals = x[:self.originals]
+        copies, used = [], 0
+        for i, (step, augmented) in enumerate(zip(self.context.steps, self.augmented)):
+            members = torch.tensor(step.members)
+            if not augmented:
+                copies.append(None)
+            elif self.copy_model == "oracle":
+                copies.append(_augmenter(x.shape[-1]).apply(originals[members], self.draws[i]))
+            elif self.copy_model == "family":
+                copies.append(family_copy(originals[members], z[used:used + len(members)]))
+            else:
+                copies.append(x[self.originals + used:self.originals + used + len(members)])
+            used += 0 if not augmented else len(members)
+        return copies
+
+    def _method_replay(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None, copies: list | None):
+        originals = x[:self.originals]
+        probs = one_hot(y, self.observation.num_classes) if y.ndim == 1 else y
+        copies = self._copies(x, z) if copies is None else copies
+        simulated = self.observation.method.replay(self.model, self.context, originals, probs, copies)
+        before = self.update.before
+        return [simulated[n] - before[n] for n in self.names] + [simulated[n] for n in self.aux_names]
 
     def _replay(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
         hp = self.hyperparameters
@@ -260,33 +427,90 @@ class GradientMatcher:
         factor = -1.0 / (hp.lr * max(hp.steps, 1))
         return [factor * (current[n] - start[n]) for n in self.names]
 
+    # -- comparing the two sides -----------------------------------------------------------------
+    def l2_objective(self, dummy: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
+        """DLG's distance: Σ‖a − b‖² (with an unknown scale, min over s ≥ 0 of Σ‖a − s·b‖²); in the
+        method mode the sum over groups of ‖a_g − b_g‖²/‖b_g‖² (scale-free per group)."""
+        if self.mode != "method":
+            return gradient_distance(dummy, target, self.scale_known)
+        total = 0.0
+        for g in self.groups:
+            a, b = flat([dummy[i] for i in g]), flat([target[i] for i in g])
+            total = total + ((a - b) ** 2).sum() / (b * b).sum().clamp_min(1e-30)
+        return total
+
+    def cosine_objective(self, dummy: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
+        """IG's data term: 1 − cos over all attacked weights at once; in the method mode 1 − cos per
+        weight group plus the relative squared error of each uploaded statistic."""
+        if self.mode != "method":
+            return 1.0 - F.cosine_similarity(flat(dummy), flat(target), dim=0, eps=1e-20)
+        total = 0.0
+        for k, g in enumerate(self.groups):
+            a, b = flat([dummy[i] for i in g]), flat([target[i] for i in g])
+            if k < self.weight_groups:
+                total = total + 1.0 - F.cosine_similarity(a, b, dim=0, eps=1e-20)
+            else:
+                total = total + ((a - b) ** 2).sum() / (b * b).sum().clamp_min(1e-30)
+        return total
+
     @functools.cached_property
     def model_key(self) -> tuple:
         """Everything ``shares_model_with`` compares except tensor values, hashable (for bucketing)."""
-        hp = self.hyperparameters
-        return (self.mode, tuple(self.names), None if hp is None else (hp.lr, hp.steps, hp.batch_size),
-                self.scale_known, self.observation.image_shape, self.observation.num_classes,
+        hp, obs = self.hyperparameters, self.observation
+        method = (None if self.mode != "method" else
+                  (obs.method.name, tuple(sorted(obs.method.hyperparameters().items())), tuple(self.context.steps),
+                   tuple(self.augmented), tuple(self.aux_names), self.copy_model,
+                   # known draws make each target's function its own: never batched with another
+                   None if self.draws is None else (obs.round, obs.client_id)))
+        return (self.mode, tuple(self.names), None if hp is None else (hp.lr, hp.steps, hp.batch_size), method,
+                self.scale_known, obs.image_shape, obs.num_classes,
                 type(self.model).__name__, str(self.model), getattr(self.model, "arch", None))
 
     def shares_model_with(self, other: "GradientMatcher") -> bool:
         """Whether ``other``'s dummy quantity is the same function of (x, y) as this one's: same
-        before-state, buffers, attacked parameters, mode, hyperparameters and architecture. Targets that share
-        a model can be attacked in one batched optimisation (``attacks.batching``)."""
+        before-state, buffers, attacked parameters, mode, hyperparameters and architecture (and, in
+        the method mode, the same download and kept model). Targets that share a model can be
+        attacked in one batched optimisation (``attacks.batching``)."""
         if self.model_key != other.model_key or type(self.model) is not type(other.model):
             return False
         # buffers too: functional_call takes them (e.g. the normalisation's mean and std) from one model
         buffers, other_buffers = dict(self.model.named_buffers()), dict(other.model.named_buffers())
-        if buffers.keys() != other_buffers.keys() or not all(torch.equal(buffers[k], other_buffers[k]) for k in buffers):
+        if not _same_tensors(buffers, other_buffers) or not _same_tensors(self.update.before, other.update.before):
             return False
-        mine, theirs = self.update.before, other.update.before
-        return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+        if self.mode == "method":
+            return (_same_tensors(self.context.download, other.context.download)
+                    and _same_tensors(self.context.kept, other.context.kept))
+        return True
 
     # -- labels ---------------------------------------------------------------------------------
     def classifier_weight_target(self) -> torch.Tensor | None:
-        """The observed gradient-like update of the classifier's weight (None if not attacked)."""
-        if CLASSIFIER_WEIGHT in self.names:
-            return self.target[self.names.index(CLASSIFIER_WEIGHT)]
-        return None
+        """The classifier weight's observed update as a positive multiple of a gradient (−Δ up to a
+        positive scale; None if not attacked): what iDLG's sign rule reads."""
+        if CLASSIFIER_WEIGHT not in self.names:
+            return None
+        target = self.target[self.names.index(CLASSIFIER_WEIGHT)]
+        return -target if self.mode == "method" else target
+
+
+def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@functools.lru_cache(maxsize=8)
+def _augmenter(image_size: int):
+    from fedecouple.data.augment import BatchAugmenter
+
+    return BatchAugmenter(image_size)
+
+
+def gradient_distance(dummy: list[torch.Tensor], target: list[torch.Tensor], scale_known: bool) -> torch.Tensor:
+    """Σ_layers ‖a − b‖², or with an unknown scale min_s≥0 Σ ‖a − s·b‖² (s in closed form)."""
+    if scale_known:
+        return sum(((a - b) ** 2).sum() for a, b in zip(dummy, target))
+    dot = sum((a * b).sum() for a, b in zip(dummy, target))
+    bb = sum((b * b).sum() for b in target)
+    s = dot.clamp_min(0.0) / bb.clamp_min(1e-30)
+    return sum(((a - s * b) ** 2).sum() for a, b in zip(dummy, target))
 
 
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -54,6 +54,7 @@ One image per uploaded prototype is returned, labelled with the prototype's clas
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 
@@ -117,9 +118,55 @@ def _full_group(tensors: dict[str, torch.Tensor], model: SplitModel, group: str)
     return None
 
 
+SURROGATE_STEPS = 300
+SURROGATE_BATCH = 128
+SURROGATE_LR = 1e-3
+
+
+def fit_surrogate(model: SplitModel, images: torch.Tensor, labels: torch.Tensor, prototypes: dict[int, torch.Tensor],
+                  steps: int = SURROGATE_STEPS, seed: int = 0) -> SplitModel:
+    """A surrogate extractor: ``model``'s, trained on the server's public data the way a FedProto client
+    trains its extractor towards the published prototypes: each image's features pulled to its class's
+    prototype (squared distance relative to the prototypes' mean squared norm; Adam, mini-batches).
+    Only classes with a prototype take part. Returns the trained copy."""
+    surrogate = copy.deepcopy(model).train()
+    keep = torch.tensor([int(y) in prototypes for y in labels.tolist()], dtype=torch.bool)
+    x, y = images[keep], labels[keep]
+    if len(y) == 0:
+        return surrogate.eval()
+    table = torch.zeros(int(y.max()) + 1, model.feature_dim)
+    for k, proto in prototypes.items():
+        if k < len(table):
+            table[k] = proto.float()
+    scale = torch.stack([p.float() for p in prototypes.values()]).pow(2).sum(dim=1).mean().clamp_min(1e-12)
+    params = list(surrogate.extractor.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=SURROGATE_LR)
+    gen = torch.Generator().manual_seed(int(seed))
+    for _ in range(max(0, int(steps))):
+        pick = torch.randint(0, len(y), (min(SURROGATE_BATCH, len(y)),), generator=gen)
+        loss = (surrogate.features(x[pick]) - table[y[pick]]).pow(2).sum(dim=1).mean() / scale
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return surrogate.eval()
+
+
 def choose_extractor(observation: Observation) -> tuple[SplitModel, str, str]:
     """The extractor to invert (see the module docstring): (model, source, sentence for the user)."""
     model = observation.make_model()
+    if observation.auxiliary is not None and observation.round_prototypes:
+        downloaded = _full_group(observation.download, model, "extractor")
+        if downloaded is not None:
+            set_params(model, downloaded)
+        images, labels = observation.auxiliary
+        surrogate = fit_surrogate(model, images, labels, observation.round_prototypes,
+                                  seed=observation.round * 7919 + observation.client_id)
+        return surrogate, "surrogate", (
+            f"Inverted with a surrogate extractor the server trained on its {len(labels)} public images so that "
+            f"their features match the prototypes it aggregated this round ({len(observation.round_prototypes)} "
+            f"classes), the way a {observation.method.name} client trains towards them (auxiliary-data threat model).")
     uploaded = _full_group(observation.upload, model, "extractor")
     if uploaded is not None:
         set_params(model, uploaded)
@@ -166,12 +213,16 @@ def gaussian_blur(sigma: float, channels: int):
 
 
 def set_objective(model: SplitModel, x: torch.Tensor, target: torch.Tensor,
-                  tv_weight: float = TV_WEIGHT, cosine_weight: float = COSINE_WEIGHT) -> torch.Tensor:
-    """L of the module docstring for one set of images x (M, C, H, W) and one prototype (D,)."""
+                  tv_weight: float = TV_WEIGHT, cosine_weight: float = COSINE_WEIGHT,
+                  match_norm: bool = True) -> torch.Tensor:
+    """L of the module docstring for one set of images x (M, C, H, W) and one prototype (D,); with
+    ``match_norm`` False only its direction is matched (a target known up to scale)."""
     mean_feature = model.features(x).mean(0)
-    rel = (mean_feature - target).pow(2).sum() / target.pow(2).sum().clamp_min(1e-12)
     cos = F.cosine_similarity(mean_feature, target, dim=0, eps=1e-12)
-    return rel + cosine_weight * (1.0 - cos) + tv_weight * total_variation(x).mean()
+    value = cosine_weight * (1.0 - cos) + tv_weight * total_variation(x).mean()
+    if match_norm:
+        value = value + (mean_feature - target).pow(2).sum() / target.pow(2).sum().clamp_min(1e-12)
+    return value
 
 
 def _pixel_stats(model: SplitModel, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,8 +235,9 @@ def _pixel_stats(model: SplitModel, channels: int) -> tuple[torch.Tensor, torch.
 def invert_prototype(model: SplitModel, target: torch.Tensor, image_shape: tuple[int, int, int],
                      iterations: int, restarts: int = 1, seed: int = 0, ensemble: int = ENSEMBLE,
                      tv_weight: float = TV_WEIGHT, cosine_weight: float = COSINE_WEIGHT,
-                     contrast: float | None = CONTRAST) -> tuple[torch.Tensor, float, list[float]]:
-    """One class-typical image (C, H, W) in [0, 1] for one prototype (D,).
+                     contrast: float | None = CONTRAST, match_norm: bool = True) -> tuple[torch.Tensor, float, list[float]]:
+    """One class-typical image (C, H, W) in [0, 1] for one prototype (D,) (or, with ``match_norm``
+    False, for a feature direction: e.g. a classifier row that points like a class mean).
 
     Returns (image, objective of the kept set, the kept set's objective at each function evaluation)."""
     model = model.eval()
@@ -206,7 +258,7 @@ def invert_prototype(model: SplitModel, target: torch.Tensor, image_shape: tuple
 
         def closure():
             opt.zero_grad(set_to_none=True)
-            loss = set_objective(model, blur(z).clamp(0, 1), target, tv_weight, cosine_weight)
+            loss = set_objective(model, blur(z).clamp(0, 1), target, tv_weight, cosine_weight, match_norm)
             loss.backward()
             history.append(float(loss.detach()))
             return loss
@@ -215,7 +267,7 @@ def invert_prototype(model: SplitModel, target: torch.Tensor, image_shape: tuple
             opt.step(closure)
         with torch.no_grad():
             x = blur(z).clamp(0, 1)
-            final = float(set_objective(model, x, target, tv_weight, cosine_weight))
+            final = float(set_objective(model, x, target, tv_weight, cosine_weight, match_norm))
         if not math.isfinite(final):
             final = float("inf")
         if best is None or final < best[0]:

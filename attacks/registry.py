@@ -43,6 +43,7 @@ class AttackSpec:
     scoring: str
     needs: str  # what it needs, in words ("model weights")
     hint: str = ""  # what to do instead, with {method} and {attack} placeholders
+    matching: str | None = None  # its data-matching term ("l2", "cosine"): the forward-model check
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -33,7 +33,7 @@ import torch
 from .channel import Download, Upload
 from .data.dataset import ImageDataset
 from .errors import UserError
-from .methods.base import ClientContext, Method, State, TrainConfig
+from .methods.base import BatchRecord, ClientContext, Method, State, TrainConfig
 from .models import SplitModel, build_model
 
 BACKENDS = ("sequential", "ray")
@@ -77,7 +77,7 @@ class ClientResult:
     state: State
     upload: Upload
     indices: np.ndarray  # the client's local training set (pool indices): the ground-truth hook's
-    batch_log: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    batch_log: list[BatchRecord] = field(default_factory=list)
     private: dict[str, torch.Tensor] = field(default_factory=dict)
 
 

@@ -137,6 +137,25 @@ class Recorder(Interceptor):
                 found = (rnd, upload)
         return None if found is None else found[1]
 
+    def relabel(self, client_ids: Mapping[int, int]) -> None:
+        """Rename clients: ``client_ids`` maps each recorded client id to a new one (one-to-one; ids
+        not in it stay). For a recording made under provisional ids, e.g. a Flower run whose nodes
+        are known by their partition ids only after the run."""
+        rename = {int(old): int(new) for old, new in client_ids.items()}
+        known = {cid for _, cid in self.exchanges} | {cid for _, cid in self._pending} | set(self._latest)
+        final = [rename.get(cid, cid) for cid in known]
+        if len(set(final)) != len(final):
+            raise ValueError(f"relabelling {rename} would merge clients")
+
+        def moved(message):
+            return None if message is None else replace(message, client_id=rename.get(message.client_id,
+                                                                                         message.client_id))
+
+        self.exchanges = {(rnd, rename.get(cid, cid)): Exchange(moved(ex.download), moved(ex.upload))
+                          for (rnd, cid), ex in self.exchanges.items()}
+        self._pending = {(rnd, rename.get(cid, cid)) for rnd, cid in self._pending}
+        self._latest = {rename.get(cid, cid): [(rnd, moved(up)) for rnd, up in history]
+                        for cid, history in self._latest.items()}
 
 class ServerChannel:
     """Carries downloads and uploads through the interceptor chain, in registration order."""

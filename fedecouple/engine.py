@@ -21,7 +21,7 @@ from .channel import Download, ServerChannel
 from .data.dataset import ImageDataset
 from .data.partition import Partition
 from .errors import UserError
-from .methods.base import ClientContext, Method, State, TrainConfig
+from .methods.base import BatchRecord, ClientContext, Method, State, TrainConfig
 from .models import SplitModel, default_architecture, set_params
 
 
@@ -52,18 +52,20 @@ class FederationConfig:
 
 
 class GroundTruth:
-    """Harness-only record of which samples each client trained on, batch by batch.
+    """Harness-only record of what each client trained on, batch by batch (``BatchRecord``: the
+    images and, when augmented, the augmentation's draws), and the values it kept to itself.
 
-    Kept apart from the channel: attacks may use it only to score their reconstructions.
+    Kept apart from the channel: attacks may use it only to score their reconstructions, and a
+    forward-model check may replay the client's true local training with it.
     """
 
     def __init__(self, rounds=None):
         self.rounds = None if rounds is None else set(rounds)
-        self.batches: dict[tuple[int, int], list[tuple[str, np.ndarray]]] = {}
+        self.batches: dict[tuple[int, int], list[BatchRecord]] = {}
         self.private: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.local_data: dict[tuple[int, int], np.ndarray] = {}
 
-    def record(self, round: int, client_id: int, batches: list[tuple[str, np.ndarray]],
+    def record(self, round: int, client_id: int, batches: list[BatchRecord],
                private: dict[str, torch.Tensor] | None = None, local_data: np.ndarray | None = None) -> None:
         if self.rounds is None or round in self.rounds:
             self.batches[(round, client_id)] = list(batches)
@@ -81,10 +83,21 @@ class GroundTruth:
     def samples(self, round: int, client_id: int) -> np.ndarray:
         """Distinct pool indices the client trained on in that round, in first-use order."""
         seen: dict[int, None] = {}
-        for _, idx in self.batches.get((round, client_id), []):
-            for i in idx.tolist():
+        for record in self.batches.get((round, client_id), []):
+            for i in record.indices.tolist():
                 seen.setdefault(i, None)
         return np.asarray(list(seen), dtype=np.int64)
+
+    def schedule(self, round: int, client_id: int) -> list[BatchRecord]:
+        """The client's batches in that round, in the order it took its SGD steps."""
+        return list(self.batches.get((round, client_id), []))
+
+    def steps_per_phase(self, round: int, client_id: int) -> dict[str, int]:
+        """How many SGD steps the client took in each phase of its local training in that round."""
+        counts: dict[str, int] = {}
+        for record in self.batches.get((round, client_id), []):
+            counts[record.phase] = counts.get(record.phase, 0) + 1
+        return counts
 
 
 @dataclass

@@ -9,6 +9,8 @@ Padding is not stated in the paper. We use no padding in the first two convoluti
 of 106,400 parameters = 415.6 KiB, exactly the extractor size in the paper's communication formula.
 The 28x28 model ``cnn28`` follows the same convention (no padding: 28→24→12→8→4, FC 512→128).
 ``cnn28-same`` is the other reading, "same" padding 2 in both convolutions (28→28→14→14→7, FC 1568→128).
+``pfllib-cnn`` is PFLlib's ``FedAvgCNN`` (conv 32, conv 64, 5x5, no padding, ReLU, FC 1024→512), the
+model the paper's baselines likely ran, so tables can be checked on it.
 The choice matters for gradient inversion far more than for accuracy: on cnn28 the FC layer sees 512
 pooled features of a 784-pixel image and DLG stalls (≈15-20 dB); on cnn28-same it sees 1568 and DLG
 recovers the image (BENCHMARKS.md, "Attacks").
@@ -23,7 +25,7 @@ from torch import nn
 from .errors import UserError
 
 GROUPS = ("extractor", "classifier")
-ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "digits")
+ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits")
 
 
 class Normalize(nn.Module):
@@ -87,6 +89,17 @@ def _cnn28_same(channels: int) -> nn.Sequential:
     return _cnn28(channels, padding=2)
 
 
+def _pfllib_cnn(channels: int) -> nn.Sequential:
+    """PFLlib's ``FedAvgCNN`` for 28x28 images (the model its baselines run): conv 32 and conv 64, 5x5,
+    no padding, each ReLU + max-pool, then FC 1024 → 512 (ReLU); the classifier is its ``fc``."""
+    return nn.Sequential(OrderedDict([
+        ("conv1", nn.Conv2d(channels, 32, 5)), ("act1", nn.ReLU()), ("pool1", nn.MaxPool2d(2)),
+        ("conv2", nn.Conv2d(32, 64, 5)), ("act2", nn.ReLU()), ("pool2", nn.MaxPool2d(2)),
+        ("flatten", nn.Flatten()),
+        ("fc", nn.Linear(64 * 4 * 4, 512)), ("act3", nn.ReLU()),
+    ]))
+
+
 def _digits(channels: int) -> nn.Sequential:
     act = lambda: nn.LeakyReLU(0.01)  # noqa: E731
     return nn.Sequential(OrderedDict([
@@ -98,7 +111,7 @@ def _digits(channels: int) -> nn.Sequential:
 
 # the first entry of each image size is that size's default
 _BUILDERS = {"cnn32": (_cnn32, 32, 128), "cnn28": (_cnn28, 28, 128), "cnn28-same": (_cnn28_same, 28, 128),
-             "digits": (_digits, 8, 64)}
+             "pfllib-cnn": (_pfllib_cnn, 28, 512), "digits": (_digits, 8, 64)}
 
 
 def default_architecture(channels: int, image_size: int) -> str:

@@ -31,7 +31,6 @@ reconstruction, PSNR under each; not for label attacks), all written atomically.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -42,14 +41,17 @@ import pandas as pd
 import torch
 
 import attacks
-from attacks.base import AttackResult, Budget, LocalHyperparameters, NotApplicable
-from attacks.metrics import (prediction_accuracy, score_images, score_label_distribution,
+from attacks.base import AttackResult, Budget, KnownSchedule, LocalHyperparameters, NotApplicable
+from attacks.metrics import (SUMMARY_KEYS, prediction_accuracy, score_images, score_label_distribution,
                              summarize_scores)
 from attacks.observation import MODES, observe
 from attacks.registry import AttackSpec
 from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.engine import GroundTruth, VictimSetting, derive_seed
+from fedecouple.data.registry import EMBEDDED
 from fedecouple.errors import UserError
+from fedecouple.methods.base import phase_steps
+from fedecouple.methods.replay import Step
 from reports.figures import reconstruction_grid
 
 from . import io
@@ -58,14 +60,17 @@ from .runner import Prepared, RunConfig, build_federation, prepare
 from .versions import package_versions
 
 IMAGE_COLUMNS = ["method", "attack", "mode", "round", "client", "image", "psnr", "ssim", "prior_psnr",
-                 "label_true", "label_pred"]
+                 "class_prior_psnr", "label_true", "label_pred", "mis_specified", "replay_cosine", "objective_truth",
+                 "objective_reconstruction"]
+CHECK_KEYS = ("mis_specified", "replay_cosine", "replay_relative_error", "objective_truth", "objective_reconstruction")
 LABEL_COLUMNS = ["method", "attack", "mode", "round", "client", "class", "true_count", "true_proportion",
                  "predicted_proportion"]
 MAX_PANELS = 16
 # training and attacks run small models at small batches: on a shared 2-core machine one thread was
 # 6-8x faster than two for IG on the 28x28 CNN (measured, see BENCHMARKS.md)
 ATTACK_THREADS = 1
-SCORE_KEYS = ("mean_psnr", "median_psnr", "max_psnr", "mean_prior_psnr", "mean_ssim")
+SCORE_KEYS = SUMMARY_KEYS
+AUGMENTATION_MODELS = ("family", "free", "oracle")
 
 
 @dataclass
@@ -84,7 +89,13 @@ class AttackSettings:
     seed: int | None = None  # target choice and attack starts (default: the run's seed)
     hyperparameters_known: bool = True
     head_known: bool = True
+    # how the attacker models the augmented copies a client trains on: "family" (transforms of the
+    # image, parameters unknown), "free" (unknown images), "oracle" (the client's batch order and
+    # draws are known: an upper bound)
+    augmentations: str = "family"
     mode: str = "auto"
+    start: str = "noise"  # DLG's dummy images: noise or the per-channel mean
+    aux_data: str | None = None  # public data the server holds (an embedded data set's name)
     batched: bool = True
     train_rounds: int | None = None  # default: max(rounds) + 1
     threads: int | None = None  # default: the run's, else ATTACK_THREADS
@@ -100,7 +111,8 @@ class AttackSettings:
         return self.images or (self.victim_batch if self.victim_batch else 1)
 
     def budget(self) -> Budget:
-        return Budget(iterations=self.iterations, restarts=self.restarts, batch=self.images_per_target)
+        return Budget(iterations=self.iterations, restarts=self.restarts, batch=self.images_per_target,
+                      start=self.start)
 
     def resolved(self, config: RunConfig) -> "AttackSettings":
         """Defaults filled in and every value checked (one-line ``UserError``s)."""
@@ -116,9 +128,17 @@ class AttackSettings:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise UserError(f"unknown --mode {self.mode!r}; choose one of: {', '.join(MODES)}")
-        if self.mode == "replay" and not self.hyperparameters_known:
-            raise UserError("--mode replay needs the local hyperparameters: drop --hyperparameters-unknown or use "
-                            "--mode scaled")
+        if self.mode in ("replay", "method") and not self.hyperparameters_known:
+            raise UserError(f"--mode {self.mode} needs the local hyperparameters: drop --hyperparameters-unknown or "
+                            f"use --mode scaled")
+        if self.aux_data is not None and self.aux_data not in EMBEDDED:
+            raise UserError(f"--aux-data {self.aux_data!r}: not an embedded data set; choose one of: "
+                            f"{', '.join(EMBEDDED)}")
+        if self.augmentations not in AUGMENTATION_MODELS:
+            raise UserError(f"unknown --augmentations {self.augmentations!r}; choose one of: "
+                            f"{', '.join(AUGMENTATION_MODELS)}")
+        if self.augmentations == "oracle" and not self.hyperparameters_known:
+            raise UserError("--augmentations oracle needs the local hyperparameters: drop --hyperparameters-unknown")
         if self.targets < 1:
             raise UserError(f"--targets must be at least 1, got {self.targets}")
         if self.victim_batch < 0 or self.victim_steps < 1:
@@ -266,6 +286,7 @@ class _Target:
     observation: object = None
     result: AttackResult | NotApplicable | None = None
     rows: list[dict] = field(default_factory=list)
+    check: dict = field(default_factory=dict)  # the forward-model check (attacks.forward_check)
 
 
 def attack_recorded(run: RecordedRun, settings: AttackSettings, targets: dict[int, list[int]],
@@ -279,6 +300,7 @@ def attack_recorded(run: RecordedRun, settings: AttackSettings, targets: dict[in
     notes = [f"round {r}: only {len(cs)} clients take part, fewer than --targets {settings.targets}"
              for r, cs in targets.items() if len(cs) < settings.targets]
     jobs = _observe_targets(run, settings, targets, notes)
+    auxiliary = jobs[0].observation.auxiliary if jobs else None
     _attack_targets(run, settings, jobs, progress)
     prior = run.dataset.images.mean(dim=0)
     panels: list[tuple] = []
@@ -287,7 +309,7 @@ def attack_recorded(run: RecordedRun, settings: AttackSettings, targets: dict[in
             notes.append(f"round {job.round} client {job.client}: {job.result}")
             continue
         # ---- scoring: ground truth is read only here, after the attack returned ----
-        job.rows = _score_target(run, spec, job, prior, panels, notes)
+        job.rows = _score_target(run, spec, job, prior, panels, notes, auxiliary)
     scored = [j for j in jobs if isinstance(j.result, AttackResult)]
     notes += _shared_notes(scored)
     rows = [row for j in scored for row in j.rows]
@@ -298,20 +320,69 @@ def attack_recorded(run: RecordedRun, settings: AttackSettings, targets: dict[in
 
 
 def _known_hyperparameters(run: RecordedRun, settings: AttackSettings, upload) -> LocalHyperparameters | None:
+    """The "hyperparameters known" threat model: the client's lr, batch size and epochs (or, in the
+    victim setting, its steps and images), and its number of samples from its upload; the steps
+    are derived the way the client takes them (``phase_steps``: a ragged last batch is dropped)."""
     if not settings.hyperparameters_known:
         return None
     train = run.train
     if settings.victim_batch > 0:
-        return LocalHyperparameters(lr=train.lr, steps=settings.victim_steps, batch_size=settings.victim_batch)
+        return LocalHyperparameters(lr=train.lr, steps=settings.victim_steps, batch_size=settings.victim_batch,
+                                    epochs=train.local_epochs, samples=settings.victim_batch,
+                                    steps_per_phase=settings.victim_steps)
     sample_count = upload.tensors.get("sample_count")
     n = int(sample_count) if sample_count is not None else train.batch_size
-    steps = train.local_epochs * max(1, math.ceil(n / train.batch_size))
-    return LocalHyperparameters(lr=train.lr, steps=steps, batch_size=train.batch_size)
+    steps = sum(phase_steps(epochs, n, train.batch_size) for _, epochs, _ in run.method.local_phases(train.local_epochs))
+    return LocalHyperparameters(lr=train.lr, steps=steps, batch_size=train.batch_size, epochs=train.local_epochs,
+                                samples=n)
+
+
+def _known_schedule(run: RecordedRun, round: int, client: int) -> KnownSchedule:
+    """The oracle threat model: the client's true batch order and augmentation draws (harness-only
+    ground truth handed to the attacker on purpose, for an upper bound)."""
+    records = run.ground_truth.schedule(round, client)
+    return KnownSchedule([Step(r.phase, tuple(int(p) for p in r.positions)) for r in records],
+                         [r.draws for r in records])
+
+
+def auxiliary_data(name: str, like, exclude: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embedded data set ``name`` as public data of ``like``'s domain: resized (bilinear) to its
+    image size and converted to its number of channels. When it is ``like`` itself, the images at
+    ``exclude`` (the attacked clients' own) are left out: the server's data is disjoint from theirs."""
+    data = EMBEDDED[name]()
+    x, labels = data.images, data.labels
+    if name == like.name and exclude is not None and len(exclude):
+        keep = torch.ones(len(labels), dtype=torch.bool)
+        keep[torch.from_numpy(exclude)] = False
+        x, labels = x[keep], labels[keep]
+    if x.shape[-1] != like.image_size:
+        x = torch.nn.functional.interpolate(x, size=(like.image_size, like.image_size), mode="bilinear",
+                                            align_corners=False).clamp(0, 1)
+    if x.shape[1] != like.channels:
+        x = x.mean(dim=1, keepdim=True).expand(-1, like.channels, -1, -1).contiguous()
+    return x, labels
+
+
+def round_prototypes(run: RecordedRun, round: int) -> dict[int, torch.Tensor]:
+    """Per class, the mean of the prototypes every client uploaded in ``round`` (the server sees them
+    all; equal weights)."""
+    from attacks.proto import per_class_values
+
+    specs = [s for s in run.method.manifest(run.make_model()) if s.kind == "prototype" and s.per_class]
+    sums: dict[int, list[torch.Tensor]] = {}
+    for (r, _), exchange in sorted(run.recorder.exchanges.items()):
+        if r == round and exchange.upload is not None:
+            for k, proto in per_class_values(dict(exchange.upload.tensors), specs).items():
+                sums.setdefault(k, []).append(proto.float().flatten())
+    return {k: torch.stack(v).mean(0) for k, v in sorted(sums.items())}
 
 
 def _observe_targets(run: RecordedRun, settings: AttackSettings, targets: dict[int, list[int]],
                      notes: list[str]) -> list[_Target]:
     image_shape = tuple(run.dataset.images.shape[1:])
+    attacked = [run.ground_truth.training_set(r, c) for r in targets for c in targets[r]]
+    auxiliary = None if settings.aux_data is None else auxiliary_data(
+        settings.aux_data, run.dataset, np.concatenate(attacked) if attacked else None)
     jobs = []
     for r in sorted(targets):
         for c in targets[r]:
@@ -320,9 +391,15 @@ def _observe_targets(run: RecordedRun, settings: AttackSettings, targets: dict[i
                 notes.append(f"round {r} client {c}: no upload was recorded (dropped)")
                 continue
             hp = _known_hyperparameters(run, settings, exchange.upload)
-            jobs.append(_Target(r, c, observe(run.recorder, r, c, method=run.method, make_model=run.make_model,
-                                              image_shape=image_shape, num_classes=run.dataset.num_classes,
-                                              known_hyperparameters=hp, head_known=settings.head_known)))
+            obs = observe(run.recorder, r, c, method=run.method, make_model=run.make_model, image_shape=image_shape,
+                          num_classes=run.dataset.num_classes, known_hyperparameters=hp, head_known=settings.head_known)
+            if settings.augmentations == "oracle":
+                obs.known_schedule = _known_schedule(run, r, c)
+            else:
+                obs.copies = settings.augmentations
+            if auxiliary is not None:
+                obs.auxiliary, obs.round_prototypes = auxiliary, round_prototypes(run, r)
+            jobs.append(_Target(r, c, obs))
     return jobs
 
 
@@ -345,8 +422,22 @@ def _attack_targets(run: RecordedRun, settings: AttackSettings, jobs: list[_Targ
             jobs[i].result = result
 
 
+def _class_priors(run: RecordedRun, job: _Target, auxiliary) -> torch.Tensor:
+    """(C, ...) class-mean images of data the attacker could hold: its public data when it has some,
+    else every pooled image but the target client's own training images."""
+    if auxiliary is not None:
+        images, labels = auxiliary
+    else:
+        keep = torch.ones(len(run.dataset), dtype=torch.bool)
+        keep[torch.from_numpy(run.ground_truth.training_set(job.round, job.client))] = False
+        images, labels = run.dataset.images[keep], run.dataset.labels[keep]
+    sums = torch.zeros(run.dataset.num_classes, *images.shape[1:]).index_add_(0, labels, images)
+    counts = torch.bincount(labels, minlength=run.dataset.num_classes).clamp_min(1)
+    return sums / counts.view(-1, *([1] * (images.dim() - 1)))
+
+
 def _score_target(run: RecordedRun, spec: AttackSpec, job: _Target, prior: torch.Tensor, panels: list,
-                  notes: list[str]) -> list[dict]:
+                  notes: list[str], auxiliary=None) -> list[dict]:
     result, dataset = job.result, run.dataset
     base = {"method": run.method.name, "attack": spec.name, "mode": str(result.trace.get("mode", "n/a")),
             "round": job.round, "client": job.client}
@@ -358,6 +449,8 @@ def _score_target(run: RecordedRun, spec: AttackSpec, job: _Target, prior: torch
         total = max(int(true_counts.sum()), 1)
         return [{**base, "class": k, "true_count": int(true_counts[k]), "true_proportion": float(true_counts[k]) / total,
                  "predicted_proportion": float(predicted[k])} for k in range(dataset.num_classes)]
+    if spec.matching is not None:
+        job.check = _forward_check(run, spec, job)
     idx = torch.from_numpy(run.ground_truth.samples(job.round, job.client))
     truths, truth_labels = dataset.images[idx], dataset.labels[idx]
     if len(truths) > len(result.images) or spec.scoring == "class-images":
@@ -366,13 +459,28 @@ def _score_target(run: RecordedRun, spec: AttackSpec, job: _Target, prior: torch
         if note not in notes:
             notes.append(note)
     rows = []
-    for i, j, row in score_images(spec.scoring, result.images, result.labels, truths, truth_labels, prior):
+    class_priors = _class_priors(run, job, auxiliary)
+    for i, j, row in score_images(spec.scoring, result.images, result.labels, truths, truth_labels, prior,
+                                  class_priors):
         rows.append({**base, "image": i, "psnr": row["psnr"], "ssim": row["ssim"], "prior_psnr": row["prior_psnr"],
+                     "class_prior_psnr": row["class_prior_psnr"],
                      "label_true": int(truth_labels[j]),
-                     "label_pred": int(result.labels[i]) if i < len(result.labels) else -1})
+                     "label_pred": int(result.labels[i]) if i < len(result.labels) else -1,
+                     **{k: job.check.get(k) for k in IMAGE_COLUMNS if k in CHECK_KEYS}})
         if len(panels) < MAX_PANELS:
             panels.append((truths[j], result.images[i], row["psnr"], f"r{job.round} c{job.client}"))
     return rows
+
+
+def _forward_check(run: RecordedRun, spec: AttackSpec, job: _Target) -> dict:
+    """``attacks.forward_check.check`` with the target's ground truth (its training set in order, its
+    batches): read here, after the attack returned."""
+    from attacks.forward_check import check
+
+    idx = torch.from_numpy(run.ground_truth.training_set(job.round, job.client))
+    mode = str(job.result.trace.get("mode", "auto")).replace("scaled-gradient", "scaled")
+    return check(job.observation, mode, spec.matching, job.result, run.dataset.images[idx], run.dataset.labels[idx],
+                 run.ground_truth.schedule(job.round, job.client))
 
 
 def _shared_notes(scored: list[_Target]) -> list[str]:
@@ -422,12 +530,23 @@ def _summary(run: RecordedRun, settings: AttackSettings, targets: dict, scored: 
         "per_target": [{"round": j.round, "client": j.client, "mode": str(j.result.trace.get("mode", "n/a")),
                         "objective": float(j.result.trace.get("objective", float("nan"))),
                         "seconds": round(float(j.result.trace.get("seconds", float("nan"))), 3),
-                        "batched_with": int(j.result.trace.get("batched_with", 1))} for j in scored],
+                        "batched_with": int(j.result.trace.get("batched_with", 1)), **j.check} for j in scored],
+        **_check_summary([j.check for j in scored if j.check]),
         "settings": asdict(settings), **context, "versions": package_versions(), "notes": notes,
     }
     if label_scores:
         summary["label_scores"] = label_scores
     return io.finite(summary)
+
+
+def _check_summary(checks: list[dict]) -> dict:
+    """The forward-model check over all targets: whether any was mis-specified, the worst replay."""
+    if not checks:
+        return {"mis_specified": None, "mis_specified_targets": None, "replay_cosine_min": None}
+    flags = [c["mis_specified"] for c in checks if c.get("mis_specified") is not None]
+    cosines = [c["replay_cosine"] for c in checks if c.get("replay_cosine") is not None]
+    return {"mis_specified": any(flags) if flags else None, "mis_specified_targets": sum(flags) if flags else None,
+            "replay_cosine_min": min(cosines) if cosines else None}
 
 
 def _write_outputs(out: Path, spec: AttackSpec, rows: list[dict], panels: list, summary: dict, title: str) -> None:

@@ -35,6 +35,7 @@ from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.engine import GroundTruth
 from fedecouple.errors import UserError
 from fedecouple.methods.base import FieldSpec
+from fedecouple.models import group_of, set_params
 from reports.audit import SEVERITIES, audit_markdown
 
 from . import io
@@ -112,9 +113,12 @@ def psnr_gap(summary: dict | None) -> float | None:
 
 
 def at_chance(summary: dict | None) -> bool | None:
-    """Whether an attack's measured leakage is at chance level (within LEAK_GAP_DB of the prior)."""
+    """Whether an attack's measured leakage is at chance level (within LEAK_GAP_DB of the prior). Never
+    for a mis-specified attack (its forward model was wrong): that is no evidence of low leakage."""
     gap = psnr_gap(summary)
-    return None if gap is None else gap < LEAK_GAP_DB
+    if gap is None or (summary or {}).get("mis_specified"):
+        return None
+    return gap < LEAK_GAP_DB
 
 
 def _leak_severity(summary: dict | None, base: str) -> tuple[str, str]:
@@ -122,6 +126,10 @@ def _leak_severity(summary: dict | None, base: str) -> tuple[str, str]:
     gap = psnr_gap(summary)
     if gap is None:
         return base, "not measured"
+    if summary.get("mis_specified"):
+        return base, (f"measured mean PSNR {summary['mean_psnr']:.1f} dB vs prior {summary['mean_prior_psnr']:.1f} dB, "
+                      f"but the attack's forward model was wrong (the truth matched the upload worse than the "
+                      f"reconstruction): no evidence either way")
     if at_chance(summary):
         return "low", (f"measured mean PSNR {summary['mean_psnr']:.1f} dB is within {LEAK_GAP_DB:.0f} dB of the prior "
                        f"({summary['mean_prior_psnr']:.1f} dB)")
@@ -178,13 +186,16 @@ def run_audit(config: RunConfig, out: str | Path, evidence: bool = True, evidenc
         if evidence and uploaded else {}
     context = {"dataset": config.data.dataset, "clients": config.data.clients, "partition": config.data.partition,
                "seed": config.federation.seed, "config": config.to_dict()}
-    return audit_recorded(run, out, config.federation.rounds, measured, context, start)
+    return audit_recorded(run, out, config.federation.rounds, measured, context, start,
+                          inversion_iterations=evidence_iterations if evidence else 0)
 
 
 def audit_recorded(run: RecordedRun, out: str | Path, rounds: int, evidence: dict[str, dict] | None = None,
-                   context: dict | None = None, start: float | None = None) -> dict:
+                   context: dict | None = None, start: float | None = None, inversion_iterations: int = 0) -> dict:
     """Audit every upload of a recorded run: fields, bytes, findings (with ``evidence``: {attack kind:
-    attack summary} measured elsewhere). Writes audit.csv, findings.json, audit.md, summary.json."""
+    attack summary} measured elsewhere; ``inversion_iterations`` > 0 also measures what inverting
+    rows that point like private anchors gives). Writes audit.csv, findings.json, audit.md,
+    summary.json."""
     start = time.perf_counter() if start is None else start
     out = Path(out)
     manifest = run.method.manifest(run.make_model())
@@ -193,7 +204,9 @@ def audit_recorded(run: RecordedRun, out: str | Path, rounds: int, evidence: dic
     kinds = set(frame["kind"]) if len(frame) else set()
     evidence = evidence or {}
     findings = (_protocol_findings(run, frame, kinds) + _label_findings(run, manifest, uploads, frame, kinds, evidence)
-                + _reconstruction_findings(kinds, evidence) + _private_value_findings(run, uploads, kinds))
+                + _reconstruction_findings(kinds, evidence)
+                + _private_value_findings(run, uploads, kinds, inversion_iterations)
+                + _kept_parameter_findings(run, uploads))
     traffic = _traffic(run, rounds)
     findings.append(_communication_finding(traffic, run.dataset.num_classes))
     findings.sort(key=lambda f: SEVERITIES.index(f["severity"]))
@@ -271,18 +284,96 @@ def _reconstruction_findings(kinds: set[str], evidence: dict) -> list[dict]:
     return findings
 
 
-def _private_value_findings(run: RecordedRun, uploads: list, kinds: set[str]) -> list[dict]:
+def _private_value_findings(run: RecordedRun, uploads: list, kinds: set[str], inversion_iterations: int) -> list[dict]:
     """Verify claims about private values: anchors are never uploaded, nor per-class counts."""
     findings = []
-    checked = [(key, priv["anchors"]) for key, priv in run.ground_truth.private.items() if "anchors" in priv]
+    checked = [(key, priv["anchors"]) for key, priv in sorted(run.ground_truth.private.items()) if "anchors" in priv]
     if checked:
-        findings.append(_anchor_finding(run, checked))
+        findings.append(_anchor_finding(run, checked, inversion_iterations))
     if run.method.name == "fedecouple" or checked:
         findings.append(_count_finding(run, uploads, kinds))
     return findings
 
 
-def _anchor_finding(run: RecordedRun, checked: list) -> dict:
+def _kept_parameter_findings(run: RecordedRun, uploads: list) -> list[dict]:
+    """Verify which model parameters never left the clients: none of the recorded uploads carried them
+    (e.g. FedPer's head). Checked against the model, not the method's manifest."""
+    if not uploads:
+        return []
+    names = [name for name, _ in run.make_model().named_parameters()]
+    sent = {name for up in uploads for name in up.tensors}
+    kept = [name for name in names if name not in sent]
+    if not kept:
+        return []
+    groups = {}
+    for name in names:
+        groups.setdefault(group_of(name), []).append(name)
+    parts = [f"the {group}" if all(n in kept for n in members) else ", ".join(n for n in members if n in kept)
+             for group, members in groups.items() if any(n in kept for n in members)]
+    rounds = sorted({up.round for up in uploads})
+    return [_finding("info", "PARAMETERS_NEVER_UPLOADED",
+                     f"Verified: {' and '.join(parts)} never left the clients: none of the {len(uploads)} recorded "
+                     f"uploads ({len(rounds)} round(s)) carried {', '.join(kept)}.",
+                     parameters=kept, uploads_checked=len(uploads), rounds=rounds)]
+
+
+
+ANCHOR_APPROXIMATE = 0.5  # a cosine this high between an uploaded row and an anchor: its direction leaks
+
+
+def anchor_alignment(run: RecordedRun, checked: list) -> list[dict]:
+    """Per checked (round, client, class held): the cosine between the uploaded classifier row of
+    that class and the client's anchor of it (FedeCouple's personal classifier is trained to
+    separate features pulled towards those anchors, so its rows can point like them)."""
+    rows = []
+    for (rnd, cid), anchors in checked:
+        exchange = run.recorder.get(rnd, cid)
+        weight = None if exchange is None or exchange.upload is None else exchange.upload.tensors.get("classifier.weight")
+        if weight is None or weight.shape[1] != anchors.shape[1]:
+            continue
+        held = torch.unique(_true_classes(run, rnd, cid)).tolist()
+        for k, anchor in zip(held, anchors):
+            rows.append({"round": rnd, "client": cid, "class": int(k),
+                         "cosine": float(F.cosine_similarity(weight[k].double(), anchor.double(), dim=0))})
+    return rows
+
+
+def anchor_inversion(run: RecordedRun, alignment: list[dict], iterations: int, limit: int = 4) -> dict | None:
+    """What an attacker gains from the rows' directions: each of the best-aligned rows (at most
+    ``limit``) inverted as a feature direction through the extractor the server sent that round
+    (the one the anchors came from), scored against the client's images of that class, beside the
+    data-set mean image and the class-mean image of the other clients' data."""
+    from attacks.metrics import psnr
+    from attacks.proto import invert_prototype
+
+    if not alignment or iterations < 1:
+        return None
+    scores = []
+    for row in sorted(alignment, key=lambda r: -r["cosine"])[:limit]:
+        exchange = run.recorder.get(row["round"], row["client"])
+        model = run.make_model()
+        set_params(model, {n: v for n, v in exchange.download.tensors.items() if n.startswith("extractor.")})
+        direction = exchange.upload.tensors["classifier.weight"][row["class"]]
+        image, _, _ = invert_prototype(model, direction, tuple(run.dataset.images.shape[1:]), iterations,
+                                       seed=row["round"] * 1009 + row["client"], match_norm=False)
+        own = run.ground_truth.training_set(row["round"], row["client"])
+        labels = run.dataset.labels
+        pool = torch.from_numpy(own)[labels[torch.from_numpy(own)] == row["class"]]
+        others = torch.ones(len(labels), dtype=torch.bool)
+        others[torch.from_numpy(own)] = False
+        class_mean = run.dataset.images[others & (labels == row["class"])].mean(0)
+        scores.append({**row, "psnr": max(psnr(image, run.dataset.images[i]) for i in pool.tolist()),
+                       "class_prior_psnr": max(psnr(class_mean, run.dataset.images[i]) for i in pool.tolist()),
+                       "prior_psnr": max(psnr(run.dataset.images.mean(0), run.dataset.images[i]) for i in pool.tolist())})
+    mean = lambda key: float(np.mean([s[key] for s in scores]))  # noqa: E731
+    return {"inverted_rows": len(scores), "mean_psnr": mean("psnr"), "mean_class_prior_psnr": mean("class_prior_psnr"),
+            "mean_prior_psnr": mean("prior_psnr"), "per_row": scores}
+
+
+def _anchor_finding(run: RecordedRun, checked: list, inversion_iterations: int = 0) -> dict:
+    """Graded: exact (an uploaded tensor or row equals an anchor, or points exactly its way), approximate
+    (a classifier row points like an anchor: cosine ≥ ANCHOR_APPROXIMATE; with evidence, what inverting
+    those rows gives), or none."""
     worst = {"max_cosine": -1.0, "field": None, "exact_matches": 0, "rows_compared": 0}
     for (rnd, cid), anchors in checked:
         exchange = run.recorder.get(rnd, cid)
@@ -293,14 +384,30 @@ def _anchor_finding(run: RecordedRun, checked: list) -> dict:
         worst["rows_compared"] += res["rows_compared"]
         if res["max_cosine"] > worst["max_cosine"]:
             worst.update(max_cosine=res["max_cosine"], field=res["field"], where=f"round {rnd} client {cid}")
-    leaked = worst["exact_matches"] > 0 or worst["max_cosine"] > 0.999
-    return _finding(
-        "high" if leaked else "info", "ANCHORS_UPLOADED" if leaked else "ANCHORS_NOT_UPLOADED",
-        ("An uploaded field matches the anchors the client computed: the client's per-class feature means leave it."
-         if leaked else
-         "Verified: no uploaded tensor, nor any row of one, equals or points the same way as an anchor the client "
-         "computed (the paper's claim holds in this run)."),
-        anchor_sets_checked=len(checked), **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in worst.items()})
+    alignment = anchor_alignment(run, checked)
+    grade = ("exact" if worst["exact_matches"] > 0 or worst["max_cosine"] > 0.999 else
+             "approximate" if worst["max_cosine"] >= ANCHOR_APPROXIMATE else "none")
+    evidence = {"anchor_sets_checked": len(checked), "disclosure": grade,
+                **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in worst.items()},
+                "same_class_row_cosine_mean": float(np.mean([a["cosine"] for a in alignment])) if alignment else None}
+    if grade == "exact":
+        return _finding("high", "ANCHORS_UPLOADED", "An uploaded field matches the anchors the client computed: the "
+                        "client's per-class feature means leave it.", **evidence)
+    if grade == "none":
+        return _finding("info", "ANCHORS_NOT_UPLOADED", "Verified: no uploaded tensor, nor any row of one, equals or "
+                        "points the same way as an anchor the client computed (the paper's claim holds in this run).",
+                        **evidence)
+    inversion = anchor_inversion(run, alignment, inversion_iterations)
+    gain = ("" if inversion is None else
+            f" Inverting the {inversion['inverted_rows']} best-aligned rows as feature directions through the "
+            f"downloaded extractor gives {inversion['mean_psnr']:.1f} dB against the client's images of that class "
+            f"(class-mean image of other data: {inversion['mean_class_prior_psnr']:.1f} dB; data-set mean: "
+            f"{inversion['mean_prior_psnr']:.1f} dB).")
+    return _finding("medium" if inversion is None or inversion["mean_psnr"] > inversion["mean_class_prior_psnr"]
+                    else "low", "ANCHORS_APPROXIMATELY_DISCLOSED",
+                    f"No uploaded tensor equals an anchor, but classifier rows point like them (max cosine "
+                    f"{worst['max_cosine']:.2f}, in {worst['field']}): the paper's claim that anchors never leave the "
+                    f"client holds exactly, not approximately.{gain}", **evidence, anchor_inversion=inversion)
 
 
 def _count_finding(run: RecordedRun, uploads: list, kinds: set[str]) -> dict:

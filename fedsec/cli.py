@@ -236,9 +236,23 @@ def compare(ctx, methods, seeds, out, **opts):
               help="Images rebuilt per target [--victim-batch; 1 with --victim-batch 0]; e.g. 2 for a method that "
                    "trains on each image and an augmented copy.")
 @click.option("--attack-seed", type=int, default=None, help="Seed for target choice and attack starts [--seed].")
-@click.option("--mode", type=click.Choice(["auto", "replay", "scaled"]), default="auto", show_default=True,
-              help="Gradient attacks: replay the local SGD steps (needs known hyperparameters), or read the update "
-                   "as a scaled gradient; auto replays when hyperparameters are known and T > 1.")
+@click.option("--mode", type=click.Choice(["auto", "method", "replay", "scaled"]), default="auto", show_default=True,
+              help="Gradient attacks' forward model: method = replay the attacked method's own local training "
+                   "(its phases, losses, augmentation; needs known hyperparameters); replay = plain cross-entropy "
+                   "SGD steps; scaled = the update read as one gradient. auto: method where the method's training "
+                   "is not plain SGD, else replay for T > 1, else scaled (the same computation for plain SGD).")
+@click.option("--augmentations", type=click.Choice(["family", "free", "oracle"]), default="family", show_default=True,
+              help="Method mode, for methods that train on augmented copies (FedeCouple's DA): family = each copy "
+                   "is a transform of its image from the augmentation family (gain, offset, affine warp), its "
+                   "parameters unknown; free = each copy is an unknown image; oracle = the server knows the "
+                   "client's augmentation draws and batch order (an upper bound).")
+@click.option("--start", type=click.Choice(["noise", "mean"]), default="noise", show_default=True,
+              help="DLG/iDLG dummy images start as uniform noise or as the per-channel mean image.")
+@click.option("--aux-data", default=None, metavar="DATASET",
+              help="Threat model: the server holds public data of the same domain (an embedded data set: digits "
+                   "or mnist5k, resized; the attacked clients' own images left out). proto then inverts through a "
+                   "surrogate extractor trained on it towards the round's prototypes, and the class-mean prior "
+                   "comes from it.")
 @click.option("--hyperparameters-known/--hyperparameters-unknown", default=True, show_default=True,
               help="Whether the server knows the client's lr, steps and batch size.")
 @click.option("--head-known/--head-unknown", default=True, show_default=True,
@@ -251,7 +265,7 @@ def compare(ctx, methods, seeds, out, **opts):
               help="Output folder: attack.csv, summary.json, reconstructions.png [runs/attack-<attack>-<method>].")
 @click.pass_context
 def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_batch, victim_steps, images, attack_seed,
-           mode, hyperparameters_known, head_known, batched, out, **opts):
+           mode, augmentations, start, aux_data, hyperparameters_known, head_known, batched, out, **opts):
     """Train, intercept what the server sees, attack it, and score the result against what the client trained on.
 
     Example: fedsec attack dlg --method fedecouple   (round 0, 2 clients, one image each, one local step)
@@ -266,7 +280,8 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     settings = AttackSettings(attack=attack, rounds=tuple(parse_rounds(attack_rounds)), targets=targets,
                               iterations=iterations, restarts=restarts, images=images, victim_batch=victim_batch,
                               victim_steps=victim_steps, seed=attack_seed, hyperparameters_known=hyperparameters_known,
-                              head_known=head_known, mode=mode, batched=batched, train_rounds=train_rounds)
+                              head_known=head_known, augmentations=augmentations, mode=mode, start=start,
+                              aux_data=aux_data, batched=batched, train_rounds=train_rounds)
     out = out or default_out(attack, config.method)
     summary = run_attack(config, settings, out=out)
     click.echo(attack_headline(summary, out))
@@ -436,6 +451,11 @@ def defend(ctx, defense, values, attack_list, baseline, max_grad_norm, delta, ac
     frame = run_defend(config, settings, out, on_value=lambda row: click.echo("  " + value_line(row)),
                        command=command)
     click.echo(f"{len(frame)} values → {out}/tradeoff.csv, {out}/tradeoff.md, {out}/tradeoff.png")
+
+
+from .flower.cli import flower  # noqa: E402  (the group imports Flower only when a command runs)
+
+cli.add_command(flower)
 
 
 def main(argv=None) -> None:

@@ -295,7 +295,8 @@ def _measured(code: str, measured: dict[str, dict]) -> tuple[str, str | None]:
             gap = psnr_gap(s)
             if gap is not None:
                 text = (f"{name}: mean PSNR {s['mean_psnr']:.1f} dB vs prior {s['mean_prior_psnr']:.1f} dB "
-                        f"({gap:+.1f} dB), max {s['max_psnr']:.1f} dB")
+                        f"({gap:+.1f} dB), max {s['max_psnr']:.1f} dB"
+                        + (" — mis-specified (the attack's forward model was wrong)" if s.get("mis_specified") else ""))
                 return text, ("low" if at_chance(s) else None)
         return "", None
 
@@ -323,7 +324,8 @@ def _brief_evidence(evidence) -> str:
 
 ATTACK_COLUMNS = {"mean_psnr": "mean_psnr", "median_psnr": "median_psnr", "max_psnr": "max_psnr",
                   "prior_psnr": "mean_prior_psnr", "ssim": "mean_ssim", "label_accuracy": "label_accuracy",
-                  "class_presence_accuracy": "class_presence_accuracy", "images": "images_scored"}
+                  "class_presence_accuracy": "class_presence_accuracy", "images": "images_scored",
+                  "mis_specified": "mis_specified"}
 
 
 def _attack_cells(stage: Stage, out: Path) -> tuple[dict, dict | None, pd.DataFrame | None, dict | None]:

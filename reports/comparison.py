@@ -74,12 +74,20 @@ def status_of(row: Mapping, attack: str) -> str:
     return str(row.get(f"{attack}_status", "not run"))
 
 
+def mis_specified(row: Mapping, attack: str) -> bool:
+    """Whether the attack's forward model was wrong for some target (the truth matched the upload
+    worse than the reconstruction): its PSNR is then no evidence of privacy."""
+    value = row.get(f"{attack}_mis_specified")
+    return value is True or str(value).lower() == "true"
+
+
 def psnr_cell(row: Mapping, attack: str) -> str:
     status = status_of(row, attack)
     if status != "done":
         return "n/a"
+    flag = " MIS-SPECIFIED" if mis_specified(row, attack) else ""
     return (f"{fmt(row.get(f'{attack}_mean_psnr'))} / {fmt(row.get(f'{attack}_median_psnr'))} / "
-            f"{fmt(row.get(f'{attack}_max_psnr'))} (prior {fmt(row.get(f'{attack}_prior_psnr'))})")
+            f"{fmt(row.get(f'{attack}_max_psnr'))} (prior {fmt(row.get(f'{attack}_prior_psnr'))}){flag}")
 
 
 def findings_cell(row: Mapping) -> str:
@@ -171,7 +179,8 @@ def psnr_plot(summary: pd.DataFrame, results: pd.DataFrame, meta: Mapping) -> by
                 ax.text(x, 0.5, "n/a", ha="center", va="bottom", fontsize=7, rotation=90, color="0.4")
                 continue
             mean = _num(r.get(f"{a}_mean_psnr"))
-            ax.bar(x, mean, width * 0.9, color=colors[j], alpha=0.55, label=a)
+            ax.bar(x, mean, width * 0.9, color=colors[j], alpha=0.55, label=a,
+                   hatch="//" if mis_specified(r, a) else None)  # hatched: the attack's forward model was wrong
             top = max(top, mean)
             if len(results) and {"method", "attack", "psnr"} <= set(results.columns):
                 sel = results[(results["method"] == r["method"]) & (results["attack"] == a)]["psnr"]
@@ -217,7 +226,8 @@ def leakage_points(summary: pd.DataFrame, meta: Mapping) -> list[dict]:
             mean, prior = _num(r.get(f"{a}_mean_psnr")), _num(r.get(f"{a}_prior_psnr"))
             if acc is None or mean is None or prior is None:
                 continue
-            points.append({"method": str(r["method"]), "attack": a, "accuracy": 100 * acc, "gain": mean - prior})
+            points.append({"method": str(r["method"]), "attack": a, "accuracy": 100 * acc, "gain": mean - prior,
+                           "mis_specified": mis_specified(r, a)})
     return points
 
 
@@ -236,10 +246,12 @@ def scatter_plot(summary: pd.DataFrame, meta: Mapping) -> bytes:
     markers = dict(zip(meta["image_attacks"], "osD^v"))
     for p in points:
         c = f"C{methods.index(p['method']) % 10}"
-        ax.scatter(p["gain"], p["accuracy"], s=60, color=c, marker=markers.get(p["attack"], "o"), edgecolor="black",
-                   linewidth=0.5, zorder=3)
-        ax.annotate(f"{p['method']} ({p['attack']})", (p["gain"], p["accuracy"]), textcoords="offset points",
-                    xytext=(5, 4), fontsize=7)
+        # a mis-specified attack is drawn hollow: its leakage is not measured, whatever its position
+        ax.scatter(p["gain"], p["accuracy"], s=60, color="none" if p["mis_specified"] else c,
+                   marker=markers.get(p["attack"], "o"), edgecolor=c if p["mis_specified"] else "black",
+                   linewidth=1.2 if p["mis_specified"] else 0.5, zorder=3)
+        ax.annotate(f"{p['method']} ({p['attack']}{', mis-specified' if p['mis_specified'] else ''})",
+                    (p["gain"], p["accuracy"]), textcoords="offset points", xytext=(5, 4), fontsize=7)
     ax.axvline(0.0, color="black", linestyle="--", linewidth=1)
     gap = float(meta["leak_gap_db"])
     ax.axvline(gap, color="0.5", linestyle=":", linewidth=1)
@@ -269,8 +281,10 @@ def render_markdown(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mappin
     out += ["## Headline", "", md_table(header, rows), "",
             "Accuracy: mean ± std over clients of each client's personalised model on its own test split (last "
             "round). PSNR: mean / median / max over the reconstructed images, in dB, with the prior baseline "
-            "(the data set's mean image scored the same way); leakage means *above the prior*. Upload: all "
-            "clients' uploads per round.", ""]
+            "(the data set's mean image scored the same way); leakage means *above the prior*. MIS-SPECIFIED: for "
+            "some target the true data matched the upload worse than the reconstruction under the attack's own "
+            "objective (its forward model was wrong), so that PSNR says nothing about the method's privacy. "
+            "Upload: all clients' uploads per round.", ""]
     skips = skipped(summary, meta)
     if skips:
         out += ["Not run:", ""] + [f"* {_md_cell(m)} × {_md_cell(a)}: {_md_cell(why)}" for m, a, why in skips] + [""]
@@ -359,7 +373,9 @@ def render_html(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, m
           '<p class="muted">Accuracy: mean ± std over clients of each client\'s personalised model on its own test '
           "split (last round). PSNR: mean / median / max over the reconstructed images, in dB, with the prior "
           "baseline (the data set's mean image scored the same way); leakage means <em>above the prior</em>. "
-          "Upload: all clients' uploads per round.</p>"]
+          "MIS-SPECIFIED: for some target the true data matched the upload worse than the reconstruction under "
+          "the attack's own objective (its forward model was wrong), so that PSNR says nothing about the "
+          "method's privacy. Upload: all clients' uploads per round.</p>"]
     skips = skipped(summary, meta)
     if skips:
         h.append("<p>Not run:</p><ul>" + "".join(f"<li>{e(m)} × {e(a)}: {e(why)}</li>" for m, a, why in skips)

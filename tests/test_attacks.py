@@ -235,11 +235,16 @@ def test_cli_attack_dlg_fedecouple_writes_the_three_files(tmp_path):
           "--out", str(out)])
     frame = pd.read_csv(out / "attack.csv")
     assert list(frame.columns) == ["method", "attack", "mode", "round", "client", "image", "psnr", "ssim",
-                                   "prior_psnr", "label_true", "label_pred"]
+                                   "prior_psnr", "class_prior_psnr", "label_true", "label_pred", "mis_specified",
+                                   "replay_cosine", "objective_truth", "objective_reconstruction"]
     assert len(frame) == 2 and set(frame["method"]) == {"fedecouple"} and set(frame["round"]) == {0}
+    assert set(frame["mode"]) == {"method"}  # FedeCouple's own local training is replayed
+    # the replay on the truth is the client's computation; the truth is no worse than the reconstruction
+    assert (frame["replay_cosine"] > 0.9999).all() and not frame["mis_specified"].any()
+    assert (frame["objective_truth"] < 1e-4).all()
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("mean_psnr", "median_psnr", "max_psnr", "mean_prior_psnr", "mean_ssim", "label_accuracy", "seconds",
-                "config", "seed", "versions", "threat_model", "notes"):
+    for key in ("mean_psnr", "median_psnr", "max_psnr", "mean_prior_psnr", "mean_class_prior_psnr", "mean_ssim",
+                "label_accuracy", "seconds", "config", "seed", "versions", "threat_model", "notes", "mis_specified"):
         assert key in summary
     assert summary["config"]["rounds"] == 1
     assert any("no previous upload of the personal classifier" in n for n in summary["notes"])

@@ -28,8 +28,24 @@ def test_every_uploaded_field_is_classified_by_the_manifest(tmp_path, method):
     if method in ("fedpac", "fedproto"):
         assert {"LABEL_DISTRIBUTION_DISCLOSED", "CLASS_PRESENCE_DISCLOSED", "PROTOTYPES_DISCLOSED"} <= codes
     if method == "fedecouple":
-        assert {"ANCHORS_NOT_UPLOADED", "NO_PER_CLASS_COUNTS"} <= codes
+        assert "NO_PER_CLASS_COUNTS" in codes
+        (anchor,) = [f for f in result["findings"] if f["code"].startswith("ANCHORS")]
+        cosine, grade = anchor["evidence"]["max_cosine"], anchor["evidence"]["disclosure"]
+        assert grade == ("none" if cosine < 0.5 else "approximate") and cosine < 0.999
+        assert anchor["code"] == {"none": "ANCHORS_NOT_UPLOADED", "approximate": "ANCHORS_APPROXIMATELY_DISCLOSED"}[grade]
     assert (tmp_path / "audit.md").read_text().startswith("# Upload audit")
+
+
+@pytest.mark.parametrize("method, kept", [("fedper", ["classifier.weight", "classifier.bias"]), ("fedavg", None)])
+def test_parameters_that_never_left_the_clients_are_verified(tmp_path, method, kept):
+    result = run_audit(RunConfig.of(method=method, **TINY), tmp_path, evidence=False, progress=False)
+    found = [f for f in result["findings"] if f["code"] == "PARAMETERS_NEVER_UPLOADED"]
+    if kept is None:
+        assert not found
+    else:
+        (finding,) = found
+        assert finding["evidence"]["parameters"] == kept and finding["evidence"]["uploads_checked"] == 3
+        assert "the classifier never left the clients" in finding["finding"]
 
 
 def test_local_sends_nothing(tmp_path):

@@ -92,8 +92,8 @@ def test_ray_gives_identical_metrics_and_uploads(digits, ray_local, method):
     assert seq.ground_truth.batches.keys() == par.ground_truth.batches.keys()
     for key, batches in seq.ground_truth.batches.items():
         other = par.ground_truth.batches[key]
-        assert [p for p, _ in batches] == [p for p, _ in other]
-        assert all(np.array_equal(i, j) for (_, i), (_, j) in zip(batches, other))
+        assert [b.phase for b in batches] == [b.phase for b in other]
+        assert all(np.array_equal(a.indices, b.indices) for a, b in zip(batches, other))
         _same_tensors(seq.ground_truth.private[key], par.ground_truth.private[key])
 
 

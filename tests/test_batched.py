@@ -87,9 +87,11 @@ def test_one_vmapped_evaluation_equals_the_targets_one_by_one(shared):
     setups = [_setup(obs, Budget(iterations=1), "auto", False, "dlg") for obs, _, _ in shared]
     x = torch.rand(len(setups), 1, 1, 8, 8, generator=torch.Generator().manual_seed(3))
     y = torch.randn(len(setups), 1, 10, generator=torch.Generator().manual_seed(4))
-    (gx, gy), values = torch.func.vmap(setups[0].gradient_and_value())(x, y, stack_targets([s.target for s in setups]))
+    z = torch.zeros(len(setups), 0, 8)  # no augmented copies
+    (gx, gy, _), values = torch.func.vmap(setups[0].gradient_and_value())(x, y, z,
+                                                                          stack_targets([s.target for s in setups]))
     for k, setup in enumerate(setups):
-        (gx1, gy1), value1 = setup.gradient_and_value()(x[k], y[k], setup.target)
+        (gx1, gy1, _), value1 = setup.gradient_and_value()(x[k], y[k], z[k], setup.target)
         torch.testing.assert_close(values[k], value1, rtol=1e-5, atol=0)
         torch.testing.assert_close(gx[k], gx1, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(gy[k], gy1, rtol=1e-4, atol=1e-6)

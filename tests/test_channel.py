@@ -145,3 +145,19 @@ def test_ground_truth_is_kept_apart_from_the_server_view(digits):
         assert "indices" not in ex.upload.meta and all("index" not in k for k in ex.upload.tensors)
     samples = fed.ground_truth.samples(0, 0)
     assert set(samples.tolist()) == set(fed.partition.train[0].tolist())
+
+
+def test_recorder_relabel_moves_exchanges_pending_and_memory():
+    recorder = Recorder(rounds=[1])
+    for rnd in range(3):
+        for cid in (7, 9):
+            recorder.on_download(Download(rnd, cid, {"w": torch.zeros(1)}))
+            recorder.on_upload(Upload(rnd, cid, {"w": torch.full((1,), 10.0 * rnd + cid)}))
+    recorder.relabel({7: 0, 9: 1})
+    assert sorted(recorder.exchanges) == [(1, 0), (1, 1)]
+    assert recorder.get(1, 1).upload.client_id == 1 and float(recorder.get(1, 1).upload.tensors["w"]) == 19.0
+    assert recorder.get(1, 0).download.client_id == 0
+    assert float(recorder.previous_upload(0, 3).tensors["w"]) == 27.0  # remembered outside the recorded rounds
+    assert recorder.previous_upload(7, 3) is None
+    with pytest.raises(ValueError, match="merge"):
+        recorder.relabel({0: 1})

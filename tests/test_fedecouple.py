@@ -106,11 +106,11 @@ def test_anchors_come_from_frozen_global_extractor_and_never_leave(digits, monke
 def test_ablation_switches_change_the_phases(digits):
     full = tiny_federation(digits, clients=1)
     full.run_round()
-    phases = {p for p, _ in full.ground_truth.batches[(0, 0)]}
+    phases = {r.phase for r in full.ground_truth.batches[(0, 0)]}
     assert phases == {"classifier", "extractor-glf", "extractor"}
     no_glf = tiny_federation(digits, clients=1, hp={"glf": False})
     no_glf.run_round()
-    assert "extractor-glf" not in {p for p, _ in no_glf.ground_truth.batches[(0, 0)]}
+    assert "extractor-glf" not in {r.phase for r in no_glf.ground_truth.batches[(0, 0)]}
 
 
 def test_no_gpc_trains_personal_classifier_without_teacher(digits, monkeypatch):
@@ -144,9 +144,10 @@ def test_fedecouple_learns_on_digits(digits):
 
 
 @pytest.mark.parametrize("arch,extractor_params,fc_in", [("cnn32", 106_400, 576), ("cnn28", 78_912, 512),
-                                                         ("cnn28-same", 214_080, 1568)])
+                                                         ("cnn28-same", 214_080, 1568), ("pfllib-cnn", 576_896, 1024)])
 def test_model_sizes_follow_the_documented_padding(arch, extractor_params, fc_in):
-    """cnn32's extractor is the paper's 415.6 KiB; cnn28 (no padding) and cnn28-same (padding 2) as documented."""
+    """cnn32's extractor is the paper's 415.6 KiB; cnn28 (no padding), cnn28-same (padding 2) and
+    PFLlib's FedAvgCNN (conv 32, conv 64, FC 1024 → 512) as documented."""
     channels, size = (3, 32) if arch == "cnn32" else (1, 28)
     model = build_model(arch, channels, size, 10, [0.5] * channels, [0.25] * channels)
     assert sum(p.numel() for p in model.extractor.parameters()) == extractor_params

@@ -249,7 +249,7 @@ def test_fedavg_and_finetuning(trained, digits, partition):
 def test_head_then_base_phases(method, head, trained, partition):
     fed, _, _ = trained(method)
     for cid in range(CLIENTS):
-        phases = [p for p, _ in fed.ground_truth.batches[(ROUNDS - 1, cid)]]
+        phases = [r.phase for r in fed.ground_truth.batches[(ROUNDS - 1, cid)]]
         n = max(len(partition.train[cid]) // BATCH, 1)  # batches per epoch (a ragged last one is dropped)
         assert phases == ["classifier"] * (head * n) + ["extractor"] * n
 

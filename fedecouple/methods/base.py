@@ -26,7 +26,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from ..channel import Download, Upload
-from ..data.augment import BatchAugmenter
+from ..data.augment import BatchAugmenter, Draw
 from ..errors import UserError
 from ..models import SplitModel, get_params
 
@@ -78,6 +78,29 @@ class TrainConfig:
 
 
 @dataclass
+class BatchRecord:
+    """One SGD step's batch as the harness-only ground truth keeps it: the phase, the images'
+    positions in the client's training set and in the pooled data set (in batch order), and, when
+    the batch was augmented, what the augmentation drew for each image."""
+
+    phase: str
+    positions: np.ndarray
+    indices: np.ndarray
+    draws: list[Draw] | None = None
+
+
+def phase_steps(epochs: int, n: int, batch_size: int, steps_per_phase: int | None = None) -> int:
+    """The SGD steps of one training phase of ``epochs`` epochs on ``n`` samples, as
+    ``ClientContext.batches`` takes them: ``n // bs`` per epoch with ``bs = min(batch_size, n)`` (a
+    ragged last batch is dropped), or exactly ``steps_per_phase`` in the victim setting."""
+    if n == 0:
+        return 0
+    if steps_per_phase is not None:
+        return int(steps_per_phase)
+    return int(epochs) * (n // min(batch_size, n))
+
+
+@dataclass
 class ClientContext:
     """Everything a client's local update may use: its own data, a shared workspace model whose
     weights the method must set, the training config and a seeded generator."""
@@ -92,7 +115,7 @@ class ClientContext:
     num_classes: int
     generator: torch.Generator
     steps_per_phase: int | None = None  # victim setting: T steps per phase instead of epochs
-    batch_log: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    batch_log: list[BatchRecord] = field(default_factory=list)
     # values the client computes and keeps to itself (e.g. FedeCouple's anchors); handed to the
     # harness-only ground-truth hook so audits can verify they never appear in an upload
     private: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -128,36 +151,32 @@ class ClientContext:
         ``epochs`` passes over shuffled data (a last batch smaller than the batch size is dropped;
         a client with fewer samples than the batch size trains on one batch of all of them), or
         exactly ``steps_per_phase`` batches in the victim setting. With ``augment`` each batch is the
-        originals followed by one augmented copy of each (the paper trains on original + augmented data). Every batch's pool indices go to the
-        ground-truth log, which only the harness reads.
+        originals followed by one augmented copy of each (the paper trains on original + augmented
+        data). Every batch goes to the ground-truth log (``BatchRecord``), which only the harness reads.
+        ``phase_steps`` counts the batches this yields.
         """
         n = self.num_samples
         if n == 0:
             return
         bs = min(self.config.batch_size, n)
-        if self.steps_per_phase is not None:
-            total = self.steps_per_phase
-            epochs = -(-total // (n // bs))
-        else:
-            total = None
+        total = phase_steps(epochs, n, bs, self.steps_per_phase)
         emitted = 0
-        for _ in range(epochs):
+        while emitted < total:  # epochs: each a fresh shuffle, a ragged last batch dropped
             order = torch.randperm(n, generator=self.generator)
-            for start in range(0, n, bs):
-                if total is not None and emitted >= total:
+            for start in range(0, n - bs + 1, bs):
+                # (drop_last, as torch's loaders and PFLlib's: a one-image SGD step at the end of
+                # every epoch can wreck a model)
+                if emitted >= total:
                     return
                 sel = order[start:start + bs]
-                if len(sel) < bs:
-                    # drop a ragged last batch, as torch's drop_last=True (PFLlib's loaders do the
-                    # same): a one-image SGD step at the end of every epoch can wreck a model
-                    break
-                self.batch_log.append((phase, self.indices[sel.numpy()]))
                 x, y = self.images[sel], self.labels[sel]
+                record = BatchRecord(phase, sel.numpy(), self.indices[sel.numpy()])
                 if augment:
                     if self._augmenter is None:
                         self._augmenter = BatchAugmenter(x.shape[-1])
-                    x = torch.cat([x, self._augmenter(x)])
-                    y = torch.cat([y, y])
+                    copies, record.draws = self._augmenter.augment(x)
+                    x, y = torch.cat([x, copies]), torch.cat([y, y])
+                self.batch_log.append(record)
                 emitted += 1
                 yield x, y
 
@@ -356,6 +375,23 @@ class Method:
 
     def manifest(self, model: SplitModel) -> list[FieldSpec]:
         raise NotImplementedError
+
+    def local_phases(self, epochs: int) -> list[tuple[str, int, bool]]:
+        """The phases of the client's local training, in order: (phase name, as ``ctx.batches`` gets
+        it; epochs; whether its batches are augmented)."""
+        return [("local", epochs, False)]
+
+    def replay(self, model: SplitModel, context, images: torch.Tensor, labels: torch.Tensor,
+               copies: list) -> dict[str, torch.Tensor]:
+        """The client's local training as a differentiable program (``fedecouple.methods.replay``):
+        what it would upload after the steps of ``context`` (a ``ReplayContext``) on ``images`` with
+        ``labels``; ``copies[i]`` are step i's augmented copies (None for an unaugmented step)."""
+        raise NotImplementedError(f"{self.name} declares no replay of its local training")
+
+    @classmethod
+    def replays(cls) -> bool:
+        """Whether the method declares a replay of its local training."""
+        return cls.replay is not Method.replay
 
     def upload_kinds(self, model: SplitModel) -> set[str]:
         """The field kinds this method declares it uploads (empty when it never communicates)."""

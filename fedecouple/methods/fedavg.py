@@ -21,6 +21,7 @@ from ..errors import UserError
 from ..models import SplitModel, get_params, set_params
 from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, by_client, cross_entropy_loss,
                    make_upload, model_fields, sample_weighted_average, strip_prefix, train_supervised)
+from .replay import plain_replay
 
 
 @dataclass
@@ -42,6 +43,9 @@ class FedAvg(Method):
         set_params(model, dict(download.tensors))
         train_supervised(ctx, model.parameters(), ctx.config.local_epochs, "local", cross_entropy_loss(model))
         return {}, make_upload(ctx, get_params(model))
+
+    def replay(self, model, context, images, labels, copies):
+        return plain_replay(model, context, images, labels, copies)
 
     def aggregate(self, server: State, uploads: list[Upload], round: int) -> State:
         uploads = by_client(uploads)

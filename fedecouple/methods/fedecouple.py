@@ -44,8 +44,10 @@ import torch.nn.functional as F
 
 from ..channel import Download, Upload
 from ..models import SplitModel, get_params, set_params
-from .base import (SAMPLE_COUNT, ClientContext, Method, State, class_means, extract_features,
-                   make_upload, model_fields, sgd, strip_prefix, add_prefix)
+from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, class_means, extract_features,
+                   make_upload, model_fields, sgd, strip_prefix)
+from .replay import as_probabilities, batch, cross_entropy, features, group, head, sgd_step
+from .replay import class_means as replay_class_means
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float) -> torch.Tensor:
@@ -61,6 +63,25 @@ def center_loss(features: torch.Tensor, anchors: torch.Tensor, labels: torch.Ten
         return diff.pow(2).mean()
     if reduction == "sum":
         return diff.pow(2).sum(dim=1).mean()
+    raise ValueError(f"unknown centre-loss reduction {reduction!r}")
+
+
+def soft_distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float) -> torch.Tensor:
+    """``distillation_loss`` without cutting the teacher's logits from the graph: the replay holds the
+    teacher's parameters fixed in the student's step, but the value stays a function of the data."""
+    p_teacher = F.softmax(teacher_logits / tau, dim=1)
+    return F.kl_div(F.log_softmax(student_logits / tau, dim=1), p_teacher, reduction="batchmean")
+
+
+def soft_center_loss(features: torch.Tensor, anchors: torch.Tensor, probs: torch.Tensor,
+                     reduction: str = "mean") -> torch.Tensor:
+    """``center_loss`` with soft class membership (probability rows; one-hot gives the same)."""
+    distances = ((features.unsqueeze(1) - anchors.unsqueeze(0)) ** 2).sum(dim=2)  # (B, C)
+    per_sample = (probs * distances).sum(dim=1)
+    if reduction == "mean":
+        return per_sample.sum() / features.numel()
+    if reduction == "sum":
+        return per_sample.mean()
     raise ValueError(f"unknown centre-loss reduction {reduction!r}")
 
 
@@ -103,6 +124,11 @@ class FedeCouple(Method):
 
     def init_client(self, model: SplitModel, client_id: int) -> State:
         return get_params(model)  # {θ_i, φ_i} start at ω^0
+
+    def local_phases(self, epochs: int) -> list[tuple[str, int, bool]]:
+        e_cl = self.classifier_epochs if self.classifier_epochs is not None else epochs
+        return ([("classifier", e_cl, self.da)] + ([("extractor-glf", 1, self.da)] if self.glf else [])
+                + [("extractor", epochs, self.da)])
 
     def client_update(self, ctx: ClientContext, state: State, download: Download) -> tuple[State, Upload]:
         model = ctx.model
@@ -169,6 +195,52 @@ class FedeCouple(Method):
         finally:
             for p in classifier.parameters():
                 p.requires_grad_(True)
+
+    def replay(self, model, context, images, labels, copies):
+        """Both phases as the client runs them (module docstring), from the server's view: the
+        personal classifier from its previous upload (``context.before``), the classifier phase on
+        the client's previous local extractor (``context.kept``), teacher, GLF classifier and the
+        extractor's start from the download."""
+        probs = as_probabilities(labels, context.num_classes)
+        glob = context.download
+        student = self._replayed_classifier_phase(model, context, images, probs, copies)
+        extractor = group(glob, "extractor")  # θ_i ← θ^t
+        anchors = replay_class_means(features(model, extractor, images), probs)[0] if self.gfa else None
+        phases = ([("extractor-glf", group(glob, "classifier"))] if self.glf else []) + [("extractor", student)]
+        for phase, classifier in phases:
+            for i, step in context.phase(phase):
+                xb, yb = batch(images, probs, step, copies[i])
+
+                def loss(e, classifier=classifier):
+                    feats = features(model, e, xb)
+                    value = cross_entropy(head(model, classifier, feats), yb)
+                    if anchors is not None:
+                        value = value + self.mu * soft_center_loss(feats, anchors, yb, self.center_reduction)
+                    return value
+
+                extractor = sgd_step(extractor, loss, context.lr)
+        return {**extractor, **student}
+
+    def _replayed_classifier_phase(self, model, context, images, probs, copies):
+        previous_extractor = group(context.kept, "extractor")
+        student, teacher = group(context.before, "classifier"), group(context.download, "classifier")
+        adapt_teacher = self.gpc and self.teacher == "adapted"
+        for i, step in context.phase("classifier"):
+            xb, yb = batch(images, probs, step, copies[i])
+            feats = features(model, previous_extractor, xb)
+            teacher_logits = head(model, teacher, feats)  # fixed inside the student's step, not cut from x
+
+            def student_loss(c):
+                logits = head(model, c, feats)
+                value = cross_entropy(logits, yb)
+                if self.gpc:
+                    value = value + self.lam * soft_distillation_loss(logits, teacher_logits, self.tau)
+                return value
+
+            student = sgd_step(student, student_loss, context.lr)
+            if adapt_teacher:
+                teacher = sgd_step(teacher, lambda t: cross_entropy(head(model, t, feats), yb), context.lr)
+        return student
 
     def aggregate(self, server: State, uploads: list[Upload], round: int) -> State:
         names = [k for k in uploads[0].tensors if k != "sample_count"]

@@ -52,6 +52,8 @@ from ..models import SplitModel, get_params, set_params
 from .base import (SAMPLE_COUNT, ClassFeatureSums, ClientContext, FieldSpec, Method, State, add_prefix, by_client,
                    extract_features, make_upload, model_fields, only_group, sample_weighted_average, strip_prefix,
                    train_extractor, train_head)
+from .replay import as_probabilities, batch, cross_entropy, features, group, head, sgd_step
+from .replay import class_means as replay_class_means
 from .prototypes import (PROTOTYPE, local_prototypes, prototype_field, prototype_loss, prototype_table,
                          prototypes_in, weighted_prototypes)
 
@@ -73,6 +75,16 @@ def statistics_from_sums(sums: ClassFeatureSums, num_samples: int):
     p = counts.to(dtype) / n
     h = p.unsqueeze(1) * means
     mean_sq = sums.squared_norms / sums.denominators()
+    v = (p * mean_sq - p.pow(2) * means.pow(2).sum(dim=1)).sum()
+    return counts, means, h, v
+
+
+def soft_client_statistics(features: torch.Tensor, probs: torch.Tensor):
+    """``client_statistics`` with soft class membership (probability rows; one-hot gives the same)."""
+    means, counts = replay_class_means(features, probs)
+    p = counts / max(int(probs.shape[0]), 1)
+    h = p.unsqueeze(1) * means
+    mean_sq = (probs.transpose(0, 1) @ features.pow(2).sum(dim=1)) / counts.clamp_min(1)
     v = (p * mean_sq - p.pow(2) * means.pow(2).sum(dim=1)).sum()
     return counts, means, h, v
 
@@ -165,6 +177,9 @@ class FedPAC(Method):
         out.update(strip_prefix(server, HEAD.format(cid=client_id)))  # this client's combined head, if any
         return out
 
+    def local_phases(self, epochs: int) -> list[tuple[str, int, bool]]:
+        return [("classifier", self.head_epochs, False), ("extractor", epochs, False)]
+
     def client_update(self, ctx: ClientContext, state: State, download: Download) -> tuple[State, Upload]:
         model = ctx.model
         received = dict(download.tensors)
@@ -194,6 +209,46 @@ class FedPAC(Method):
             tensors[PROTOTYPE.format(k=k)] = protos[k].clone()
         tensors.update({"class_counts": counts.clone(), "h": h, "V": v})
         return get_params(model, "classifier"), make_upload(ctx, tensors)
+
+    def replay(self, model, context, images, labels, copies):
+        """Statistics on the received base, head steps (base frozen), base steps with the new head frozen
+        and the prototype term, then the prototypes of the trained base: the whole upload but counts."""
+        probs = as_probabilities(labels, context.num_classes)
+        base, cls = group(context.before, "extractor"), group(context.before, "classifier")
+        counts, local_means, h, v = soft_client_statistics(features(model, base, images), probs)
+        for i, step in context.phase("classifier"):
+            xb, yb = batch(images, probs, step, copies[i])
+            feats = features(model, base, xb)
+            cls = sgd_step(cls, lambda c: cross_entropy(head(model, c, feats), yb), context.lr)
+        extra = self._replayed_alignment(context, counts, local_means)
+        for i, step in context.phase("extractor"):
+            xb, yb = batch(images, probs, step, copies[i])
+
+            def loss(b):
+                feats = features(model, b, xb)
+                ce = cross_entropy(head(model, cls, feats), yb)
+                return ce if extra is None else ce + extra(feats, yb)
+
+            base = sgd_step(base, loss, context.lr)
+        protos, _ = replay_class_means(features(model, base, images), probs)
+        return {**base, **cls, **{PROTOTYPE.format(k=k): protos[k] for k in range(context.num_classes)},
+                "class_counts": counts, "h": h, "V": v}
+
+    def _replayed_alignment(self, context, counts: torch.Tensor, local_means: torch.Tensor):
+        """λ·MSE to the downloaded global prototypes (own class means where none was sent), soft labels."""
+        global_protos = prototypes_in(context.download)
+        if not global_protos or self.lam == 0:
+            return None
+        table, has = prototype_table(global_protos, context.num_classes, local_means.shape[1])
+        fill = (counts > 0.5) & ~has
+        table = torch.where(fill.unsqueeze(1), local_means, table)
+        mask = (has | fill).to(local_means.dtype)
+
+        def alignment(feats: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+            distances = ((feats.unsqueeze(1) - table.unsqueeze(0)) ** 2).sum(dim=2)  # (B, C)
+            return self.lam * (probs * mask * distances).sum() / feats.numel()
+
+        return alignment
 
     def aggregate(self, server: State, uploads: list[Upload], round: int) -> State:
         uploads = by_client(uploads)

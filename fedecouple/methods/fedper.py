@@ -17,6 +17,7 @@ from ..channel import Download, Upload
 from ..models import SplitModel, get_params, set_params
 from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, by_client, cross_entropy_loss,
                    make_upload, model_fields, only_group, sample_weighted_average, strip_prefix, train_supervised)
+from .replay import plain_replay
 
 
 @dataclass
@@ -52,6 +53,10 @@ class FedPer(Method):
         model = self._start(ctx, state, download)
         train_supervised(ctx, model.parameters(), ctx.config.local_epochs, "local", cross_entropy_loss(model))
         return self._finish(ctx, model)
+
+    def replay(self, model, context, images, labels, copies):
+        """Joint CE on base and head from the before-state (the private head: the server's stand-in)."""
+        return plain_replay(model, context, images, labels, copies)
 
     def aggregate(self, server: State, uploads: list[Upload], round: int) -> State:
         uploads = by_client(uploads)

@@ -22,6 +22,7 @@ from ..channel import Download, Upload
 from ..errors import UserError
 from .base import ClientContext, State, train_extractor, train_head
 from .fedper import FedPer
+from .replay import as_probabilities, batch, cross_entropy, features, group, head, sgd_step
 
 
 @dataclass
@@ -40,9 +41,27 @@ class FedRep(FedPer):
         if self.head_epochs is not None and self.head_epochs < 0:
             raise UserError(f"head_epochs must be >= 0, got {self.head_epochs}")
 
+    def local_phases(self, epochs: int) -> list[tuple[str, int, bool]]:
+        return [("classifier", self.head_epochs if self.head_epochs is not None else epochs, False),
+                ("extractor", epochs, False)]
+
     def client_update(self, ctx: ClientContext, state: State, download: Download) -> tuple[State, Upload]:
         model = self._start(ctx, state, download)
         e_head = self.head_epochs if self.head_epochs is not None else ctx.config.local_epochs
         train_head(ctx, model, e_head, "classifier")
         train_extractor(ctx, model, ctx.config.local_epochs, "extractor")
         return self._finish(ctx, model)
+
+    def replay(self, model, context, images, labels, copies):
+        """Head steps on the frozen downloaded base (from the head as the server knows it), then base
+        steps with the new head frozen."""
+        probs = as_probabilities(labels, context.num_classes)
+        base, cls = group(context.before, "extractor"), group(context.before, "classifier")
+        for i, step in context.phase("classifier"):
+            xb, yb = batch(images, probs, step, copies[i])
+            feats = features(model, base, xb)
+            cls = sgd_step(cls, lambda c: cross_entropy(head(model, c, feats), yb), context.lr)
+        for i, step in context.phase("extractor"):
+            xb, yb = batch(images, probs, step, copies[i])
+            base = sgd_step(base, lambda b: cross_entropy(head(model, cls, features(model, b, xb)), yb), context.lr)
+        return {**base, **cls}

@@ -78,7 +78,7 @@ from torch.nn.modules.module import register_module_forward_hook
 from fedecouple.data.augment import BatchAugmenter
 from fedecouple.errors import UserError
 from fedecouple.engine import derive_seed
-from fedecouple.methods.base import ClassFeatureSums, ClientContext, Method, State, optimizer_hook
+from fedecouple.methods.base import BatchRecord, ClassFeatureSums, ClientContext, Method, State, optimizer_hook
 
 from .dp_statistics import (COUNTS_CHOICES, RELEASES_KEY, StatisticsMechanism, count_specs, unit_counts,
                             withhold_counts)
@@ -451,10 +451,10 @@ class DPSession:
     def history_tensor(self) -> torch.Tensor:
         return history_tensor(self.rows)
 
-    def _augment(self, x: torch.Tensor) -> torch.Tensor:
+    def _augmenter_for(self, x: torch.Tensor) -> BatchAugmenter:
         if self._augmenter is None:
             self._augmenter = BatchAugmenter(x.shape[-1])
-        return self._augmenter(x)
+        return self._augmenter
 
     def batches(self, epochs: int, phase: str, augment: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Poisson batches (see the module docstring), probe on the first one, one accountant step each."""
@@ -476,12 +476,14 @@ class DPSession:
                     opt.noise_only_step()
                 self._account(len(known))
                 continue
-            ctx.batch_log.append((phase, ctx.indices[sel.numpy()]))
+            record = BatchRecord(phase, sel.numpy(), ctx.indices[sel.numpy()])
+            ctx.batch_log.append(record)
             x, y = ctx.images[sel], ctx.labels[sel]
             persons = int(sel.numel())
             groups = torch.arange(persons)
             if augment:
-                x = torch.cat([x, self._augment(x)])
+                copies, record.draws = self._augmenter_for(x).augment(x)
+                x = torch.cat([x, copies])
                 y = torch.cat([y, y])
                 groups = torch.cat([groups, groups])
             if probe and persons >= 2:

@@ -1,0 +1,99 @@
+"""Whether an attack's forward model was right: checked after the attack, with the ground truth
+the harness hands in (never seen by the attack itself).
+
+Two checks per target:
+
+* ``replay_cosine`` / ``replay_relative_error``: the method's replay (``Method.replay``) run on the
+  client's true images, true batch order and true augmentation draws, against the update the
+  server observed: cosine and relative error of Δ over the attacked weights. About 1 (and 0) when
+  the replay is the client's computation; this measures the method's replay, not the attack's
+  guesses.
+* ``objective_truth`` / ``objective_reconstruction``: the attack's own data-matching term (DLG's
+  distance, IG's 1 − cosine; the image prior is left out so that a smoothness prior cannot decide
+  it) evaluated at the truth — the true images, the augmented copies the client really trained on
+  (whatever model of the copies the attack uses: free images, or the augmentation family, which
+  holds torchvision's draws only approximately), the true labels — and at the reconstruction. ``mis_specified`` is True
+  when the truth matches the observation worse than the reconstruction does: then the optimum of
+  what the attack minimises is not the client's data, and a low PSNR says nothing about privacy.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fedecouple.methods.replay import Step
+
+from .base import AttackResult, Observation
+from .observation import GradientMatcher, _augmenter, replay_context, update_target
+
+# below this the matching term is float rounding: a truth and a reconstruction both at it are equal
+OBJECTIVE_FLOOR = 1e-6
+
+
+def replay_agreement(obs: Observation, images: torch.Tensor, labels: torch.Tensor, records: list) -> dict:
+    """The method's replay on the truth (true batches and draws: ``BatchRecord``s) against the
+    observed update: {"replay_cosine", "replay_relative_error"} (None where the method has no replay
+    or the server does not know the learning rate)."""
+    if not obs.method.replays() or obs.known_hyperparameters is None:
+        return {"replay_cosine": None, "replay_relative_error": None}
+    target = update_target(obs)
+    steps = [Step(r.phase, tuple(int(p) for p in r.positions)) for r in records]
+    context = replay_context(obs, target.before, steps)
+    augmenter = _augmenter(images.shape[-1])
+    copies = [None if r.draws is None else augmenter.apply(images[torch.from_numpy(r.positions)], r.draws)
+              for r in records]
+    with torch.no_grad():
+        simulated = obs.method.replay(obs.make_model(), context, images, labels, copies)
+    a = torch.cat([(simulated[n] - target.before[n]).reshape(-1).double() for n in target.names])
+    b = torch.cat([target.delta[n].reshape(-1).double() for n in target.names])
+    return {"replay_cosine": float(F.cosine_similarity(a, b, dim=0)),
+            "replay_relative_error": float((a - b).norm() / b.norm().clamp_min(1e-30))}
+
+
+def true_copies(matcher: GradientMatcher, images: torch.Tensor, records: list) -> list | None:
+    """The augmented copies the client really trained on, laid out as the attack's steps: for each
+    augmented step, each member's recorded draw applied to its true image (where the attack's
+    guessed schedule does not match the client's, the un-augmented image). None without copies."""
+    if matcher.mode != "method" or not any(matcher.augmented):
+        return None
+    augmenter, copies = _augmenter(images.shape[-1]), []
+    for i, (step, augmented) in enumerate(zip(matcher.context.steps, matcher.augmented)):
+        record = records[i] if i < len(records) else None
+        if not augmented:
+            copies.append(None)
+            continue
+        rows = []
+        for m in step.members:
+            where = [] if record is None or record.draws is None else [j for j, p in enumerate(record.positions) if p == m]
+            rows.append(augmenter.apply(images[m:m + 1], [record.draws[where[0]]])[0] if where else images[m])
+        copies.append(torch.stack(rows))
+    return copies
+
+
+def matching_term(matcher: GradientMatcher, kind: str, images: torch.Tensor, label_probs: torch.Tensor,
+                  copy_parameters: torch.Tensor | None = None, copies: list | None = None) -> float:
+    """The attack's data-matching term at (images, label probability rows, and the copies' family
+    parameters or the copies themselves)."""
+    with torch.no_grad():
+        dummy = matcher.dummy(images, label_probs, copy_parameters, copies)
+        target = [t.detach() for t in matcher.target]
+        value = matcher.l2_objective(dummy, target) if kind == "l2" else matcher.cosine_objective(dummy, target)
+    return float(value)
+
+
+def check(obs: Observation, mode: str, kind: str, result: AttackResult, images: torch.Tensor, labels: torch.Tensor,
+          records: list) -> dict:
+    """Both checks for one target (see the module docstring). ``images``/``labels``: the client's
+    training set in its own order; ``records``: its batches."""
+    out = replay_agreement(obs, images, labels, records)
+    matcher = GradientMatcher(obs, mode)
+    rebuilt = result.variables.get("images")
+    if rebuilt is None or result.variables.get("labels") is None or rebuilt.shape[0] - matcher.free_copies != len(images):
+        # the attack rebuilt another number of images than the client trained on: no truth to compare
+        return {**out, "objective_truth": None, "objective_reconstruction": None, "mis_specified": None}
+    truth = matching_term(matcher, kind, images, F.one_hot(labels, obs.num_classes).to(torch.float32),
+                          copies=true_copies(matcher, images, records))
+    reconstruction = matching_term(matcher, kind, rebuilt, result.variables["labels"],
+                                   result.variables.get("copy_parameters"))
+    return {**out, "objective_truth": truth, "objective_reconstruction": reconstruction,
+            "mis_specified": bool(truth > reconstruction and truth > OBJECTIVE_FLOOR)}

@@ -1,0 +1,155 @@
+"""flower_mnist: the model, the data and the local training shared by the ServerApp and the ClientApp.
+
+Plain PyTorch, seeded the way fedsec's own engine seeds a federation, so that the same run config gives
+the same numbers in both (``tests/test_flower.py`` holds the app to it):
+
+* initial model: ``torch.manual_seed(derive_seed(seed, 0xC0DE))``, then the architecture is built;
+* data: the embedded mnist5k pool (no network), partitioned with ``fedecouple.data.make_partition``
+  into one client per node; node ``partition-id`` p trains on ``partition.train[p]`` and evaluates on
+  ``partition.test[p]``;
+* a node's update in Flower round r + 1 (fedsec's round r): mini-batch order from a
+  ``torch.Generator`` seeded with ``derive_seed(seed, r, p, 1)``, ``torch.manual_seed(derive_seed(seed,
+  r, p, 2))`` right before training, and in the victim setting its B images chosen by
+  ``numpy.random.default_rng(derive_seed(seed, r, p, 7))``.
+
+Mini-batches are drawn by index; a last batch smaller than the batch size is dropped each epoch
+(``drop_last``). Only the model's parameters travel (``parameters``): its normalisation buffers are
+fixed constants of the architecture.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedecouple.data import load_dataset, make_partition
+from fedecouple.engine import derive_seed
+from fedecouple.models import build_model as build_architecture
+from fedsec.flower.groundtruth import log_batch, log_training_set
+
+DATASET = "mnist5k"
+
+
+@lru_cache(maxsize=1)
+def load_pool():
+    """The pooled data set every node's partition indexes into (embedded in fedsec, no network)."""
+    return load_dataset(DATASET)
+
+
+@lru_cache(maxsize=4)
+def _partition(num_partitions: int, scheme: str, classes_per_client: int, seed: int):
+    return make_partition(load_pool().labels.numpy(), num_partitions, scheme, num_classes=load_pool().num_classes,
+                          classes_per_client=classes_per_client, seed=seed)
+
+
+def load_partition(num_partitions: int, run_config):
+    """The seeded label-skew partition of the pool into ``num_partitions`` clients."""
+    return _partition(int(num_partitions), str(run_config["partition"]), int(run_config["classes-per-client"]),
+                      int(run_config["seed"]))
+
+
+def build_model(run_config) -> torch.nn.Module:
+    """The paper's 28x28 CNN (``arch``: cnn28 or cnn28-same) at the federation's initial weights."""
+    pool = load_pool()
+    torch.manual_seed(derive_seed(int(run_config["seed"]), 0xC0DE))
+    return build_architecture(str(run_config["arch"]), pool.channels, pool.image_size, pool.num_classes,
+                              pool.mean, pool.std)
+
+
+def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters by name (what the strategies send and aggregate)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def load_parameters(model: torch.nn.Module, tensors) -> None:
+    own = dict(model.named_parameters())
+    for name, value in tensors.items():
+        own[name].copy_(torch.as_tensor(value))
+
+
+def victim_rounds(run_config) -> set[int]:
+    return {int(r) for r in str(run_config["victim-rounds"]).replace(" ", "").split(",") if r}
+
+
+def training_plan(partition_id: int, num_partitions: int, server_round: int, run_config):
+    """Pool indices, batch size and step budget (None: ``local-epochs`` epochs) of one node's update."""
+    indices = load_partition(num_partitions, run_config).train[partition_id]
+    batch_size, steps = int(run_config["batch-size"]), None
+    victim_batch = int(run_config["victim-batch"])
+    if victim_batch > 0 and server_round in victim_rounds(run_config):
+        seed = derive_seed(int(run_config["seed"]), server_round - 1, partition_id, 7)
+        pick = np.random.default_rng(seed).permutation(len(indices))
+        indices = np.sort(indices[pick[:victim_batch]])
+        batch_size, steps = len(indices), int(run_config["victim-steps"])
+    return indices, batch_size, steps
+
+
+def batches(n: int, batch_size: int, epochs: int, generator: torch.Generator, steps: int | None = None):
+    """Positions of each mini-batch: shuffled epochs, ragged last batch dropped; exactly ``steps``
+    batches when given (as many epochs as that takes)."""
+    if n == 0:
+        return
+    size = min(batch_size, n)
+    if steps is not None:
+        epochs = -(-steps // (n // size))
+    emitted = 0
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, size):
+            if steps is not None and emitted >= steps:
+                return
+            chosen = order[start:start + size]
+            if len(chosen) < size:
+                break
+            emitted += 1
+            yield chosen
+
+
+def train(model: torch.nn.Module, pool_indices: np.ndarray, lr: float, epochs: int, batch_size: int,
+          generator: torch.Generator, steps: int | None = None) -> float:
+    """Mini-batch SGD on cross-entropy over the given pool images; returns the mean training loss."""
+    pool = load_pool()
+    index = torch.from_numpy(pool_indices)
+    images, labels = pool.images[index], pool.labels[index]
+    log_training_set(pool_indices)  # fedsec's ground-truth hook, as log_batch below
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    total, count = 0.0, 0
+    for chosen in batches(len(labels), batch_size, epochs, generator, steps):
+        log_batch(pool_indices[chosen.numpy()])  # fedsec's ground-truth hook: a no-op outside an audit
+        loss = F.cross_entropy(model(images[chosen]), labels[chosen])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        total += float(loss.detach())
+        count += 1
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, pool_indices: np.ndarray) -> tuple[float, float]:
+    """(loss, accuracy) on the given pool images."""
+    pool = load_pool()
+    index = torch.from_numpy(pool_indices)
+    if len(index) == 0:
+        return float("nan"), float("nan")
+    logits = model(pool.images[index])
+    labels = pool.labels[index]
+    return float(F.cross_entropy(logits, labels)), float((logits.argmax(1) == labels).float().mean())
+
+
+def fedsec_declaration(run_config) -> dict:
+    """What a fedsec audit needs to know about this app for a given run config (see fedsec's README,
+    "Audit your Flower app"); ``[tool.fedsec] declaration`` in pyproject.toml points here."""
+    strategy = str(run_config["strategy"])
+    return {
+        "model": lambda: build_model(run_config),
+        "dataset": load_pool(),
+        "method": strategy,  # FedAvg follows fedsec's fedavg protocol, the FedPer-style strategy fedper's
+        "lr": float(run_config["lr"]),
+        "local-epochs": int(run_config["local-epochs"]),
+        "batch-size": int(run_config["batch-size"]),
+        "local-parameters": ["classifier.*"] if strategy == "fedper" else [],
+    }

@@ -1,0 +1,124 @@
+"""Local training as a differentiable program: a method's client update, replayed from what the
+server knows, as a function of the client's data.
+
+A method's ``replay(model, context, images, labels, copies)`` returns what its client would upload
+(model weights and, where it uploads them, statistics such as FedPAC's prototypes, ``h`` and ``V``)
+after the local training ``context.steps`` describes, on ``images`` with ``labels`` (class ids, or
+probability rows: an attacker optimises soft labels). Every step is written with ``torch.func``,
+so the result is differentiable in the images and labels and can be evaluated for many targets at
+once with ``torch.func.vmap``. Replayed on a client's true batches (and augmentation draws) it
+reproduces the client's upload to float rounding (``tests/test_replay.py``).
+
+Unlike the client's own loop, nothing here is detached from the data: where a client stops a
+gradient (a frozen teacher's logits, features computed without gradient for a head-only phase),
+the replay holds the *parameters* fixed inside that step's gradient, but the step's result stays a
+function of the images, which is what an attacker differentiates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad
+
+from ..models import SplitModel
+
+Params = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One SGD step: its phase and the positions (in the client's training set, in batch order) of
+    the images it uses. An augmented phase adds one copy of each image to the batch."""
+
+    phase: str
+    members: tuple[int, ...]
+
+
+@dataclass
+class ReplayContext:
+    """What the server knows before a client's local training.
+
+    ``before``: every model parameter at the start of local training as the server knows it (the
+    download; for the parameters a client keeps across rounds, its previous upload of them; else the
+    initial weights, see ``attacks.observation.update_target``). ``kept``: the client's own last
+    model as the server knows it (its previous upload where it has one, else the initial weights),
+    which FedeCouple's classifier phase runs on. ``download``: what the server sent (global
+    prototypes, a personalised head, ...). ``steps``: the local SGD steps in order."""
+
+    before: Params
+    kept: Params
+    download: Params
+    lr: float
+    steps: list[Step]
+    num_classes: int
+    notes: list[str] = field(default_factory=list)
+
+    def phase(self, name: str) -> list[tuple[int, Step]]:
+        """(position in ``steps``, step) for every step of one phase."""
+        return [(i, s) for i, s in enumerate(self.steps) if s.phase == name]
+
+
+def group(params: Params, name: str) -> Params:
+    return {k: v for k, v in params.items() if k.startswith(name + ".")}
+
+
+def as_probabilities(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """(n, C) rows: one-hot for class ids, unchanged for probability rows."""
+    return F.one_hot(labels, num_classes).to(torch.float32) if labels.ndim == 1 else labels
+
+
+def features(model: SplitModel, params: Params, x: torch.Tensor) -> torch.Tensor:
+    """The extractor's features of ``x`` under ``params`` (names with the ``extractor.`` prefix)."""
+    sub = {k[len("extractor."):]: v for k, v in params.items() if k.startswith("extractor.")}
+    return functional_call(model.extractor, sub, (model.normalize(x),))
+
+
+def head(model: SplitModel, params: Params, feats: torch.Tensor) -> torch.Tensor:
+    """The classifier's logits for ``feats`` under ``params`` (names with the ``classifier.`` prefix)."""
+    sub = {k[len("classifier."):]: v for k, v in params.items() if k.startswith("classifier.")}
+    return functional_call(model.classifier, sub, (feats,))
+
+
+def cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy against probability rows (for one-hot rows: ``F.cross_entropy``)."""
+    return -(probs * F.log_softmax(logits, dim=-1)).sum(dim=-1).mean()
+
+
+def sgd_step(params: Params, loss: Callable[[Params], torch.Tensor], lr: float) -> Params:
+    """One plain SGD step on ``params`` (the trained ones only; the loss closes over the rest)."""
+    gradients = grad(loss)(params)
+    return {k: v - lr * gradients[k] for k, v in params.items()}
+
+
+def class_sums(feats: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-class feature sums (C, d), per-class counts (C,)) with soft membership ``probs``."""
+    return probs.transpose(0, 1) @ feats, probs.sum(dim=0)
+
+
+def class_means(feats: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class mean features (absent classes: zero rows) and counts, as ``base.class_means``."""
+    sums, counts = class_sums(feats, probs)
+    return sums / counts.clamp_min(1).unsqueeze(1), counts
+
+
+def batch(x: torch.Tensor, probs: torch.Tensor, step: Step, copies: torch.Tensor | None):
+    """The step's images (and their augmented copies, when the phase is augmented) and label rows."""
+    members = torch.tensor(step.members, dtype=torch.long)
+    xb, yb = x[members], probs[members]
+    if copies is None:
+        return xb, yb
+    return torch.cat([xb, copies]), torch.cat([yb, yb])
+
+
+def plain_replay(model: SplitModel, rc: ReplayContext, x: torch.Tensor, labels: torch.Tensor,
+                 copies: list, phase: str = "local") -> Params:
+    """Cross-entropy SGD on every parameter, from ``rc.before`` (FedAvg, FedPer, Local)."""
+    probs = as_probabilities(labels, rc.num_classes)
+    params = dict(rc.before)
+    for i, step in rc.phase(phase):
+        xb, yb = batch(x, probs, step, copies[i])
+        params = sgd_step(params, lambda p: cross_entropy(head(model, p, features(model, p, xb)), yb), rc.lr)
+    return params

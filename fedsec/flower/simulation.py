@@ -1,0 +1,268 @@
+"""Run a Flower app in Flower's simulation engine with fedsec's recorder and ground-truth hook wrapped in.
+
+``simulate(app_dir, ...)`` reads the app (``fedsec.flower.app``) and its declaration
+(``fedsec.flower.declaration``), then runs the app's own ServerApp and ClientApp, unmodified, with
+``flwr.simulation.run_simulation`` on Ray, offline:
+
+* server side: while the ServerApp runs, the strategy it starts (``strategy.start(...)``, Flower's round
+  loop) is wrapped in a ``RecordingStrategy`` (``recording.wrapping_started_strategies``);
+* client side: the ClientApp runs behind ``GroundTruthMod`` (outermost, so it sees the app's final
+  reply without touching it), which writes what the app reports to ``log_batch`` into a temporary
+  directory, joined back to (round, client) after the run;
+* run config: ``run_simulation`` hands apps an empty run config; both apps get the app's
+  ``[tool.flwr.app.config]`` with the overrides applied, as ``flwr run --run-config`` would give them;
+* the app's ServerApp starts once every simulated node is registered (``_audit_server_app``), so each
+  round's sampling sees the whole federation;
+* Flower's telemetry is switched off for the run (an audit makes no network calls) and its log kept to
+  errors unless ``quiet=False``; Ray gets ``ray_cpus`` CPUs and each ClientApp one CPU and
+  ``threads`` torch threads.
+
+What this cannot see: anything outside the strategy's messages. Secure aggregation (the server would
+see only the masked sum, not per-node replies; the recorder stores the replies the strategy is handed)
+and the real network transport (TLS, gRPC, message sizes on the wire, timing) are not simulated.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from flwr.clientapp import ClientApp
+from flwr.serverapp import ServerApp
+
+from fedecouple.backends import local_cpus
+from fedecouple.channel import Recorder
+from fedecouple.engine import GroundTruth
+from fedecouple.errors import UserError
+
+from .app import FlowerApp, read_app
+from .declaration import Declaration, check_traffic, load_declaration
+from .groundtruth import GroundTruthMod, batches_of, read_records
+from .recording import RecordingStrategy, check_message_api, wrapping_started_strategies
+
+
+@dataclass
+class FlowerRun:
+    """A finished simulation of a Flower app, as recorded."""
+
+    app: FlowerApp
+    run_config: dict
+    declaration: Declaration
+    recorder: Recorder
+    ground_truth: GroundTruth  # harness-only: which pool images each (round, client) trained on
+    clients: dict[int, dict]  # client id → {"node_id", "partition_id"} (see _name_clients_by_partition)
+    nodes: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"flower:{self.app.name}"
+
+    def rounds(self) -> list[int]:
+        return sorted({r for r, _ in self.recorder.exchanges})
+
+    def participants(self, round: int) -> list[int]:
+        """Clients whose upload of ``round`` was recorded."""
+        return sorted(c for (r, c), ex in self.recorder.exchanges.items() if r == round and ex.upload is not None)
+
+
+class AuditClientApp(ClientApp):
+    """The app's ClientApp behind ``mod`` (outermost), run with the audit's run config and torch threads."""
+
+    def __init__(self, app: ClientApp, mod: GroundTruthMod, run_config: dict, threads: int = 1) -> None:
+        super().__init__()
+        self.app, self.mod, self.run_config, self.threads = app, mod, dict(run_config), int(threads)
+
+    def __call__(self, message, context):
+        torch.set_num_threads(self.threads)
+        given = context.run_config
+        # the simulation engine checks that a node's run config is unchanged after each message
+        context.run_config = dict(self.run_config)
+        try:
+            return self.mod(message, context, self.app)
+        finally:
+            context.run_config = given
+
+
+NODES_TIMEOUT = 120.0  # seconds the ServerApp waits for the simulated nodes to register
+
+
+def _audit_server_app(app: ServerApp, run_config: dict, nodes: int) -> ServerApp:
+    """The app's ServerApp, started once all ``nodes`` nodes are registered and given the run config.
+
+    The simulation engine starts the ServerApp's thread before it registers the nodes, and Flower's
+    strategies sample from the nodes connected at that moment (waiting only for their
+    ``min_available_nodes``): on a busy machine a round could otherwise go out to fewer nodes than
+    the federation has, differently from run to run."""
+    audit = ServerApp()
+
+    @audit.main()
+    def main(grid, context) -> None:
+        deadline = time.monotonic() + NODES_TIMEOUT
+        while len(list(grid.get_node_ids())) < nodes:
+            if time.monotonic() > deadline:
+                raise UserError(f"only {len(list(grid.get_node_ids()))} of {nodes} simulated nodes registered within "
+                                f"{NODES_TIMEOUT:g} s; lower --nodes")
+            time.sleep(0.05)
+        context.run_config = dict(run_config)
+        app(grid, context)
+
+    return audit
+
+
+_ENVIRONMENT = {"FLWR_TELEMETRY_ENABLED": "0"}
+
+
+@contextmanager
+def _offline_and_quiet(quiet: bool) -> Iterator[None]:
+    """Flower telemetry off (here and in the Ray workers, which inherit the environment); Flower's log
+    kept to errors when ``quiet``."""
+    from flwr.supercore import telemetry
+    from flwr.supercore.logger import FLOWER_LOGGER
+
+    saved_env = {k: os.environ.get(k) for k in _ENVIRONMENT}
+    saved_flag, saved_level = telemetry.FLWR_TELEMETRY_ENABLED, FLOWER_LOGGER.level
+    os.environ.update(_ENVIRONMENT)
+    telemetry.FLWR_TELEMETRY_ENABLED = "0"
+    if quiet:
+        FLOWER_LOGGER.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            if quiet:  # ray.init's notice about a future default for GPU visibility
+                warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
+            yield
+    finally:
+        telemetry.FLWR_TELEMETRY_ENABLED = saved_flag
+        FLOWER_LOGGER.setLevel(saved_level)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _check_apps(app: FlowerApp, server_app, client_app) -> None:
+    if not isinstance(server_app, ServerApp):
+        raise UserError(f"{app.serverapp} is a {type(server_app).__name__}, not a flwr.serverapp.ServerApp")
+    if not isinstance(client_app, ClientApp):
+        raise UserError(f"{app.clientapp} is a {type(client_app).__name__}, not a flwr.clientapp.ClientApp")
+    if getattr(server_app, "_main", None) is None:
+        # the compatibility mode: ServerApp(server_fn=...) running a legacy flwr.server.strategy.Strategy
+        raise UserError(f"{app.serverapp} uses Flower's legacy server_fn/ServerAppComponents API "
+                        f"(flwr.server.strategy, configure_fit), not a Message-API strategy; start a "
+                        f"flwr.serverapp.strategy.Strategy from @app.main()")
+
+
+def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict | None = None,
+             interceptors: Iterable = (), record_rounds: Iterable[int] | None = None, threads: int = 1,
+             ray_cpus: int | None = None, quiet: bool = True) -> FlowerRun:
+    """Run the app at ``app_dir`` in Flower's simulation engine with ``nodes`` nodes (default: the node
+    count of its default federation) and ``run_config`` overrides; record rounds ``record_rounds``
+    (fedsec numbering, default all) and the ground truth of the same rounds. ``interceptors`` act on
+    every reply before the app's strategy aggregates it."""
+    start = time.perf_counter()
+    app = read_app(app_dir)
+    config = app.run_config(run_config)
+    nodes = app.num_supernodes if nodes is None else int(nodes)
+    if nodes is None:
+        raise UserError(f"{app.directory / 'pyproject.toml'} declares no local simulation federation with "
+                        f"options.num-supernodes; pass --nodes N")
+    if nodes < 1:
+        raise UserError(f"--nodes must be at least 1, got {nodes}")
+    declaration = load_declaration(app, config)
+    server_app, client_app = app.load("serverapp"), app.load("clientapp")
+    _check_apps(app, server_app, client_app)
+    rounds = None if record_rounds is None else sorted(set(record_rounds))
+    recorder = Recorder(rounds=rounds)
+    interceptors = list(interceptors)
+    with tempfile.TemporaryDirectory(prefix="fedsec-flower-") as ground_truth_dir:
+        strategies, records = _run(app, config, server_app, client_app, nodes, recorder, interceptors,
+                                   ground_truth_dir, threads, ray_cpus, quiet)
+    if not strategies:
+        raise UserError(f"{app.serverapp} started no Message-API strategy (strategy.start(...)), or its strategy "
+                        f"overrides start(): fedsec records the rounds of flwr.serverapp.strategy.Strategy.start")
+    if len(strategies) > 1:
+        raise UserError(f"{app.serverapp} started {len(strategies)} strategies; fedsec records one federation per run")
+    strategy = strategies[0]
+    if strategy.failures:
+        first = strategy.failures[0]
+        reason = " ".join(first["reason"].split())
+        raise UserError(f"the app's ClientApp failed on client {first['client']} in round {first['round']} "
+                        f"({len(strategy.failures)} failure(s)): {reason[:300]}; run the app with `flwr run` to debug it")
+    check_traffic(declaration, recorder)
+    clients = _name_clients_by_partition(recorder, strategy.client_ids.nodes(), records)
+    ground_truth = GroundTruth(rounds=rounds)
+    for (round, client), exchange in sorted(recorder.exchanges.items()):
+        record = None if exchange.upload is None else records.get(exchange.upload.meta.get("reply_to_message_id"))
+        if record is not None:
+            ground_truth.record(round, client, batches_of(record), None, record["training_set"])
+    notes = []
+    if not any(ground_truth.batches.values()):
+        notes.append("the app reported no training batches to fedsec.flower.log_batch: attacks cannot be scored")
+    return FlowerRun(app, config, declaration, recorder, ground_truth, clients, nodes,
+                     time.perf_counter() - start, notes)
+
+
+def _name_clients_by_partition(recorder: Recorder, nodes: dict[int, int], records: dict[str, dict]) -> dict[int, dict]:
+    """Rename the recorded clients from node-id ranks (``nodes``: rank → node id) to the nodes' partition
+    ids, as the ground-truth records report them (simulation), so that client c is the node holding
+    partition c, as client c of fedsec's engine, and the same seed picks the same targets in every run
+    (Flower's node ids are random). The partition id only names a node: nothing an attack reads
+    depends on it. Without partition ids (or if renaming would merge clients) the ranks stay.
+    Returns client id → {"node_id", "partition_id"} for the clients recorded."""
+    partition_of = {int(r["node_id"]): int(r["partition_id"]) for r in records.values()
+                    if r["partition_id"] is not None}
+    mapping = {cid: partition_of[node] for cid, node in nodes.items() if node in partition_of}
+    node_of = dict(nodes)
+    if mapping and len(set(mapping.values())) == len(mapping):
+        try:
+            recorder.relabel(mapping)
+        except ValueError:  # a client without a partition id would take another's name
+            pass
+        else:
+            node_of = {mapping[cid]: node for cid, node in nodes.items() if cid in mapping}
+            for cid, node in nodes.items():  # nodes never recorded keep their rank where it is free
+                node_of.setdefault(cid, node)
+    recorded = sorted({cid for _, cid in recorder.exchanges})
+    return {cid: {"node_id": node_of[cid], "partition_id": partition_of.get(node_of[cid])} for cid in recorded}
+
+
+def _run(app: FlowerApp, config: dict, server_app, client_app, nodes: int, recorder: Recorder, interceptors: list,
+         ground_truth_dir: str, threads: int, ray_cpus: int | None, quiet: bool):
+    from flwr.simulation import run_simulation
+
+    def wrap(strategy) -> RecordingStrategy:
+        check_message_api(strategy)
+        return RecordingStrategy(strategy, recorder, interceptors)
+
+    backend_config = {
+        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+        "init_args": {"num_cpus": int(ray_cpus or local_cpus()), "include_dashboard": False,
+                      "log_to_driver": not quiet,
+                      # Ray's default niceness 15 starves the ClientApps on a machine shared with other jobs
+                      "_system_config": {"worker_niceness": 0}},
+    }
+    # Ray workers import the app's modules: they inherit this process's sys.path as PYTHONPATH
+    if str(app.directory) not in sys.path:
+        sys.path.insert(0, str(app.directory))
+    audit_client = AuditClientApp(client_app, GroundTruthMod(ground_truth_dir), config, threads)
+    with _offline_and_quiet(quiet), wrapping_started_strategies(wrap) as strategies:
+        try:
+            run_simulation(server_app=_audit_server_app(server_app, config, nodes), client_app=audit_client,
+                           num_supernodes=nodes, backend_config=backend_config)
+        except UserError:
+            raise
+        except Exception as exc:  # the app's ServerApp raised (e.g. a run-config value it rejects)
+            reason = " ".join(str(exc).split())[:300]
+            raise UserError(f"the app's ServerApp failed in Flower's simulation: {type(exc).__name__}: {reason}; "
+                            f"check the app and its run config (--flower-log shows Flower's log)") from exc
+    return strategies, read_records(ground_truth_dir)
