@@ -395,8 +395,8 @@ def test_dp_sweep_covers_fedecouple_with_gfa_from_the_cli(tmp_path):
 
     out = tmp_path / "dp-fedecouple"
     main(["defend", "--method", "fedecouple", "--dataset", "digits", "--clients", "2", "--rounds", "1", "--threads",
-          "1", "--defense", "dp", "--values", "0.5,2", "--attacks", "labels", "--targets", "1", "--no-baseline",
-          "--counts", "withheld", "--out", str(out)])
+          "1", "--defense", "dp", "--values", "0.5,2", "--attacks", "ig,labels", "--iterations", "5", "--targets",
+          "1", "--no-baseline", "--counts", "withheld", "--out", str(out)])
     frame = pd.read_csv(out / "tradeoff.csv")
     assert list(frame["value"]) == [0.5, 2.0] and frame.loc[0, "epsilon"] > frame.loc[1, "epsilon"] > 0
     assert frame["accuracy"].between(0, 1).all() and frame["class_presence_labels"].notna().all()
@@ -404,6 +404,8 @@ def test_dp_sweep_covers_fedecouple_with_gfa_from_the_cli(tmp_path):
     assert defense["counts"] == "withheld" and defense["statistics_noise_multiplier_used"] == 0.5
     assert set(defense["statistic_releases_per_client"].values()) == {1}  # the anchors of the one round
     assert "GFA anchors" in (out / "tradeoff.md").read_text()
+    ig = json.loads((out / "value-0.5" / "attack-ig" / "summary.json").read_text())
+    assert ig["threat_model"]["modes_used"] == ["method"]  # the same adaptive attacker as without DP
 
 
 @pytest.mark.parametrize("args,needle", [

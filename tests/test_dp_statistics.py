@@ -320,3 +320,13 @@ def test_label_count_inference_falls_to_chance_at_small_epsilon(digits, name):
     assert eps < 0.2
     stderr = math.sqrt(chance * (1 - chance) / (clients * digits.num_classes))
     assert abs(own - chance) <= 3 * stderr, results
+
+
+def test_the_dp_wrapper_exposes_the_method_replay_attacks_use():
+    """Attacks on a DP run replay the method's own local training (the adaptive attacker), as on a
+    plain run: the wrapper forwards ``local_phases``, ``replay`` and ``replays``."""
+    for name in ("fedecouple", "fedpac", "fedproto", "fedper"):
+        inner = make_method(name)
+        dp = DPMethod(inner, DPConfig(noise_multiplier=1.0))
+        assert dp.replays() == inner.replays() and dp.local_phases(2) == inner.local_phases(2)
+    assert DPMethod(make_method("fedecouple"), DPConfig(noise_multiplier=1.0)).replays()

@@ -580,6 +580,17 @@ class DPMethod(Method):
     def manifest(self, model):
         return self.inner.manifest(model)
 
+    # the inner method's local training, as attacks replay it (Kerckhoffs: the attacker knows the
+    # method; DP's noise it cannot replay, which the forward-model check then reports)
+    def local_phases(self, epochs: int):
+        return self.inner.local_phases(epochs)
+
+    def replay(self, model, context, images, labels, copies):
+        return self.inner.replay(model, context, images, labels, copies)
+
+    def replays(self) -> bool:
+        return self.inner.replays()
+
     def _see(self, model) -> list:
         if self._manifest is None:
             self._manifest = self.inner.manifest(model)
@@ -619,4 +630,6 @@ class DPMethod(Method):
         return self.inner.personalized(ctx, server, self._strip(state))
 
     def hyperparameters(self) -> dict:
-        return {**self.inner.hyperparameters(), "dp": asdict(self.dp)}
+        """The inner method's, plus the DP settings as flat ``dp.*`` entries (flat values stay
+        hashable: attacks key batched targets by them)."""
+        return {**self.inner.hyperparameters(), **{f"dp.{k}": v for k, v in asdict(self.dp).items()}}
