@@ -5,17 +5,20 @@ one-target function ``attack(observation, budget, seed) -> AttackResult`` (see `
 how it plans many targets, its kind and defaults, which uploads it applies to and how its result
 is scored (``attacks.metrics``). Importing this package registers the attacks below.
 
-Adding an attack: one file that defines its functions and calls ``register(AttackSpec(...))``,
-plus one import line here.
+Membership-inference attacks (``fedsec mia``) score records from a model's outputs instead; they
+register a ``MembershipSpec`` (``register_membership``) the same way.
+
+Adding an attack: one file that defines its functions and calls ``register(AttackSpec(...))`` (or
+``register_membership``), plus one import line here.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from . import dlg, ig, labels, proto  # noqa: F401  (each registers its attacks)
+from . import dlg, ig, labels, lira, mia_threshold, proto, rmia  # noqa: F401  (each registers its attacks)
 from .base import AttackResult, Budget, LocalHyperparameters, NotApplicable, Observation
 from .batching import Batch, plan_one_by_one, run_plan
-from .registry import ATTACKS, AttackSpec, get, names, register, unregister
+from .registry import ATTACKS, MEMBERSHIP, AttackSpec, MembershipSpec, get, names, register, unregister
 
 
 def plan(name: str, observations: Sequence[Observation], budget: Budget, mode: str = "auto",
@@ -40,5 +43,5 @@ def attack_many(name: str, observations: Sequence[Observation], budget: Budget, 
     return run_plan(batches, failed, seeds, len(observations))
 
 
-__all__ = ["ATTACKS", "AttackResult", "AttackSpec", "Batch", "Budget", "LocalHyperparameters", "NotApplicable",
+__all__ = ["ATTACKS", "MEMBERSHIP", "MembershipSpec", "AttackResult", "AttackSpec", "Batch", "Budget", "LocalHyperparameters", "NotApplicable",
            "Observation", "attack_many", "get", "names", "plan", "register", "unregister"]

@@ -58,9 +58,9 @@ class Observation:
     known_hyperparameters: LocalHyperparameters | None = None  # None: the server does not know them
     head_known: bool = True  # False: the client's classifier is private (FedPer/FedRep)
     known_schedule: KnownSchedule | None = None  # the oracle threat model; None: the server guesses it
-    # how an attacker without the draws models each augmented copy: "family" (a transform of the
-    # image from the augmentation family, its parameters unknown) or "free" (an unknown image)
-    copies: str = "family"
+    # how an attacker without the draws models each augmented copy: "free" (an unknown image) or
+    # "family" (a transform of the image from the augmentation family, its parameters unknown)
+    copies: str = "free"
     # public data of the same domain the server holds (images in [0, 1], labels), and the prototypes
     # it aggregated from every upload of this round: the auxiliary-data threat model of ``proto``
     auxiliary: tuple[torch.Tensor, torch.Tensor] | None = None

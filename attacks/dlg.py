@@ -354,7 +354,8 @@ def _result(setup: _Setup, best: dict, notes: list[str], trace: dict) -> AttackR
     probs = best.get("probs")
     if probs is None and bool((labels >= 0).all()):
         probs = torch.nn.functional.one_hot(labels, setup.num_classes).to(torch.float32)
-    return AttackResult(images=best["images"][:b].clamp(0, 1), labels=labels,
+    rebuilt = setup.matcher.reconstructions(best["images"])
+    return AttackResult(images=rebuilt.clamp(0, 1), labels=labels[:len(rebuilt)],
                         trace={**setup.trace, "objective": best["objective"], **trace}, notes=notes,
                         variables={"images": best["images"], "labels": probs,
                                    "copy_parameters": best.get("copy_parameters")})

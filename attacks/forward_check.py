@@ -50,10 +50,31 @@ def replay_agreement(obs: Observation, images: torch.Tensor, labels: torch.Tenso
             "replay_relative_error": float((a - b).norm() / b.norm().clamp_min(1e-30))}
 
 
-def true_copies(matcher: GradientMatcher, images: torch.Tensor, records: list) -> list | None:
+def slot_positions(matcher: GradientMatcher, n: int, records: list) -> list[int] | None:
+    """For each of the attack's dummy images (slots), the position in the client's training set of the
+    image the client really used there: the image itself where the slots are the images (victim
+    setting, oracle, plain modes); in real local training, the image at that place of the client's
+    true batch. None when the attack's steps do not line up with the client's."""
+    slots = matcher.originals if matcher.originals is not None else n
+    if matcher.epoch_copies == 1 and slots == n:
+        return list(range(n))
+    steps = matcher.context.steps if matcher.mode == "method" else None
+    if steps is None:  # the plain replay: step s uses slots s·bs … (s+1)·bs − 1
+        bs = matcher.hyperparameters.batch_size
+        steps = [type("S", (), {"members": tuple(range(i * bs, (i + 1) * bs))}) for i in range(len(records))]
+    where = [-1] * slots
+    for step, record in zip(steps, records):
+        if len(record.positions) != len(step.members):
+            return None
+        for slot, position in zip(step.members, record.positions.tolist()):
+            where[slot] = int(position)
+    return None if min(where, default=0) < 0 else where
+
+
+def true_copies(matcher: GradientMatcher, images: torch.Tensor, records: list, where: list[int]) -> list | None:
     """The augmented copies the client really trained on, laid out as the attack's steps: for each
-    augmented step, each member's recorded draw applied to its true image (where the attack's
-    guessed schedule does not match the client's, the un-augmented image). None without copies."""
+    augmented step, each member's recorded draw applied to its true image (``where``: slot →
+    position). None without copies."""
     if matcher.mode != "method" or not any(matcher.augmented):
         return None
     augmenter, copies = _augmenter(images.shape[-1]), []
@@ -64,8 +85,9 @@ def true_copies(matcher: GradientMatcher, images: torch.Tensor, records: list) -
             continue
         rows = []
         for m in step.members:
-            where = [] if record is None or record.draws is None else [j for j, p in enumerate(record.positions) if p == m]
-            rows.append(augmenter.apply(images[m:m + 1], [record.draws[where[0]]])[0] if where else images[m])
+            p = where[m]
+            j = [] if record is None or record.draws is None else [k for k, q in enumerate(record.positions) if q == p]
+            rows.append(augmenter.apply(images[p:p + 1], [record.draws[j[0]]])[0] if j else images[p])
         copies.append(torch.stack(rows))
     return copies
 
@@ -88,11 +110,14 @@ def check(obs: Observation, mode: str, kind: str, result: AttackResult, images: 
     out = replay_agreement(obs, images, labels, records)
     matcher = GradientMatcher(obs, mode)
     rebuilt = result.variables.get("images")
-    if rebuilt is None or result.variables.get("labels") is None or rebuilt.shape[0] - matcher.free_copies != len(images):
-        # the attack rebuilt another number of images than the client trained on: no truth to compare
+    where = slot_positions(matcher, len(images), records)
+    if rebuilt is None or result.variables.get("labels") is None or where is None \
+            or rebuilt.shape[0] - matcher.free_copies != len(where):
+        # the attack's dummy images do not correspond to the client's: no truth to compare
         return {**out, "objective_truth": None, "objective_reconstruction": None, "mis_specified": None}
-    truth = matching_term(matcher, kind, images, F.one_hot(labels, obs.num_classes).to(torch.float32),
-                          copies=true_copies(matcher, images, records))
+    index = torch.tensor(where)
+    truth = matching_term(matcher, kind, images[index], F.one_hot(labels[index], obs.num_classes).to(torch.float32),
+                          copies=true_copies(matcher, images, records, where))
     reconstruction = matching_term(matcher, kind, rebuilt, result.variables["labels"],
                                    result.variables.get("copy_parameters"))
     return {**out, "objective_truth": truth, "objective_reconstruction": reconstruction,

@@ -166,3 +166,76 @@ def score_label_distribution(predicted: torch.Tensor, true_counts: torch.Tensor)
         "precision": hits / int(pred_present.sum()) if int(pred_present.sum()) else float("nan"),
         "recall": hits / int(true_present.sum()) if int(true_present.sum()) else float("nan"),
     }
+
+
+# ------------------------------------------------------------------------------------------------
+# how sure: intervals and success rates over the scored images
+
+
+SUCCESS_MARGIN_DB = 6.0
+SUCCESS_SSIM = 0.5
+SUCCESS_RULE = f"PSNR at least {SUCCESS_MARGIN_DB:g} dB above the prior (the data set's mean image) on that image"
+SUCCESS_RULE_SSIM = f"SSIM at least {SUCCESS_SSIM:g}"
+
+
+def _rate_interval(hits: np.ndarray, clusters: np.ndarray, seed: int) -> tuple[float, float]:
+    """95 % interval of a success rate: the hull of Clopper–Pearson over the images and, with several
+    targets, a bootstrap that resamples targets (images of one client are not independent; and a
+    bootstrap alone collapses to a point when every image, or none, succeeded)."""
+    from .statistics import clopper_pearson, cluster_bootstrap
+
+    low, high = clopper_pearson(int(hits.sum()), len(hits))
+    if len(np.unique(clusters)) >= 2:
+        b_low, b_high = cluster_bootstrap(hits.astype(float), clusters, np.mean, seed=seed)
+        low, high = min(low, b_low), max(high, b_high)
+    return low, high
+
+
+def leakage_statistics(rows: list[dict], seed: int = 0) -> dict:
+    """For the scored images of one attack: how many, the mean PSNR with a 95 % bootstrap interval
+    (a studentized bootstrap over targets, i.e. (round, client), when there are several — the
+    mean of the per-target means; a percentile bootstrap over images otherwise), and the success
+    rates under two stated rules with their intervals."""
+    from .statistics import bootstrap_mean, cluster_mean_interval
+
+    if not rows:
+        return {"n_images": 0, "n_targets": 0, "mean_psnr_ci": None, "success_rate": None, "success_rate_ci": None,
+                "success_rule": SUCCESS_RULE, "success_rate_ssim": None, "success_rate_ssim_ci": None,
+                "success_rule_ssim": SUCCESS_RULE_SSIM}
+    psnr = np.array([min(float(r["psnr"]), PSNR_CAP_DB) for r in rows])
+    gain = psnr - np.array([float(r["prior_psnr"]) for r in rows])
+    ssim_ = np.array([float(r["ssim"]) for r in rows])
+    clusters = np.array([f"{r['round']}/{r['client']}" for r in rows])
+    several = len(np.unique(clusters)) >= 2
+    interval = cluster_mean_interval(psnr, clusters, seed=seed) if several else bootstrap_mean(psnr, seed=seed)
+    hits, hits_ssim = gain >= SUCCESS_MARGIN_DB, ssim_ >= SUCCESS_SSIM
+    return {"n_images": len(rows), "n_targets": int(len(np.unique(clusters))),
+            "interval_resamples": "targets" if several else "images",
+            "mean_psnr_ci": list(interval), "success_rate": float(hits.mean()),
+            "success_rate_ci": list(_rate_interval(hits, clusters, seed)), "success_rule": SUCCESS_RULE,
+            "success_rate_ssim": float(hits_ssim.mean()),
+            "success_rate_ssim_ci": list(_rate_interval(hits_ssim, clusters, seed)),
+            "success_rule_ssim": SUCCESS_RULE_SSIM}
+
+
+def paired_difference(rows_a: list[dict], rows_b: list[dict], seed: int = 0) -> dict:
+    """Leakage of A minus leakage of B, paired over the images both scored (same round, client and
+    image: methods compared on the same partition, seed and targets): the mean difference of PSNR
+    above the prior with a 95 % interval that resamples targets, and a verdict that calls a
+    difference only when the interval excludes zero."""
+    from .statistics import bootstrap_mean, cluster_mean_interval
+
+    key = lambda r: (int(r["round"]), int(r["client"]), int(r["image"]))  # noqa: E731
+    gain = lambda r: min(float(r["psnr"]), PSNR_CAP_DB) - float(r["prior_psnr"])  # noqa: E731
+    b = {key(r): gain(r) for r in rows_b}
+    pairs = [(key(r), gain(r) - b[key(r)]) for r in rows_a if key(r) in b]
+    if not pairs:
+        return {"n_pairs": 0, "mean_difference": None, "ci": None, "verdict": "no image scored by both"}
+    diff = np.array([d for _, d in pairs])
+    clusters = np.array([f"{k[0]}/{k[1]}" for k, _ in pairs])
+    several = len(np.unique(clusters)) >= 2
+    low, high = cluster_mean_interval(diff, clusters, seed=seed) if several else bootstrap_mean(diff, seed=seed)
+    verdict = ("A leaks more" if low > 0 else "B leaks more" if high < 0 else
+               "not distinguishable at this sample size")
+    return {"n_pairs": len(pairs), "n_targets": int(len(np.unique(clusters))), "mean_difference": float(diff.mean()),
+            "ci": [low, high], "verdict": verdict}

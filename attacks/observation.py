@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import functools
 import math
+
+import numpy as np
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -195,25 +197,70 @@ def soft_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return torch.sum(-labels * F.log_softmax(logits, dim=-1), dim=-1).mean()
 
 
+@dataclass
+class Layout:
+    """How the dummy images map onto the client's SGD steps.
+
+    In the victim setting every step uses all ``reconstructed`` images (slots are the images). In
+    real local training each epoch takes ``reconstructed`` = (n // batch) · batch images in a shuffle
+    the server does not know: every epoch of every phase gets its own copy of the image set (the
+    multi-epoch setting of Dimitrov et al., 2022), ``epoch_copies`` of them, slot = copy · m + its
+    place in the epoch; ``combine`` aligns the copies and averages them into one reconstruction each."""
+
+    steps: list[Step]
+    augmented: list[bool]
+    slots: int
+    reconstructed: int
+    epoch_copies: int
+
+
 def planned_steps(method, hp: LocalHyperparameters) -> tuple[list[Step], list[bool]]:
-    """The SGD steps the client took, as a server that knows ``hp`` lays them out: the method's phases
-    (``Method.local_phases``), ``phase_steps`` steps each (ragged last batches dropped, as the client
-    does). In the victim setting every step uses all the client's images; otherwise each epoch is
-    taken in a fixed order (the true shuffle is unknown: a guess, see the notes). Also returns
-    whether each step is augmented."""
+    """The SGD steps the client took, as a server that knows ``hp`` lays them out (``plan_layout``),
+    and whether each is augmented."""
+    layout = plan_layout(method, hp)
+    return layout.steps, layout.augmented
+
+
+def plan_layout(method, hp: LocalHyperparameters) -> Layout:
+    """The method's phases (``Method.local_phases``), ``phase_steps`` steps each (ragged last batches
+    dropped, as the client does), laid out on dummy slots (``Layout``)."""
     n = int(hp.samples if hp.samples is not None else hp.batch_size)
     bs = min(hp.batch_size, n)
-    steps, augmented = [], []
+    per_epoch = n // bs
+    steps, augmented, copy = [], [], 0
     for phase, epochs, aug in method.local_phases(hp.epochs):
         for j in range(phase_steps(epochs, n, bs, hp.steps_per_phase)):
             if hp.steps_per_phase is not None:
                 members = tuple(range(n))
             else:
-                start = (j % (n // bs)) * bs
+                if j and j % per_epoch == 0:
+                    copy += 1
+                start = copy * per_epoch * bs + (j % per_epoch) * bs
                 members = tuple(range(start, start + bs))
             steps.append(Step(phase, members))
             augmented.append(aug)
-    return steps, augmented
+        if hp.steps_per_phase is None and steps and steps[-1].phase == phase:
+            copy += 1
+    if hp.steps_per_phase is not None:
+        return Layout(steps, augmented, n, n, 1)
+    return Layout(steps, augmented, max(copy, 1) * per_epoch * bs, per_epoch * bs, max(copy, 1))
+
+
+def combine_epoch_copies(images: torch.Tensor, copies: int) -> torch.Tensor:
+    """(copies · m, ...) dummy images → m reconstructions: every later copy of the image set aligned to
+    the first one (``scipy.optimize.linear_sum_assignment`` on pixel MSE), then all averaged."""
+    if copies <= 1:
+        return images
+    from scipy.optimize import linear_sum_assignment
+
+    sets = images.reshape(copies, -1, *images.shape[1:])
+    reference = sets[0].flatten(1).clamp(0, 1).double()
+    aligned = [sets[0]]
+    for later in sets[1:]:
+        cost = torch.cdist(reference, later.flatten(1).clamp(0, 1).double()).pow(2).numpy()
+        rows, cols = linear_sum_assignment(cost)
+        aligned.append(later[torch.from_numpy(cols[np.argsort(rows)])])
+    return torch.stack(aligned).mean(0)
 
 
 def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: list[Step]) -> ReplayContext:
@@ -229,7 +276,7 @@ def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: lis
                          steps=steps, num_classes=obs.num_classes, notes=notes)
 
 
-COPY_MODELS = ("family", "free")
+COPY_MODELS = ("free", "family")
 FAMILY_PARAMETERS = 8  # per copy: gain a, offset b, and a 2x3 affine map
 
 
@@ -266,10 +313,10 @@ class GradientMatcher:
     gradient-like (g = −Δ/(lr·steps), or −Δ/‖Δ‖ when only the direction is known: ``scale_known``
     False). In the ``method`` mode the method's own replay (``Method.replay``) is run on the dummy:
     the targets are the observed Δ of each attacked weight and the uploaded statistics the replay
-    also produces (FedPAC's prototypes, h, V, class counts), compared group by group
-    (``groups``). ``dummy_images`` images are optimised: the ``originals`` reconstructions, then one
-    free image per augmented copy the client trained on when ``observation.copies`` is "free"; with
-    "family" (the default) each copy is ``family_copy`` of its image with ``copy_parameters`` unknown
+    also produces (FedPAC's prototypes, h, class counts), in ``groups``: one per weight group, one per
+    statistic (``l2_objective``, ``cosine_objective``). ``dummy_images`` images are optimised: the ``originals`` reconstructions, then one
+    free image per augmented copy the client trained on when ``observation.copies`` is "free" (the
+    default); with "family" each copy is ``family_copy`` of its image with ``copy_parameters`` unknown
     parameters; with known draws (oracle) the copies are the client's.
     """
 
@@ -284,7 +331,9 @@ class GradientMatcher:
         self.model.eval()
         self.names = self.update.names
         self.notes = list(self.update.notes)
-        self.originals = None  # the images rebuilt: set by method mode; else the attack's batch
+        self.originals = None  # dummy images the replay uses (None: the attack's batch)
+        self.reconstructed = None  # images rebuilt from them (``reconstructions``)
+        self.epoch_copies = 1
         self.free_copies = 0
         self.copy_parameters = 0  # family mode: copies × FAMILY_PARAMETERS unknowns
         self.copy_model = None
@@ -296,6 +345,7 @@ class GradientMatcher:
             self.target = [gradient[n] for n in self.names]
             self.groups = [list(range(len(self.names)))]
             self._note_plain_modes()
+            self._set_up_plain_layout()
 
     def _note_plain_modes(self) -> None:
         hp, obs = self.hyperparameters, self.observation
@@ -321,12 +371,16 @@ class GradientMatcher:
         if known is not None:
             steps, self.draws = list(known.steps), list(known.draws)
             augmented = [d is not None for d in self.draws]
+            self.reconstructed = int(hp.samples if hp.samples is not None else hp.batch_size)
         else:
-            steps, augmented = planned_steps(obs.method, hp)
+            layout = plan_layout(obs.method, hp)
+            steps, augmented = layout.steps, layout.augmented
             self.draws = None
+            self.reconstructed, self.epoch_copies = layout.reconstructed, layout.epoch_copies
         self.augmented = augmented
         self.context = replay_context(obs, self.update.before, steps)
-        self.originals = int(hp.samples if hp.samples is not None else hp.batch_size)
+        self.originals = (int(hp.samples if hp.samples is not None else hp.batch_size) if known is not None
+                          else layout.slots)
         if obs.copies not in COPY_MODELS:
             raise ValueError(f"unknown copy model {obs.copies!r}; choose one of: {', '.join(COPY_MODELS)}")
         copies = 0 if known is not None else sum(len(s.members) for s, a in zip(steps, augmented) if a)
@@ -334,8 +388,10 @@ class GradientMatcher:
         self.free_copies = copies if self.copy_model == "free" else 0
         self.copy_parameters = copies * FAMILY_PARAMETERS if self.copy_model == "family" else 0
         # the method's replay produces every field of its manifest but the sample count: besides the
-        # weights, the statistics it uploads are matched too
-        statistics = [s for s in obs.manifest() if s.kind in ("prototype", "statistic", "class_counts")]
+        # weights, the statistics it uploads are matched too, but scalar ones (FedPAC's V, a variance
+        # computed as a difference of large terms, zero by construction for a one-image client): their
+        # float rounding outweighs what they carry
+        statistics = [s for s in obs.manifest() if s.kind in ("prototype", "statistic", "class_counts") and s.shape]
         self.aux_names = sorted(n for n in obs.upload if any(s.pattern.match(n) for s in statistics))
         self.target = [self.update.delta[n] for n in self.names] + [obs.upload[n].to(torch.float32)
                                                                       for n in self.aux_names]
@@ -345,8 +401,10 @@ class GradientMatcher:
         self.weight_groups = len(dict.fromkeys(group_of(n) for n in self.names))
         phases = ", ".join(f"{p}: {sum(s.phase == p for s in steps)}" for p in dict.fromkeys(s.phase for s in steps))
         self.notes.append(f"method mode: {obs.method.name}'s own local training is replayed on the dummy data "
-                          f"({len(steps)} SGD steps; {phases}) with lr {hp.lr:g} and matched group by group "
-                          f"({', '.join(order)})")
+                          f"({len(steps)} SGD steps; {phases}) with lr {hp.lr:g} and matched to the upload: "
+                          f"the weights ({', '.join(order[:self.weight_groups])})"
+                          + (f" and the statistics ({', '.join(order[self.weight_groups:])})"
+                             if len(order) > self.weight_groups else ""))
         self.notes += self.context.notes
         if self.free_copies:
             self.notes.append(f"each augmented copy the client trained on is a free unknown image "
@@ -359,8 +417,23 @@ class GradientMatcher:
             self.notes.append("oracle threat model: the client's batch order and augmentation draws are known "
                               "(an upper bound on what leaks)")
         if hp.steps_per_phase is None and known is None:
-            self.notes.append("real local training: the order of the client's batches is unknown; each epoch is "
-                              "replayed in one fixed order (an approximation)")
+            self.notes.append(f"real local training: the client's shuffle is unknown; each of its "
+                              f"{self.epoch_copies} epoch(s) gets its own copy of the {self.reconstructed} images it "
+                              f"trains on (ragged last batches dropped), aligned and averaged afterwards")
+
+    def _set_up_plain_layout(self) -> None:
+        """Real local training in the plain replay: each epoch its own copy of the image set."""
+        hp = self.hyperparameters
+        if self.mode != "replay" or hp.steps_per_phase is not None or hp.samples is None:
+            return
+        layout = plan_layout(self.observation.method, hp)
+        self.originals, self.reconstructed, self.epoch_copies = layout.slots, layout.reconstructed, layout.epoch_copies
+
+    def reconstructions(self, dummy_images: torch.Tensor) -> torch.Tensor:
+        """The rebuilt images from the optimised dummy images: epoch copies combined, free augmented
+        copies dropped."""
+        slots = self.originals if self.originals is not None else dummy_images.shape[0] - self.free_copies
+        return combine_epoch_copies(dummy_images[:slots], self.epoch_copies)
 
     # -- the dummy's side ---------------------------------------------------------------------
     # Written with torch.func so that the same code serves one target (ordinary autograd on x and y
@@ -430,27 +503,25 @@ class GradientMatcher:
     # -- comparing the two sides -----------------------------------------------------------------
     def l2_objective(self, dummy: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
         """DLG's distance: Σ‖a − b‖² (with an unknown scale, min over s ≥ 0 of Σ‖a − s·b‖²); in the
-        method mode the sum over groups of ‖a_g − b_g‖²/‖b_g‖² (scale-free per group)."""
+        method mode the sum over groups of ‖a_g − b_g‖²/‖b_g‖² (scale-free per group, ``_relative_error``)."""
         if self.mode != "method":
             return gradient_distance(dummy, target, self.scale_known)
         total = 0.0
         for g in self.groups:
-            a, b = flat([dummy[i] for i in g]), flat([target[i] for i in g])
-            total = total + ((a - b) ** 2).sum() / (b * b).sum().clamp_min(1e-30)
+            total = total + _relative_error(flat([dummy[i] for i in g]), flat([target[i] for i in g]))
         return total
 
     def cosine_objective(self, dummy: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
-        """IG's data term: 1 − cos over all attacked weights at once; in the method mode 1 − cos per
-        weight group plus the relative squared error of each uploaded statistic."""
+        """IG's data term: 1 − cos over all attacked weights at once (the paper's equal weights); in the
+        method mode plus the relative squared error of each uploaded statistic. (One cosine per weight
+        group instead was 1.6 dB worse on FedeCouple on the tuning federation: BENCHMARKS.md.)"""
         if self.mode != "method":
             return 1.0 - F.cosine_similarity(flat(dummy), flat(target), dim=0, eps=1e-20)
-        total = 0.0
-        for k, g in enumerate(self.groups):
-            a, b = flat([dummy[i] for i in g]), flat([target[i] for i in g])
-            if k < self.weight_groups:
-                total = total + 1.0 - F.cosine_similarity(a, b, dim=0, eps=1e-20)
-            else:
-                total = total + ((a - b) ** 2).sum() / (b * b).sum().clamp_min(1e-30)
+        weights = [i for g in self.groups[:self.weight_groups] for i in g]
+        total = 1.0 - F.cosine_similarity(flat([dummy[i] for i in weights]), flat([target[i] for i in weights]),
+                                          dim=0, eps=1e-20)
+        for g in self.groups[self.weight_groups:]:
+            total = total + _relative_error(flat([dummy[i] for i in g]), flat([target[i] for i in g]))
         return total
 
     @functools.cached_property
@@ -490,6 +561,16 @@ class GradientMatcher:
             return None
         target = self.target[self.names.index(CLASSIFIER_WEIGHT)]
         return -target if self.mode == "method" else target
+
+
+# per element, the squared size below which an observed value counts as zero: a statistic that is zero
+# by construction (FedPAC's V of a one-image client) must not turn float rounding into a huge error
+ZERO_FLOOR = 1e-8
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """‖a − b‖² / ‖b‖², with ‖b‖² floored at ZERO_FLOOR per element."""
+    return ((a - b) ** 2).sum() / ((b * b).sum() + ZERO_FLOOR * b.numel())
 
 
 def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

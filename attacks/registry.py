@@ -44,6 +44,7 @@ class AttackSpec:
     needs: str  # what it needs, in words ("model weights")
     hint: str = ""  # what to do instead, with {method} and {attack} placeholders
     matching: str | None = None  # its data-matching term ("l2", "cosine"): the forward-model check
+    default_restarts: int = 1  # independent starts, the lowest objective kept
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -97,3 +98,54 @@ def get(name: str) -> AttackSpec:
 
 GRADIENT_HINT = ("there is no gradient for {attack} to invert; use `fedsec attack proto --method {method}` "
                  "(prototype inversion) or `fedsec attack labels --method {method}`")
+
+
+# ------------------------------------------------------------------------------------------------
+# membership inference: scores per record from a model's outputs (``fedsec mia``)
+
+
+@dataclass
+class MembershipInputs:
+    """What a membership attack sees of one target model, for n audited records: the target's logits
+    (n, C), the records' labels and owners (clients), which records are known population data (the
+    clients' own held-out records: non-members by construction), the reference models' logits
+    (R, n, C) and which records each reference trained on (n, R), and the attack options
+    (``gamma``, ``temperature``, ``a``)."""
+
+    logits: object
+    labels: object
+    owner: object
+    population: object
+    reference_logits: object
+    reference_in: object
+    options: dict
+
+    def per_record(self, values, trained: bool):
+        """(n, k) rows of ``values`` (n, R): for each record, its values under the k references that
+        trained on it (``trained``) or did not (every record is IN and OUT of equally many)."""
+        import numpy as np
+
+        mask = np.asarray(self.reference_in) if trained else ~np.asarray(self.reference_in)
+        counts = mask.sum(axis=1)
+        if len(counts) and counts.min() != counts.max():
+            raise ValueError("every record needs the same number of selected reference runs")
+        return np.asarray(values)[mask].reshape(len(values), -1)
+
+
+@dataclass(frozen=True)
+class MembershipSpec:
+    """One membership-inference attack, declared once: ``score(inputs) -> (n,)`` scores, higher
+    meaning more likely a member; ``references`` says whether it needs reference models."""
+
+    name: str
+    summary: str
+    score: Callable
+    references: bool
+
+
+MEMBERSHIP: dict[str, MembershipSpec] = {}
+
+
+def register_membership(spec: MembershipSpec) -> MembershipSpec:
+    MEMBERSHIP[spec.name] = spec
+    return spec

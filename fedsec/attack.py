@@ -42,8 +42,8 @@ import torch
 
 import attacks
 from attacks.base import AttackResult, Budget, KnownSchedule, LocalHyperparameters, NotApplicable
-from attacks.metrics import (SUMMARY_KEYS, prediction_accuracy, score_images, score_label_distribution,
-                             summarize_scores)
+from attacks.metrics import (SUMMARY_KEYS, leakage_statistics, prediction_accuracy, score_images,
+                             score_label_distribution, summarize_scores)
 from attacks.observation import MODES, observe
 from attacks.registry import AttackSpec
 from fedecouple.channel import Recorder, ServerChannel
@@ -70,7 +70,7 @@ MAX_PANELS = 16
 # 6-8x faster than two for IG on the 28x28 CNN (measured, see BENCHMARKS.md)
 ATTACK_THREADS = 1
 SCORE_KEYS = SUMMARY_KEYS
-AUGMENTATION_MODELS = ("family", "free", "oracle")
+AUGMENTATION_MODELS = ("free", "family", "oracle")
 
 
 @dataclass
@@ -82,17 +82,18 @@ class AttackSettings:
     rounds: tuple[int, ...] = (0,)
     targets: int = 2  # clients attacked per attacked round (seeded choice)
     iterations: int | None = None
-    restarts: int = 1
+    restarts: int | None = None  # default: the attack's declared restarts
     images: int | None = None  # images rebuilt per target (default: victim_batch, or 1)
     victim_batch: int | None = None
     victim_steps: int = 1
     seed: int | None = None  # target choice and attack starts (default: the run's seed)
     hyperparameters_known: bool = True
     head_known: bool = True
-    # how the attacker models the augmented copies a client trains on: "family" (transforms of the
-    # image, parameters unknown), "free" (unknown images), "oracle" (the client's batch order and
-    # draws are known: an upper bound)
-    augmentations: str = "family"
+    # how the attacker models the augmented copies a client trains on: "free" (unknown images),
+    # "family" (transforms of the image, parameters unknown), "oracle" (the client's batch order and
+    # draws are known: an upper bound). free was the stronger of the two without the draws on the
+    # tuning federation (seed 1; BENCHMARKS.md, "Attacks")
+    augmentations: str = "free"
     mode: str = "auto"
     start: str = "noise"  # DLG's dummy images: noise or the per-channel mean
     aux_data: str | None = None  # public data the server holds (an embedded data set's name)
@@ -114,14 +115,16 @@ class AttackSettings:
         return Budget(iterations=self.iterations, restarts=self.restarts, batch=self.images_per_target,
                       start=self.start)
 
-    def resolved(self, config: RunConfig) -> "AttackSettings":
-        """Defaults filled in and every value checked (one-line ``UserError``s)."""
+    def resolved(self, seed: int = 0, threads: int | None = None) -> "AttackSettings":
+        """Defaults filled in and every value checked (one-line ``UserError``s): the attack's declared
+        iterations and victim setting; ``seed`` and ``threads`` (the run's) where none was given."""
         spec = self.spec
         out = replace(self, rounds=tuple(parse_rounds(self.rounds)),
                       iterations=spec.default_iterations if self.iterations is None else int(self.iterations),
+                      restarts=spec.default_restarts if self.restarts is None else int(self.restarts),
                       victim_batch=spec.default_victim_batch if self.victim_batch is None else int(self.victim_batch),
-                      seed=config.federation.seed if self.seed is None else int(self.seed),
-                      threads=int(self.threads or config.execution.threads or ATTACK_THREADS))
+                      seed=int(seed) if self.seed is None else int(self.seed),
+                      threads=int(self.threads or threads or ATTACK_THREADS))
         out.validate()
         return out
 
@@ -223,7 +226,7 @@ def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | No
     so the server sees their output; ``dp`` (a ``fedsec.defenses.DPConfig``) trains every client with
     DP-SGD and adds the per-client ε to the summary (``"dp"``)."""
     start = time.perf_counter()
-    settings = settings.resolved(config)
+    settings = settings.resolved(config.federation.seed, config.execution.threads)
     config = config.updated(rounds=settings.rounds_to_train, threads=settings.threads)
     previous_threads = torch.get_num_threads()
     try:
@@ -511,10 +514,11 @@ def _summary(run: RecordedRun, settings: AttackSettings, targets: dict, scored: 
         if spec.scoring == "class-images":
             notes = notes + [f"{spec.name} images are labelled by the prototype's class: label_accuracy does not apply"]
     presence = [s["class_presence_accuracy"] for s in label_scores]
+    statistics = leakage_statistics(rows, seed=settings.seed) if spec.rebuilds_images else {}
     summary = {
         "method": run.method.name, "attack": spec.name, "dataset": run.dataset.name, "run": run.label,
         **{k: scores[k] for k in SCORE_KEYS},
-        "label_accuracy": label_accuracy,
+        **statistics, "label_accuracy": label_accuracy,
         "class_presence_accuracy": float(np.mean(presence)) if presence else float("nan"),
         "images_scored": len(rows) if spec.rebuilds_images else 0,
         "seconds": round(seconds, 2), "seed": settings.seed, "attack_rounds": list(settings.rounds),

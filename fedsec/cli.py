@@ -14,6 +14,7 @@ from fedecouple.methods import METHODS
 from fedecouple.models import ARCHITECTURES
 from reports.tradeoff import VALUE_MEANING
 
+from .options import pop_threat_model, threat_model_options
 from .runner import PAPER_FEDERATION, RunConfig
 
 HYPERPARAMETER_FLAGS = ("lam", "mu", "tau", "teacher", "center_reduction")
@@ -227,7 +228,8 @@ def compare(ctx, methods, seeds, out, **opts):
 @click.option("--iterations", type=int, default=None,
               help=f"Optimiser steps per reconstruction [each attack's default: {attack_defaults()}; dlg/idlg count "
                    f"L-BFGS steps of up to 20 evaluations, ig Adam steps].")
-@click.option("--restarts", type=int, default=1, show_default=True, help="Independent starts; the best objective is kept.")
+@click.option("--restarts", type=int, default=None,
+              help="Independent starts; the lowest objective is kept [each attack's default: ig 3, the others 1].")
 @click.option("--victim-batch", type=int, default=None,
               help="B: attacked clients train on B of their images in the attacked round, and B images are rebuilt "
                    "[1 for the gradient attacks; 0 (= the method's real local training) for the others].")
@@ -236,36 +238,12 @@ def compare(ctx, methods, seeds, out, **opts):
               help="Images rebuilt per target [--victim-batch; 1 with --victim-batch 0]; e.g. 2 for a method that "
                    "trains on each image and an augmented copy.")
 @click.option("--attack-seed", type=int, default=None, help="Seed for target choice and attack starts [--seed].")
-@click.option("--mode", type=click.Choice(["auto", "method", "replay", "scaled"]), default="auto", show_default=True,
-              help="Gradient attacks' forward model: method = replay the attacked method's own local training "
-                   "(its phases, losses, augmentation; needs known hyperparameters); replay = plain cross-entropy "
-                   "SGD steps; scaled = the update read as one gradient. auto: method where the method's training "
-                   "is not plain SGD, else replay for T > 1, else scaled (the same computation for plain SGD).")
-@click.option("--augmentations", type=click.Choice(["family", "free", "oracle"]), default="family", show_default=True,
-              help="Method mode, for methods that train on augmented copies (FedeCouple's DA): family = each copy "
-                   "is a transform of its image from the augmentation family (gain, offset, affine warp), its "
-                   "parameters unknown; free = each copy is an unknown image; oracle = the server knows the "
-                   "client's augmentation draws and batch order (an upper bound).")
-@click.option("--start", type=click.Choice(["noise", "mean"]), default="noise", show_default=True,
-              help="DLG/iDLG dummy images start as uniform noise or as the per-channel mean image.")
-@click.option("--aux-data", default=None, metavar="DATASET",
-              help="Threat model: the server holds public data of the same domain (an embedded data set: digits "
-                   "or mnist5k, resized; the attacked clients' own images left out). proto then inverts through a "
-                   "surrogate extractor trained on it towards the round's prototypes, and the class-mean prior "
-                   "comes from it.")
-@click.option("--hyperparameters-known/--hyperparameters-unknown", default=True, show_default=True,
-              help="Whether the server knows the client's lr, steps and batch size.")
-@click.option("--head-known/--head-unknown", default=True, show_default=True,
-              help="--head-unknown: the attack does not use the classifier's update (private-head threat model).")
-@click.option("--batched/--no-batched", default=True, show_default=True,
-              help="Gradient attacks: optimise the targets that share a model (e.g. all of round 0) together in one "
-                   "vmapped batch. Each evaluation equals --no-batched (one by one) to float rounding; a stalled "
-                   "optimisation (DLG on cnn28) can end in another local minimum.")
+@threat_model_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder: attack.csv, summary.json, reconstructions.png [runs/attack-<attack>-<method>].")
 @click.pass_context
 def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_batch, victim_steps, images, attack_seed,
-           mode, augmentations, start, aux_data, hyperparameters_known, head_known, batched, out, **opts):
+           out, **opts):
     """Train, intercept what the server sees, attack it, and score the result against what the client trained on.
 
     Example: fedsec attack dlg --method fedecouple   (round 0, 2 clients, one image each, one local step)
@@ -276,12 +254,11 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     from .attack import AttackSettings, default_out, parse_rounds, run_attack
 
     train_rounds = opts["rounds"] if ctx.get_parameter_source("rounds") == click.core.ParameterSource.COMMANDLINE else None
+    threat = pop_threat_model(opts)
     config = config_from_options(ctx, **opts)
     settings = AttackSettings(attack=attack, rounds=tuple(parse_rounds(attack_rounds)), targets=targets,
                               iterations=iterations, restarts=restarts, images=images, victim_batch=victim_batch,
-                              victim_steps=victim_steps, seed=attack_seed, hyperparameters_known=hyperparameters_known,
-                              head_known=head_known, augmentations=augmentations, mode=mode, start=start,
-                              aux_data=aux_data, batched=batched, train_rounds=train_rounds)
+                              victim_steps=victim_steps, seed=attack_seed, train_rounds=train_rounds, **threat)
     out = out or default_out(attack, config.method)
     summary = run_attack(config, settings, out=out)
     click.echo(attack_headline(summary, out))
@@ -300,9 +277,15 @@ def attack_headline(summary: dict, out) -> str:
     if attacks.get(summary["attack"]).scoring == "labels":
         return f"{where}: class-presence accuracy {fmt(summary['class_presence_accuracy'])}  → {out}"
     modes = ",".join(summary["threat_model"]["modes_used"]) or "n/a"
-    return (f"{where} ({modes}): mean PSNR {fmt(summary['mean_psnr'], ' dB')} "
+    ci, rate, rate_ci = summary.get("mean_psnr_ci"), summary.get("success_rate"), summary.get("success_rate_ci")
+    interval = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci and None not in ci else ""
+    recovered = (f", recovered {100 * rate:.0f} % [{100 * rate_ci[0]:.0f}, {100 * rate_ci[1]:.0f}]"
+                 if rate is not None and rate_ci and None not in rate_ci else "")
+    flag = " — MIS-SPECIFIED: the attack's forward model was wrong" if summary.get("mis_specified") else ""
+    return (f"{where} ({modes}): mean PSNR {fmt(summary['mean_psnr'], ' dB')}{interval} "
             f"(prior {fmt(summary['mean_prior_psnr'], ' dB')}, max {fmt(summary['max_psnr'], ' dB')}), "
-            f"label accuracy {fmt(summary['label_accuracy'])}, {summary['images_scored']} images  → {out}")
+            f"label accuracy {fmt(summary['label_accuracy'])}, {summary['images_scored']} images{recovered}"
+            f"{flag}  → {out}")
 
 
 @cli.command()
@@ -347,6 +330,9 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
 @click.option("--iterations", default=None, metavar="N|ATTACK=N,...",
               help=f"Optimiser steps per reconstruction, for every attack (N) or per attack (dlg=300,ig=1000) "
                    f"[each attack's default: {attack_defaults()}].")
+@click.option("--mia/--no-mia", default=False, show_default=True,
+              help="Add a membership-inference stage per method (`fedsec mia` with its defaults: 4 shadow "
+                   "federations per method, so about five times the training).")
 @click.option("--reuse", multiple=True, type=click.Path(), metavar="DIR",
               help="Earlier report (or `fedsec train`) folder whose finished stages with the same configuration are "
                    "copied instead of recomputed (repeatable).")
@@ -354,7 +340,7 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
               help="Folder: <method>/<stage>/ stage folders, report.md, report.html, results.csv, summary.csv, "
                    "plots; rerun with the same --out to resume.")
 @click.pass_context
-def report(ctx, methods, attacks, attack_rounds, targets, iterations, reuse, out, **opts):
+def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse, out, **opts):
     """Train, audit and attack several methods on the same partition and seeds; write one comparison.
 
     For each method: train (accuracy), audit (what is uploaded, findings), then each attack. Outputs
@@ -382,8 +368,13 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, reuse, out
                                   iterations=rep.parse_iterations(iterations))
     opts["method"] = None  # set per method; keeps --preset's FedeCouple values from other methods
     base = config_from_options(ctx, **opts)
+    mia_settings = None
+    if mia:
+        from .mia import MiaSettings
+
+        mia_settings = MiaSettings()
     result = rep.build_report(base, method_list, out, attacks=attack_list, settings=settings, reuse=reuse,
-                              command=rep.command_line())
+                              command=rep.command_line(), mia=mia_settings)
     click.echo(rep.headline_markdown(result["summary"], attack_list, method_list))
     click.echo(f"→ {Path(out) / 'report.html'}, {Path(out) / 'report.md'}, {Path(out) / 'summary.csv'}, "
                f"{Path(out) / 'results.csv'}")
@@ -404,7 +395,9 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, reuse, out
                    "update zeroed; quantize: bits; exclude: a field kind (prototype, class_counts, statistic, ...) or "
                    "a field-name pattern (prototype.*).")
 @click.option("--attacks", "attack_list", default="dlg,ig,labels", show_default=True, cls=ListedOption,
-              listed=attacks.names, help="Comma-separated attacks run against each value.")
+              listed=lambda: attacks.names() + ["mia"],
+              help="Comma-separated attacks run against each value (mia: membership inference on the personal "
+                   "models with two shadow federations; --defense dp only).")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also run the method without any defense (the first row).")
 @click.option("--max-grad-norm", type=float, default=1.0, show_default=True, help="dp: per-sample clipping bound C.")
@@ -451,6 +444,76 @@ def defend(ctx, defense, values, attack_list, baseline, max_grad_norm, delta, ac
     frame = run_defend(config, settings, out, on_value=lambda row: click.echo("  " + value_line(row)),
                        command=command)
     click.echo(f"{len(frame)} values → {out}/tradeoff.csv, {out}/tradeoff.md, {out}/tradeoff.png")
+
+
+@cli.command()
+@train_options
+@click.option("--attacks", "attack_list", default="loss,entropy,population,rmia,lira,update", show_default=True,
+              help="Comma-separated attacks: loss, entropy (modified entropy), population (Attack-P), rmia (offline), "
+                   "lira (online, global variance), update (the server's test on each upload; FedMIA-style).")
+@click.option("--reference-runs", type=int, default=4, show_default=True,
+              help="Shadow federations, in complementary pairs (even, >= 2): each client trains on a seeded half of "
+                   "its records in one run of a pair and on the other half in the other.")
+@click.option("--gamma", type=float, default=2.0, show_default=True, help="rmia: likelihood-ratio threshold gamma.")
+@click.option("--temperature", type=float, default=2.0, show_default=True, help="rmia: softmax temperature.")
+@click.option("--offline-a", default="tune", show_default=True,
+              help="rmia: offline a in [0, 1], or 'tune' (on reference pair 0; needs --reference-runs >= 4, "
+                   "else 0.3).")
+@click.option("--dp", "dp_noise", type=float, default=None,
+              help="Train target and reference runs with DP-SGD at this noise multiplier; the summary then shows the "
+                   "accountant's epsilon next to the empirical lower bound.")
+@click.option("--max-grad-norm", type=float, default=1.0, show_default=True, help="--dp: per-sample clipping bound C.")
+@click.option("--delta", type=float, default=1e-5, show_default=True,
+              help="delta of the accounted and of the empirical epsilon.")
+@click.option("--bootstrap", type=int, default=1000, show_default=True, help="Client-bootstrap resamples per interval.")
+@click.option("--exposed", type=int, default=16, show_default=True, help="Most exposed member records to list and show.")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Output folder [runs/mia-<method>]: mia.csv, summary.json, mia.md, per_client_auc.csv, roc.png, "
+                   "histograms.png, exposed.csv, exposed.png, runs/<run>/ (rerun to resume).")
+@click.pass_context
+def mia(ctx, attack_list, reference_runs, gamma, temperature, offline_a, dp_noise, max_grad_norm, delta, bootstrap,
+        exposed, out, **opts):
+    """Membership inference audit: can a model (personal, global, or a client's upload) tell which
+    records a client trained on? Trains the federation and --reference-runs shadow federations.
+
+    Members are each client's training records, non-members its own held-out records (same label
+    mix). Torch runs one thread unless --threads is given.
+
+    Example: fedsec mia --method fedper --clients 20 --rounds 5 --reference-runs 4 --out runs/mia-fedper
+    """
+    import shlex
+
+    from .mia import MiaSettings, parse_attacks, parse_offline_a, run_mia
+
+    settings = MiaSettings(attacks=parse_attacks(attack_list), reference_runs=reference_runs, gamma=gamma,
+                           temperature=temperature, offline_a=parse_offline_a(offline_a), dp_noise=dp_noise,
+                           max_grad_norm=max_grad_norm, delta=delta, bootstrap=bootstrap, exposed=exposed)
+    if offline_a.strip().lower() == "tune" and reference_runs < 4 and \
+            ctx.get_parameter_source("offline_a") == click.core.ParameterSource.COMMANDLINE:
+        raise UserError("--offline-a tune needs --reference-runs >= 4 (a reference pair plus another pair); "
+                        "give a number instead, e.g. --offline-a 0.3")
+    config = config_from_options(ctx, **opts)
+    out = out or f"runs/mia-{config.method}"
+    command = "fedsec " + shlex.join(sys.argv[1:]) if len(sys.argv) > 1 and sys.argv[1] == "mia" else None
+    summary = run_mia(config, settings, out, echo=click.echo, command=command)
+    click.echo(f"{config.method}: target accuracy {summary['target_accuracy']:.4f}; "
+               f"{summary['records']['members']} members / {summary['records']['nonmembers']} non-members "
+               f"over {summary['records']['clients']} clients")
+    for target, info in summary["targets"].items():
+        if not info["available"]:
+            click.echo(f"  {target}: not applicable ({info['note']})")
+            continue
+        parts = []
+        for name, m in info["attacks"].items():
+            if "auc" in m:
+                tpr = m.get("tpr_at_1pct_fpr")
+                tpr_text = f"{tpr:.3f}" if isinstance(tpr, float) else "refused"
+                parts.append(f"{name} AUC {m['auc']:.3f} TPR@1%FPR {tpr_text}")
+        click.echo(f"  {target}: " + "; ".join(parts))
+    if "dp" in summary:
+        click.echo(f"  DP-SGD sigma {summary['dp']['noise_multiplier']}: accounted epsilon "
+                   f"{summary['dp']['epsilon_accounted_max']:.3g} at delta {summary['dp']['delta']:g}")
+    click.echo(f"→ {out}/summary.json, {out}/mia.csv, {out}/mia.md, {out}/roc.png")
 
 
 from .flower.cli import flower  # noqa: E402  (the group imports Flower only when a command runs)

@@ -140,7 +140,7 @@ def value_slug(value) -> str:
 
 def make_filter(defense: str, value, config: RunConfig):
     if defense == "noise":
-        return GaussianNoise(sigma=config.lr * math.sqrt(float(value)))
+        return GaussianNoise(sigma=config.federation.train.lr * math.sqrt(float(value)))
     if defense == "clip":
         return NormClip(float(value))
     if defense == "prune":
@@ -176,8 +176,12 @@ def validate(config: RunConfig, settings: DefendSettings) -> Prepared:
         raise UserError(f"--iterations must be at least 1, got {settings.iterations}")
     if settings.victim_batch < 1 or settings.victim_steps < 1:
         raise UserError("--victim-batch and --victim-steps must be at least 1")
+    if MIA in settings.attacks and settings.defense != "dp":
+        raise UserError(f"--attacks {MIA} runs under --defense dp only: its shadow federations take DP-SGD but no "
+                        f"channel filters")
     for attack in settings.attacks:
-        check_applicable(attacks.get(attack), prep)
+        if attack != MIA:
+            check_applicable(attacks.get(attack), prep)
     if settings.defense == "dp":
         for v in settings.values:
             DPMethod(prep.method, dp_config(settings, v))  # refuses what DP cannot cover
@@ -261,6 +265,39 @@ def attack_defended(prep: Prepared, settings: DefendSettings, value, attack: str
     return run_attack(prep.config, settings.for_attack(attack), out=out, progress=False, interceptors=chains, dp=dp)
 
 
+MIA = "mia"  # membership inference (``fedsec mia``): not a reconstruction attack, run by its own harness
+MIA_REFERENCE_RUNS = 2
+
+
+def parse_defend_attacks(text: str | list[str]) -> list[str]:
+    """The registered attacks of ``text`` (``attack.parse_attacks``), plus ``mia``."""
+    listed = [a.strip() for a in (text.split(",") if isinstance(text, str) else text) if a.strip()]
+    others = [a for a in listed if a != MIA]
+    if not others and MIA in listed:
+        return [MIA]
+    return parse_attacks(others) + ([MIA] if MIA in listed else [])
+
+
+def membership_defended(prep: Prepared, settings: DefendSettings, value, out: Path) -> dict:
+    """LiRA on the personal models (``fedsec.mia``, two shadow federations, with the value's DP-SGD):
+    AUC, TPR at 1 % FPR and the empirical ε lower bound implied by it."""
+    from .mia import MiaSettings, run_mia
+
+    path = out / "summary.json"
+    if path.exists():
+        summary = io.read_json(path)
+    else:
+        mia = MiaSettings(reference_runs=MIA_REFERENCE_RUNS, max_grad_norm=settings.max_grad_norm,
+                          delta=settings.delta, dp_noise=None if value == BASELINE else float(value))
+        summary = run_mia(prep.config, mia, out, progress=False, echo=lambda text: None)
+    lira = ((summary.get("targets") or {}).get("personal") or {}).get("attacks", {}).get("lira", {})
+    eps = (lira.get("empirical_epsilon") or {}).get("epsilon_lower_bound")
+    # TPR at 1 % FPR is refused (a sentence, not a number) below 1,000 non-members: then NaN here
+    tpr = lira.get("tpr_at_1pct_fpr")
+    return {"mia_auc": _num(lira.get("auc")), "mia_tpr_1pct_fpr": _num(tpr) if isinstance(tpr, (int, float)) else
+            float("nan"), "mia_epsilon_lower_bound": _num(eps)}
+
+
 def _num(x) -> float:
     return float("nan") if x is None else float(x)
 
@@ -292,6 +329,9 @@ def run_value(prep: Prepared, settings: DefendSettings, value, out: Path,
     for attack in settings.attacks:
         if on_part:
             on_part(attack)
+        if attack == MIA:
+            row.update(membership_defended(prep, settings, value, out / "attack-mia"))
+            continue
         summary = attack_defended(prep, settings, value, attack, out / f"attack-{attack}")
         if attacks.get(attack).rebuilds_images:
             row[f"mean_psnr_{attack}"] = _num(summary.get("mean_psnr"))
@@ -317,10 +357,11 @@ def run_value(prep: Prepared, settings: DefendSettings, value, out: Path,
 
 
 def tradeoff_frame(rows: list[dict], settings: DefendSettings) -> pd.DataFrame:
-    image = [a for a in settings.attacks if attacks.get(a).rebuilds_images]
-    labels = [a for a in settings.attacks if not attacks.get(a).rebuilds_images]
+    image = [a for a in settings.attacks if a != MIA and attacks.get(a).rebuilds_images]
+    labels = [a for a in settings.attacks if a != MIA and not attacks.get(a).rebuilds_images]
+    membership = ["mia_auc", "mia_tpr_1pct_fpr", "mia_epsilon_lower_bound"] if MIA in settings.attacks else []
     columns = (COLUMNS + [f"mean_psnr_{a}" for a in image] + ["prior_psnr"] + [f"class_presence_{a}" for a in labels]
-               + [f"max_psnr_{a}" for a in image] + ["seconds"])
+               + membership + [f"max_psnr_{a}" for a in image] + ["seconds"])
     frame = pd.DataFrame(rows, columns=columns)
     if any("notes" in r for r in rows):
         frame["notes"] = [r.get("notes", "") for r in rows]
@@ -356,7 +397,7 @@ def defend(config: RunConfig, settings: DefendSettings, out: str | Path, progres
     from tqdm import tqdm
 
     settings.values = parse_values(settings.defense, settings.values)
-    settings.attacks = parse_attacks(settings.attacks)
+    settings.attacks = parse_defend_attacks(settings.attacks)
     prep = validate(config, settings)
     out = Path(out)
     key = settings.key(config)
@@ -389,8 +430,9 @@ def _render_meta(settings: DefendSettings, config: RunConfig) -> dict:
     """What ``reports.tradeoff`` needs to know about the sweep."""
     method = runner.build_method(config)
     return {"defense": settings.defense, "method": config.method, "dataset": config.data.dataset,
-            "image_attacks": [a for a in settings.attacks if attacks.get(a).rebuilds_images],
-            "label_attacks": [a for a in settings.attacks if not attacks.get(a).rebuilds_images],
+            "image_attacks": [a for a in settings.attacks if a != MIA and attacks.get(a).rebuilds_images],
+            "label_attacks": [a for a in settings.attacks if a != MIA and not attacks.get(a).rebuilds_images],
+            "membership": MIA in settings.attacks,
             "delta": settings.delta, "max_grad_norm": settings.max_grad_norm, "accountant": settings.accountant,
             "targets": settings.targets, "victim_batch": settings.victim_batch, "victim_steps": settings.victim_steps,
             "rounds": config.federation.rounds, "clients": config.data.clients, "partition": config.data.partition,

@@ -73,21 +73,22 @@ class ReportSettings:
     rounds: tuple[int, ...] = (0,)
     targets: int = DEFAULT_TARGETS
     iterations: dict[str, int] = field(default_factory=dict)  # per attack; missing → the attack's default
-    restarts: int = 1
+    restarts: int | None = None  # None: each attack's declared restarts
     images: int = 1  # images rebuilt per target when the victim trains normally (proto, labels)
 
     def for_attack(self, attack: str) -> AttackSettings:
         spec = attacks.get(attack)
         return AttackSettings(attack=attack, rounds=tuple(int(r) for r in self.rounds), targets=int(self.targets),
                               iterations=int(self.iterations.get(attack, spec.default_iterations)),
-                              restarts=int(self.restarts), images=int(self.images),
+                              restarts=spec.default_restarts if self.restarts is None else int(self.restarts),
+                              images=int(self.images),
                               victim_batch=spec.default_victim_batch, victim_steps=1)
 
 
 @dataclass
 class Stage:
     method: str
-    name: str  # train | audit | attack-<attack>
+    name: str  # train | audit | attack-<attack> | mia
     attack: str | None
     config: RunConfig
     identity: dict
@@ -96,6 +97,8 @@ class Stage:
     @property
     def kind(self) -> str:
         return "attack" if self.attack else self.name
+
+    mia: object = None  # the MiaSettings of a membership-inference stage
 
 
 def parse_iterations(text: str | None) -> dict[str, int]:
@@ -119,8 +122,11 @@ def parse_iterations(text: str | None) -> dict[str, int]:
     return out
 
 
-def stage_identity(kind: str, config: RunConfig, settings: AttackSettings | None = None) -> dict:
+def stage_identity(kind: str, config: RunConfig, settings=None) -> dict:
     """What a stage's result depends on (stored in its done.json; a stage is reused only when equal)."""
+    if kind == "mia":
+        return json.loads(json.dumps({"stage": "mia", "config": config.result_key(), "settings": asdict(settings)},
+                                     sort_keys=True, default=list))
     if kind == "attack":
         # an attack stage trains max(attack rounds) + 1 rounds whatever --rounds says
         config = config.updated(rounds=max(settings.rounds) + 1)
@@ -130,7 +136,7 @@ def stage_identity(kind: str, config: RunConfig, settings: AttackSettings | None
 
 
 def plan(base: RunConfig, methods: list[str], attack_names: list[str], settings: ReportSettings,
-         out: Path) -> list[Stage]:
+         out: Path, mia=None) -> list[Stage]:
     stages = []
     for m in methods:
         cfg = method_config(base, m, base.federation.seed)
@@ -139,6 +145,8 @@ def plan(base: RunConfig, methods: list[str], attack_names: list[str], settings:
         for a in attack_names:
             stages.append(Stage(m, f"attack-{a}", a, cfg, stage_identity("attack", cfg, settings.for_attack(a)),
                                 out / m / f"attack-{a}"))
+        if mia is not None:
+            stages.append(Stage(m, "mia", None, cfg, stage_identity("mia", cfg, mia), out / m / "mia", mia))
     return stages
 
 
@@ -154,7 +162,7 @@ def _stage_files_complete(kind: str, path: Path, done: dict) -> bool:
     if done.get("status") != "done":
         return True
     need = {"train": ("summary.json", "metrics.csv"), "audit": ("summary.json", "findings.json"),
-            "attack": ("summary.json", "attack.csv")}[kind]
+            "attack": ("summary.json", "attack.csv"), "mia": ("summary.json", "mia.csv")}[kind]
     return all((path / n).is_file() for n in need)
 
 
@@ -252,6 +260,10 @@ def run_stage(stage: Stage, settings: ReportSettings) -> tuple[str, str | None]:
             shutil.rmtree(path)  # an incomplete stage is redone from scratch
         if stage.kind == "audit":
             run_audit(stage.config, path, evidence=False, progress=False)
+        elif stage.kind == "mia":
+            from .mia import run_mia
+
+            run_mia(stage.config, stage.mia, path, progress=False, echo=lambda text: None)
         else:
             reason = _attack_stage(stage, settings.for_attack(stage.attack))
     if reason is not None:
@@ -325,7 +337,7 @@ def _brief_evidence(evidence) -> str:
 ATTACK_COLUMNS = {"mean_psnr": "mean_psnr", "median_psnr": "median_psnr", "max_psnr": "max_psnr",
                   "prior_psnr": "mean_prior_psnr", "ssim": "mean_ssim", "label_accuracy": "label_accuracy",
                   "class_presence_accuracy": "class_presence_accuracy", "images": "images_scored",
-                  "mis_specified": "mis_specified"}
+                  "mis_specified": "mis_specified", "n_images": "n_images", "success_rate": "success_rate"}
 
 
 def _attack_cells(stage: Stage, out: Path) -> tuple[dict, dict | None, pd.DataFrame | None, dict | None]:
@@ -337,6 +349,9 @@ def _attack_cells(stage: Stage, out: Path) -> tuple[dict, dict | None, pd.DataFr
     row = {f"{a}_status": {"done": "done", "not_applicable": f"not applicable: {done.get('reason')}"}.get(
         status, f"unavailable: {done.get('reason') or 'not run'}")}
     row.update({f"{a}_{col}": s.get(key) for col, key in ATTACK_COLUMNS.items()})
+    for key in ("mean_psnr_ci", "success_rate_ci"):  # intervals as two columns
+        low, high = s.get(key) or (None, None)
+        row[f"{a}_{key}_low"], row[f"{a}_{key}_high"] = low, high
     if status != "done":
         return row, None, None, None
     try:
@@ -393,6 +408,8 @@ def assemble(stages: list[Stage], methods: list[str], attack_names: list[str], o
     by = {(s.method, s.name): s for s in stages}
     collected = {"results": [], "findings": [], "grids": {}, "details": {}}
     summary = pd.DataFrame([_method_row(m, by, attack_names, out, collected) for m in methods])
+    collected["details"]["mia"] = [s for m in methods if (m, "mia") in by
+                                   for s in [_read_json(by[(m, "mia")].path / "summary.json", None)] if s]
     frames = [f for f in collected["results"] if len(f)]
     results = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=RESULT_COLUMNS)
     results = results.reindex(columns=RESULT_COLUMNS + [c for c in results.columns if c not in RESULT_COLUMNS])
@@ -403,6 +420,36 @@ def assemble(stages: list[Stage], methods: list[str], attack_names: list[str], o
         findings = findings.sort_values(["method", "severity"], key=lambda c: c.map(order),
                                         kind="stable").reset_index(drop=True)
     return summary, results, findings, collected["grids"], collected["details"]
+
+
+def method_comparisons(summary: pd.DataFrame, results: pd.DataFrame, methods: list[str],
+                       attack_names: list[str]) -> list[str]:
+    """One sentence per image attack and pair of methods: which leaks more, paired over the same
+    images (``attacks.metrics.paired_difference``), or that the intervals cannot tell them apart;
+    never a comparison with a mis-specified attack."""
+    from attacks.metrics import paired_difference
+
+    sentences = []
+    rows = summary.set_index("method")
+    for a in [a for a in attack_names if attacks.get(a).rebuilds_images]:
+        done = [m for m in methods if rows.loc[m].get(f"{a}_status") == "done"]
+        for i, m1 in enumerate(done):
+            for m2 in done[i + 1:]:
+                wrong = [m for m in (m1, m2) if bool(rows.loc[m].get(f"{a}_mis_specified"))]
+                if wrong:
+                    sentences.append(f"{a}: {m1} vs {m2}: not comparable: the attack on {', '.join(wrong)} was "
+                                     f"mis-specified")
+                    continue
+                pick = lambda m: results[(results["method"] == m) & (results["attack"] == a)].to_dict("records")  # noqa: E731
+                d = paired_difference(pick(m1), pick(m2))
+                if not d["n_pairs"]:
+                    continue
+                verdict = {"A leaks more": f"{m1} leaks more", "B leaks more": f"{m2} leaks more"}.get(d["verdict"],
+                                                                                                      d["verdict"])
+                sentences.append(f"{a}: {m1} vs {m2}: {verdict} (PSNR above the prior, {m1} minus {m2}: "
+                                 f"{d['mean_difference']:+.1f} dB [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}], "
+                                 f"{d['n_pairs']} images over {d['n_targets']} targets)")
+    return sentences
 
 
 def psnr_definition() -> str:
@@ -416,7 +463,7 @@ def psnr_definition() -> str:
 # the whole report
 # ----------------------------------------------------------------------------------------------
 def validate(base: RunConfig, methods: list[str], attack_names: list[str], settings: ReportSettings, out: Path,
-             reuse: list[Path]) -> list[Stage]:
+             reuse: list[Path], mia=None) -> list[Stage]:
     """Every check that can fail on user input, before anything is written."""
     if not methods:
         raise UserError("--methods needs at least one method")
@@ -427,12 +474,12 @@ def validate(base: RunConfig, methods: list[str], attack_names: list[str], setti
         raise UserError(f"no reported method takes hyperparameter {', '.join(unused)}")
     if settings.targets < 1:
         raise UserError(f"--targets must be at least 1, got {settings.targets}")
-    if settings.restarts < 1 or settings.images < 1:
+    if (settings.restarts is not None and settings.restarts < 1) or settings.images < 1:
         raise UserError("--restarts and --images must be at least 1")
     settings.rounds = tuple(parse_rounds(settings.rounds))
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a directory")
-    stages = plan(base, methods, attack_names, settings, out)
+    stages = plan(base, methods, attack_names, settings, out, mia)
     for st in stages:
         runner.build_method(st.config)
         st.config.federation.validate(st.config.data.clients)
@@ -446,15 +493,18 @@ def validate(base: RunConfig, methods: list[str], attack_names: list[str], setti
 
 def build_report(base: RunConfig, methods: list[str], out: str | Path, attacks: Iterable[str] = DEFAULT_ATTACKS,
                  settings: ReportSettings | None = None, reuse: Iterable[str | Path] = (), progress: bool = True,
-                 command: str | None = None, log: Callable[[str], None] | None = None) -> dict:
-    """Run (or resume, or reuse) every stage, then write the report files; returns their paths and the summary."""
+                 command: str | None = None, log: Callable[[str], None] | None = None, mia=None) -> dict:
+    """Run (or resume, or reuse) every stage, then write the report files; returns their paths and the
+    summary. ``mia`` (a ``fedsec.mia.MiaSettings``) adds a membership-inference stage per method."""
     settings = settings or ReportSettings()
     out = Path(out)
     attack_names = parse_attacks(list(attacks))
     methods = list(dict.fromkeys(methods))
     reuse_dirs = check_reuse_dirs(reuse)
+    if mia is not None:
+        mia.validate()
     with shared_datasets():  # every stage reads the same data set tensors
-        stages = validate(base, methods, attack_names, settings, out, reuse_dirs)
+        stages = validate(base, methods, attack_names, settings, out, reuse_dirs, mia)
         records, failed, seconds = _run_stages(stages, settings, reuse_dirs, progress, log)
     return _write_report(base, methods, attack_names, settings, out, stages, records, failed, seconds, command)
 
@@ -516,7 +566,8 @@ def _one_stage(st: Stage, settings: ReportSettings, label: str, done_dirs, train
 
 
 def _report_meta(base: RunConfig, methods: list[str], attack_names: list[str], settings: ReportSettings,
-                 details: dict, records: list[dict], notes: list[str], command: str | None) -> dict:
+                 details: dict, records: list[dict], notes: list[str], command: str | None,
+                 mia_summaries: list[dict] = (), comparisons: list[str] = ()) -> dict:
     return {
         "title": f"Privacy comparison: {', '.join(methods)} on {base.data.dataset}",
         "command": command, "methods": methods, "attacks": attack_names,
@@ -532,6 +583,8 @@ def _report_meta(base: RunConfig, methods: list[str], attack_names: list[str], s
                                                                 for r, cs in (t or {}).items())
                                        for m, d in details.items() for a, t in d["targets"].items()}},
         "attack_settings": {a: asdict(settings.for_attack(a)) for a in attack_names},
+        "mia": list(mia_summaries),
+        "comparisons": comparisons,
         "versions": package_versions(), "psnr_definition": psnr_definition(), "stages": records, "notes": notes,
         "findings_note": ("Findings come from `fedsec audit` (without its own evidence attacks); where this report "
                           "measured the matching attack, its numbers are shown and the severity follows the audit's "
@@ -546,6 +599,7 @@ def _write_report(base: RunConfig, methods: list[str], attack_names: list[str], 
     from reports.comparison import render
 
     summary, results, findings, grids, details = assemble(stages, methods, attack_names, out)
+    mia_summaries = details.pop("mia", [])
     for (m, name), reason in failed.items():
         if name.startswith("attack-"):
             summary.loc[summary["method"] == m, f"{name[len('attack-'):]}_status"] = f"failed: {reason}"
@@ -557,11 +611,17 @@ def _write_report(base: RunConfig, methods: list[str], attack_names: list[str], 
     notes += [f"FAILED: {m} {name}: {reason} (rerun with the same --out to retry)" for (m, name), reason in failed.items()]
     if len(stage_versions) > 1:
         notes.append("Some stages were computed with other package versions; each stage's done.json records its own.")
-    meta = _report_meta(base, methods, attack_names, settings, details, records, notes, command)
+    meta = _report_meta(base, methods, attack_names, settings, details, records, notes, command, mia_summaries,
+                        method_comparisons(summary, results, methods, attack_names))
     paths = {}
     for name, content in render(summary, results, findings, grids, meta).items():
         (io.write_bytes if isinstance(content, bytes) else io.write_text)(out / name, content)
         paths[name] = out / name
+    if results["round"].dropna().nunique() > 1:  # attacks at several rounds: leakage across training
+        from reports.figures import leakage_by_round
+
+        io.write_bytes(out / "leakage_by_round.png", leakage_by_round(results, PSNR_CAP_DB))
+        paths["leakage_by_round.png"] = out / "leakage_by_round.png"
     for name, frame in (("results.csv", results), ("summary.csv", summary), ("findings.csv", findings)):
         io.write_csv(out / name, frame)
         paths[name] = out / name

@@ -86,8 +86,14 @@ def psnr_cell(row: Mapping, attack: str) -> str:
     if status != "done":
         return "n/a"
     flag = " MIS-SPECIFIED" if mis_specified(row, attack) else ""
-    return (f"{fmt(row.get(f'{attack}_mean_psnr'))} / {fmt(row.get(f'{attack}_median_psnr'))} / "
-            f"{fmt(row.get(f'{attack}_max_psnr'))} (prior {fmt(row.get(f'{attack}_prior_psnr'))}){flag}")
+    low, high = _num(row.get(f"{attack}_mean_psnr_ci_low")), _num(row.get(f"{attack}_mean_psnr_ci_high"))
+    interval = f" [{low:.1f}, {high:.1f}]" if low is not None and high is not None else ""
+    rate = _num(row.get(f"{attack}_success_rate"))
+    success = "" if rate is None else f", {100 * rate:.0f} % recovered"
+    n = _num(row.get(f"{attack}_n_images"))
+    return (f"{fmt(row.get(f'{attack}_mean_psnr'))}{interval} / {fmt(row.get(f'{attack}_median_psnr'))} / "
+            f"{fmt(row.get(f'{attack}_max_psnr'))} (prior {fmt(row.get(f'{attack}_prior_psnr'))}"
+            f"{'' if n is None else f'; n={n:.0f}'}{success}){flag}")
 
 
 def findings_cell(row: Mapping) -> str:
@@ -98,7 +104,7 @@ def headline_rows(summary: pd.DataFrame, meta: Mapping) -> tuple[list[str], list
     """The headline table as plain strings: (header, rows). Shared by Markdown and HTML."""
     header = ["method", "accuracy (%) mean ± std", "upload MB / round"]
     for a in meta["image_attacks"]:
-        header += [f"{a} PSNR dB mean / median / max (prior)", f"{a} SSIM"]
+        header += [f"{a} PSNR dB mean [95 % CI] / median / max (prior; n images; recovered)", f"{a} SSIM"]
     header += [f"{a}: class-presence accuracy" for a in meta["label_attacks"]]
     header += ["findings high / medium / low / info"]
     rows = []
@@ -273,6 +279,33 @@ def _json_block(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, default=str)
 
 
+COMPARISON_NOTE = ("Paired over the images both methods' attacks scored (same partition, seed and attacked "
+                   "clients): the mean difference of PSNR above the prior with a 95 % interval that resamples the "
+                   "attacked clients. A difference is called only when the interval excludes zero; a mis-specified "
+                   "attack is compared with nothing. \"Recovered\": PSNR at least 6 dB above the prior.")
+MIA_NOTE = ("Membership inference (`fedsec mia`): can a model tell a client's training records from its own "
+            "held-out records? LiRA (online, global variance) on each client's personal model, the global model and "
+            "the uploads, with shadow federations of the same method as references; [95 % intervals that resample "
+            "clients]. Chance: the LOSS AUC of the split under reference models that trained on neither.")
+
+
+def _mia_markdown(meta: Mapping) -> list[str]:
+    from .mia import METHOD_COLUMNS, markdown_table, method_rows
+
+    if not meta.get("mia"):
+        return []
+    return ["## Membership inference", "", MIA_NOTE, "", markdown_table(method_rows(meta["mia"]), METHOD_COLUMNS), ""]
+
+
+def _mia_html(meta: Mapping) -> list[str]:
+    from .mia import METHOD_COLUMNS, html_table, method_rows
+
+    if not meta.get("mia"):
+        return []
+    return ["<h2>Membership inference</h2>", f'<p class="muted">{e(MIA_NOTE)}</p>',
+            html_table(method_rows(meta["mia"]), METHOD_COLUMNS)]
+
+
 def render_markdown(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, meta: Mapping) -> str:
     header, rows = headline_rows(summary, meta)
     out = [f"# {meta.get('title', 'Privacy comparison')}", ""]
@@ -307,6 +340,9 @@ def render_markdown(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mappin
                             [[r["severity"], r["code"], r["finding"], r.get("measured", "") or ""]
                              for _, r in sub.iterrows()]))
         out.append("")
+    if meta.get("comparisons"):
+        out += ["## Which method leaks more", "", COMPARISON_NOTE, ""] + [f"* {_md_cell(c)}" for c in meta["comparisons"]] + [""]
+    out += _mia_markdown(meta)
     out += ["## PSNR definition", "", str(meta.get("psnr_definition", "")).strip(), ""]
     out += ["## Configuration", "", "Shared run configuration (every method: the same partition and seeds; only "
             "`method` and its own hyperparameters differ):", "", "```json", _json_block(meta.get("config", {})), "```", "",
@@ -407,6 +443,10 @@ def render_html(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, m
             h.append(f'<tr><td class="sev-{e(sev)}">{e(sev)}</td><td>{e(r["code"])}</td><td>{e(r["finding"])}</td>'
                      f'<td>{e(r.get("measured", "") or "")}</td><td><code>{e(r.get("evidence", "") or "")}</code></td></tr>')
         h.append("</table>")
+    if meta.get("comparisons"):
+        h += ["<h2>Which method leaks more</h2>", f'<p class="muted">{e(COMPARISON_NOTE)}</p>',
+              "<ul>" + "".join(f"<li>{e(c)}</li>" for c in meta["comparisons"]) + "</ul>"]
+    h += _mia_html(meta)
     h += ["<h2>PSNR definition</h2>", f"<pre>{e(str(meta.get('psnr_definition', '')).strip())}</pre>",
           "<h2>Configuration</h2>",
           "<p>Shared run configuration (every method: the same partition and seeds; only <code>method</code> and its "

@@ -48,3 +48,26 @@ def reconstruction_grid(panels: list[tuple], title: str) -> bytes:
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return _png(fig, 110)
+
+
+def leakage_by_round(results, psnr_cap_db: float) -> bytes:
+    """Mean PSNR above the prior per attacked round, one line per method and image attack (results:
+    the report's per-image rows: method, attack, round, psnr, prior_psnr)."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.add_subplot(1, 1, 1)
+    rows = results.dropna(subset=["psnr", "prior_psnr"])
+    for (method, attack), group in rows.groupby(["method", "attack"], sort=False):
+        gain = np.minimum(group["psnr"].astype(float), psnr_cap_db) - group["prior_psnr"].astype(float)
+        by_round = gain.groupby(group["round"].astype(int)).mean()
+        ax.plot(by_round.index, by_round.values, marker="o", label=f"{method} ({attack})")
+    ax.axhline(0.0, color="black", linestyle="--", linewidth=1)
+    ax.set_xlabel("attacked round")
+    ax.set_ylabel("mean PSNR above the prior (dB)")
+    ax.set_title("Leakage across training", fontsize=10)
+    if len(rows):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _png(fig, 100)

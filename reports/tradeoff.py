@@ -163,6 +163,8 @@ def _table(frame: pd.DataFrame, meta: Mapping) -> list[str]:
         head += [f"ε train (δ={meta['delta']:g})", "ε attacked client"]
     head += [f"{a.upper()} PSNR (dB)" for a in image] + (["prior PSNR (dB)"] if image else [])
     head += [f"{a} class presence" for a in labels]
+    if meta.get("membership"):
+        head += ["MIA AUC (LiRA, personal)", "MIA TPR@1%FPR", "empirical ε ≥"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for _, r in frame.iterrows():
         cells = [str(r["value"]), f"{_fmt(r['accuracy'], pct=True)} ± {_fmt(r['accuracy_std'], pct=True)}"]
@@ -170,6 +172,8 @@ def _table(frame: pd.DataFrame, meta: Mapping) -> list[str]:
             cells += [_fmt_eps(r["epsilon"]), _fmt_eps(r["epsilon_attacked"])]
         cells += [_fmt(r[f"mean_psnr_{a}"]) for a in image] + ([_fmt(r["prior_psnr"])] if image else [])
         cells += [_fmt(r.get(f"class_presence_{a}")) for a in labels]
+        if meta.get("membership"):
+            cells += [_fmt(r.get("mia_auc"), 3), _fmt(r.get("mia_tpr_1pct_fpr"), 3), _fmt(r.get("mia_epsilon_lower_bound"), 3)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

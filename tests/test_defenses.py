@@ -350,6 +350,9 @@ def test_defend_sweep_writes_outputs_and_resumes(tmp_path):
     from fedsec.runner import RunConfig
 
     config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=1)
+    noisy = defend(config, DefendSettings(defense="noise", values="0.01", attacks="dlg", iterations=2, targets=1,
+                                          baseline=False), tmp_path / "noise", progress=False)
+    assert list(noisy["value"]) == [0.01] and noisy["mean_psnr_dlg"].notna().all()
     out = tmp_path / "sweep"
     settings = DefendSettings(defense="prune", values="30", attacks="dlg", iterations=2, targets=1)
     frame = defend(config, settings, out, progress=False)
@@ -364,6 +367,21 @@ def test_defend_sweep_writes_outputs_and_resumes(tmp_path):
     with pytest.raises(UserError, match="different settings"):
         defend(config, DefendSettings(defense="prune", values="30", attacks="dlg", iterations=3, targets=1), out,
                progress=False)
+
+
+def test_defend_measures_membership_inference_next_to_epsilon(tmp_path):
+    from fedsec.defend import DefendSettings, defend
+    from fedsec.runner import RunConfig
+
+    config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=1)
+    frame = defend(config, DefendSettings(defense="dp", values="1", attacks="mia"), tmp_path / "m", progress=False)
+    assert list(frame["value"].astype(str)) == ["none", "1.0"]
+    assert frame["mia_auc"].between(0, 1).all()
+    assert frame["mia_tpr_1pct_fpr"].isna().all()  # refused: digits has fewer than 1,000 held-out records
+    assert math.isnan(frame.loc[0, "epsilon"]) and frame.loc[1, "epsilon"] > 0
+    assert "MIA AUC" in (tmp_path / "m" / "tradeoff.md").read_text(encoding="utf-8")
+    with pytest.raises(UserError, match="--defense dp only"):
+        defend(config, DefendSettings(defense="clip", values="1", attacks="mia"), tmp_path / "c", progress=False)
 
 
 def test_dp_sweep_numbers_move_the_right_way(tmp_path):

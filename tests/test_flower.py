@@ -30,7 +30,7 @@ from fedecouple.methods.base import TrainConfig  # noqa: E402
 from fedsec.attack import AttackSettings  # noqa: E402
 from fedsec.cli import main  # noqa: E402
 from fedsec.defenses.filters import FilterChain, NormClip  # noqa: E402
-from fedsec.flower.harness import recorded_run, resolve  # noqa: E402
+from fedsec.flower.harness import recorded_run  # noqa: E402
 from fedsec.flower.recording import RecordingStrategy  # noqa: E402
 from fedsec.flower.simulation import simulate  # noqa: E402
 
@@ -175,7 +175,7 @@ def test_dlg_recovers_the_images_from_the_recorded_uploads(fedavg_victim_run, tm
     from fedsec.attack import attack_recorded, pick_targets
 
     run = fedavg_victim_run
-    settings = resolve(AttackSettings(attack="dlg", targets=2, iterations=30))
+    settings = AttackSettings(attack="dlg", targets=2, iterations=30).resolved(seed=0)
     targets = {0: pick_targets(run.participants(0), settings.targets, settings.seed, 0)}
     summary = attack_recorded(recorded_run(run), settings, targets, tmp_path, progress=False)
     assert summary["run"] == "flower:flower-mnist" and summary["method"] == "fedavg"

@@ -10,6 +10,8 @@ import click
 import attacks
 from fedecouple.errors import UserError
 
+from ..options import threat_model_options
+
 
 def app_options(func):
     """Flags shared by the commands that run a Flower app."""
@@ -54,27 +56,19 @@ def flower():
               help="Flower rounds to run (set through the app's declared rounds-key).")
 @click.option("--targets", type=int, default=2, show_default=True, help="Clients attacked per attacked round (seeded choice).")
 @click.option("--iterations", type=int, default=None, help="Optimiser steps per reconstruction [the attack's default].")
-@click.option("--restarts", type=int, default=1, show_default=True, help="Independent starts; the best objective is kept.")
+@click.option("--restarts", type=int, default=None,
+              help="Independent starts; the lowest objective is kept [each attack's default: ig 3, the others 1].")
 @click.option("--victim-batch", type=int, default=None,
               help="B: in the attacked rounds every node trains on B of its images, through the app's declared "
                    "victim-keys [1 for the gradient attacks; 0 (= the app's real local training) for labels].")
 @click.option("--victim-steps", type=int, default=1, show_default=True, help="T: local steps in the victim setting.")
 @click.option("--images", type=int, default=None, help="Images rebuilt per target [--victim-batch, or 1].")
 @click.option("--attack-seed", type=int, default=0, show_default=True, help="Seed for target choice and attack starts.")
-@click.option("--mode", type=click.Choice(["auto", "replay", "scaled"]), default="auto", show_default=True,
-              help="Gradient attacks: replay the local SGD steps (needs known hyperparameters), or read the update as "
-                   "a scaled gradient; auto replays when hyperparameters are known and T > 1.")
-@click.option("--hyperparameters-known/--hyperparameters-unknown", default=True, show_default=True,
-              help="Whether the server knows the nodes' lr, steps and batch size (the declaration's).")
-@click.option("--head-known/--head-unknown", default=True, show_default=True,
-              help="--head-unknown: the attack does not use the classifier's update.")
-@click.option("--batched/--no-batched", default=True, show_default=True,
-              help="Gradient attacks: optimise the targets that share a model together.")
+@threat_model_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder: attack.csv, summary.json, reconstructions.png [runs/flower-attack-<attack>-<app>].")
 def attack(app_dir, nodes, run_config, ray_cpus, threads, flower_log, attack_name, attack_rounds, rounds, targets,
-           iterations, restarts, victim_batch, victim_steps, images, attack_seed, mode, hyperparameters_known,
-           head_known, batched, out):
+           iterations, restarts, victim_batch, victim_steps, images, attack_seed, out, **threat):
     """Run APP_DIR in Flower's simulation engine and attack what its server received.
 
     Example: fedsec flower attack examples/flower_mnist --attack ig   (round 0, 2 nodes, one image, one step)
@@ -89,8 +83,8 @@ def attack(app_dir, nodes, run_config, ray_cpus, threads, flower_log, attack_nam
 
     settings = AttackSettings(attack=attack_name, rounds=tuple(parse_rounds(attack_rounds)), targets=targets,
                               iterations=iterations, restarts=restarts, images=images, victim_batch=victim_batch,
-                              victim_steps=victim_steps, seed=attack_seed, hyperparameters_known=hyperparameters_known,
-                              head_known=head_known, mode=mode, batched=batched, train_rounds=rounds, threads=threads)
+                              victim_steps=victim_steps, seed=attack_seed, train_rounds=rounds, threads=threads,
+                              **threat)
     out = out or default_out("attack", app_dir, attack_name)
     summary = attack_app(app_dir, settings, nodes=nodes, run_config=parse_run_config(run_config), out=out,
                          ray_cpus=ray_cpus, quiet=not flower_log)

@@ -21,7 +21,6 @@ is held to the recorded traffic before anything is written.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Iterable
 
@@ -29,7 +28,7 @@ import torch
 
 from fedecouple.errors import UserError
 
-from ..attack import ATTACK_THREADS, AttackSettings, attack_recorded, parse_rounds, pick_targets
+from ..attack import AttackSettings, attack_recorded, pick_targets
 from ..audit import audit_recorded, evidence_attacks
 from ..recorded import RecordedRun
 from .app import read_app
@@ -87,19 +86,6 @@ def run_facts(run: FlowerRun) -> dict:
                        "simulation_seconds": round(run.seconds, 2), "flwr": flwr.__version__}}
 
 
-def resolve(settings: AttackSettings) -> AttackSettings:
-    """``settings`` with the attack's defaults filled in and checked (as ``AttackSettings.resolved`` does
-    for a native run; the seed defaults to 0, the threads to one)."""
-    spec = settings.spec
-    out = replace(settings, rounds=tuple(parse_rounds(settings.rounds)),
-                  iterations=spec.default_iterations if settings.iterations is None else int(settings.iterations),
-                  victim_batch=spec.default_victim_batch if settings.victim_batch is None else int(settings.victim_batch),
-                  seed=0 if settings.seed is None else int(settings.seed),
-                  threads=int(settings.threads or ATTACK_THREADS))
-    out.validate()
-    return out
-
-
 def attack_app(app_dir: str | Path, settings: AttackSettings, *, nodes: int | None = None,
                run_config: dict | None = None, out: str | Path | None = None, ray_cpus: int | None = None,
                quiet: bool = True, progress: bool = True, interceptors: Iterable = ()) -> dict:
@@ -107,7 +93,7 @@ def attack_app(app_dir: str | Path, settings: AttackSettings, *, nodes: int | No
     round, score, write ``attack.csv``, ``summary.json``, ``reconstructions.png`` into ``out``; returns the
     summary. ``interceptors`` act on the replies before the app's strategy aggregates them."""
     start = time.perf_counter()
-    settings = resolve(settings)
+    settings = settings.resolved(seed=0)
     overrides, declaration = plan(app_dir, run_config, rounds=settings.rounds_to_train,
                                   rounds_required=settings.train_rounds is not None,
                                   victim=(settings.victim_batch, settings.victim_steps, settings.rounds))

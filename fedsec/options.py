@@ -1,0 +1,50 @@
+"""Command-line options shared by several commands (``fedsec attack`` and ``fedsec flower attack``):
+the threat model an attack runs under. Each maps onto the ``AttackSettings`` field of its name."""
+from __future__ import annotations
+
+import click
+
+THREAT_MODEL = ("mode", "augmentations", "start", "aux_data", "hyperparameters_known", "head_known", "batched")
+
+
+def threat_model_options(func):
+    """The threat-model flags; the command receives them as keyword arguments named in ``THREAT_MODEL``."""
+    options = [
+        click.option("--mode", type=click.Choice(["auto", "method", "replay", "scaled"]), default="auto",
+                     show_default=True,
+                     help="Gradient attacks' forward model: method = replay the attacked method's own local training "
+                          "(its phases, losses, augmentation; needs known hyperparameters); replay = plain "
+                          "cross-entropy SGD steps; scaled = the update read as one gradient. auto: method where the "
+                          "method's training is not plain SGD, else replay for T > 1, else scaled (the same "
+                          "computation for plain SGD)."),
+        click.option("--augmentations", type=click.Choice(["free", "family", "oracle"]), default="free",
+                     show_default=True,
+                     help="Method mode, for methods that train on augmented copies (FedeCouple's DA): free = each "
+                          "copy is an unknown image; family = each copy is a transform of its image from the "
+                          "augmentation family (gain, offset, affine warp), its parameters unknown; oracle = the "
+                          "server knows the client's augmentation draws and batch order (an upper bound)."),
+        click.option("--start", type=click.Choice(["noise", "mean"]), default="noise", show_default=True,
+                     help="DLG/iDLG dummy images start as uniform noise or as the per-channel mean image."),
+        click.option("--aux-data", default=None, metavar="DATASET",
+                     help="Threat model: the server holds public data of the same domain (an embedded data set: "
+                          "digits or mnist5k, resized; the attacked clients' own images left out). proto then "
+                          "inverts through a surrogate extractor trained on it towards the round's prototypes, and "
+                          "the class-mean prior comes from it."),
+        click.option("--hyperparameters-known/--hyperparameters-unknown", default=True, show_default=True,
+                     help="Whether the server knows the client's lr, batch size, epochs and number of samples."),
+        click.option("--head-known/--head-unknown", default=True, show_default=True,
+                     help="--head-unknown: the attack does not use the classifier's update (private-head threat "
+                          "model)."),
+        click.option("--batched/--no-batched", default=True, show_default=True,
+                     help="Gradient attacks: optimise the targets that share a model (e.g. all of round 0) together "
+                          "in one vmapped batch. Each evaluation equals --no-batched (one by one) to float rounding; "
+                          "a stalled optimisation (DLG on cnn28) can end in another local minimum."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def pop_threat_model(opts: dict) -> dict:
+    """The threat-model options, removed from a command's keyword arguments."""
+    return {name: opts.pop(name) for name in THREAT_MODEL}
