@@ -386,8 +386,8 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
 @cli.command()
 @train_options
 @click.option("--defense", type=click.Choice(list(VALUE_MEANING)), required=True,
-              help="dp: DP-SGD (Opacus) in every client's local training; the others filter each upload's update "
-                   "before it leaves the client.")
+              help="dp: DP-SGD (Opacus) in every client's local training and a Gaussian mechanism for its "
+                   "whole-data statistics; the others filter each upload's update before it leaves the client.")
 @click.option("--values", required=True,
               help="Comma-separated values, one sweep point each. dp: noise multiplier; noise: variance of the noise "
                    "on the gradient -delta/lr (DLG paper's unit); clip: L2 bound on the update; prune: percent of the "
@@ -403,6 +403,13 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
 @click.option("--delta", type=float, default=1e-5, show_default=True, help="dp: delta of the reported epsilon.")
 @click.option("--accountant", type=click.Choice(["rdp", "prv"]), default="rdp", show_default=True,
               help="dp: Opacus accountant (one per client, kept across rounds).")
+@click.option("--stat-noise-multiplier", type=float, default=None,
+              help="dp: noise multiplier of the mechanism for whole-data statistics (anchors, prototypes, h, V, "
+                   "class counts) [each value's DP-SGD noise multiplier].")
+@click.option("--stat-clip", type=float, default=None,
+              help="dp: bound on each sample's feature norm in those statistics [--max-grad-norm].")
+@click.option("--counts", type=click.Choice(["noised", "withheld"]), default="noised", show_default=True,
+              help="dp: class counts in the upload: noised, or withheld (the server weights prototypes equally).")
 @click.option("--targets", type=int, default=2, show_default=True, help="Clients attacked in round 0.")
 @click.option("--iterations", type=int, default=None, help="Optimiser steps per reconstruction [each attack's default].")
 @click.option("--victim-batch", type=int, default=1, show_default=True,
@@ -413,8 +420,8 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
               help="Folder: one subfolder per value (done.json when complete), tradeoff.csv, tradeoff.png, "
                    "tradeoff.md; rerun to resume.")
 @click.pass_context
-def defend(ctx, defense, values, attack_list, baseline, max_grad_norm, delta, accountant, targets, iterations,
-           victim_batch, victim_steps, attack_seed, out, **opts):
+def defend(ctx, defense, values, attack_list, baseline, max_grad_norm, delta, accountant, stat_noise_multiplier,
+           stat_clip, counts, targets, iterations, victim_batch, victim_steps, attack_seed, out, **opts):
     """Measure what a defense costs and what it buys: accuracy, epsilon and attack success per value.
 
     Example: fedsec defend --method fedper --defense dp --values 0.5,1,2 --attacks dlg,ig --rounds 3 --out runs/dp-fedper
@@ -427,7 +434,8 @@ def defend(ctx, defense, values, attack_list, baseline, max_grad_norm, delta, ac
     settings = DefendSettings(defense=defense, values=values, attacks=attack_list, baseline=baseline,
                               max_grad_norm=max_grad_norm, delta=delta, accountant=accountant, targets=targets,
                               iterations=iterations, victim_batch=victim_batch, victim_steps=victim_steps,
-                              attack_seed=attack_seed)
+                              attack_seed=attack_seed, stat_noise_multiplier=stat_noise_multiplier,
+                              stat_clip=stat_clip, counts=counts)
 
     from reports.tradeoff import value_line
 

@@ -18,8 +18,11 @@ rerun with different settings (other than the list of values and the thread coun
 
 Defense values:
 
-* ``dp``: noise multiplier σ of DP-SGD (``--max-grad-norm`` C, ``--delta``); ε is the maximum
-  over clients of the cumulative ε of the training run (``fedsec.defenses.dp``);
+* ``dp``: noise multiplier σ of DP-SGD (``--max-grad-norm`` C, ``--delta``) and, unless
+  ``--stat-noise-multiplier`` fixes it, of the mechanism for the method's whole-data statistics
+  (clip ``--stat-clip``, default C; class counts ``--counts noised|withheld``); ε is the maximum
+  over clients of the cumulative ε of the training run, both mechanisms composed
+  (``fedsec.defenses.dp``, ``fedsec.defenses.dp_statistics``);
 * ``noise``: the *variance* v of Gaussian noise on the gradient the server reads from an update,
   g = −Δ/lr (the DLG paper's unit): the filter adds N(0, (lr·√v)²) to every entry of Δ;
 * ``clip``: bound C on the L2 norm of Δ (all model weights jointly);
@@ -58,6 +61,7 @@ from .defenses.filters import Exclude, FilterChain, GaussianNoise, NormClip, Pru
 from .runner import Prepared, RunConfig
 
 DEFENSES = tuple(VALUE_MEANING)
+STAT_DEFAULTS = {"stat_noise_multiplier": None, "stat_clip": None, "counts": "noised"}
 COLUMNS = ["defense", "value", "accuracy", "accuracy_std", "epsilon", "epsilon_attacked"]
 
 
@@ -75,12 +79,17 @@ class DefendSettings:
     victim_batch: int = 1
     victim_steps: int = 1
     attack_seed: int | None = None
+    stat_noise_multiplier: float | None = None  # dp statistics: None = each value's σ
+    stat_clip: float | None = None  # dp statistics: None = max_grad_norm
+    counts: str = "noised"
 
     def key(self, config: RunConfig) -> dict:
         """What must match between a rerun and the stored sweep (everything but the values and the
-        settings that never change a result)."""
-        mine = json.loads(json.dumps({k: v for k, v in asdict(self).items() if k != "values"}))
-        return {"config": config.result_key(), "settings": mine}
+        settings that never change a result; the statistics settings only when not at their
+        defaults, so sweeps stored before they existed still resume)."""
+        mine = {k: v for k, v in asdict(self).items() if k != "values" and not (k in STAT_DEFAULTS and
+                                                                              v == STAT_DEFAULTS[k])}
+        return {"config": config.result_key(), "settings": json.loads(json.dumps(mine))}
 
     def for_attack(self, attack: str) -> AttackSettings:
         """Round 0; the gradient attacks in the victim setting, the others on real local training."""
@@ -152,7 +161,8 @@ def make_chain(defense: str, value, prep: Prepared) -> FilterChain:
 
 def dp_config(settings: DefendSettings, value) -> DPConfig:
     return DPConfig(noise_multiplier=float(value), max_grad_norm=settings.max_grad_norm, delta=settings.delta,
-                    accountant=settings.accountant)
+                    accountant=settings.accountant, statistics_noise_multiplier=settings.stat_noise_multiplier,
+                    statistics_clip=settings.stat_clip, counts=settings.counts)
 
 
 def validate(config: RunConfig, settings: DefendSettings) -> Prepared:
@@ -174,8 +184,11 @@ def validate(config: RunConfig, settings: DefendSettings) -> Prepared:
             check_applicable(attacks.get(attack), prep)
     if settings.defense == "dp":
         for v in settings.values:
-            DPMethod(prep.method, dp_config(settings, v))  # refuses what DP-SGD cannot cover
+            DPMethod(prep.method, dp_config(settings, v))  # refuses what DP cannot cover
         return prep
+    changed = [f"--{k.replace('_', '-')}" for k, v in STAT_DEFAULTS.items() if getattr(settings, k) != v]
+    if changed:
+        raise UserError(f"{', '.join(changed)} set the DP statistics mechanism: they apply to --defense dp only")
     manifest = prep.method.manifest(model_for(prep))
     for v in settings.values:
         make_chain(settings.defense, v, prep)
@@ -425,4 +438,6 @@ def _render_meta(settings: DefendSettings, config: RunConfig) -> dict:
             "rounds": config.federation.rounds, "clients": config.data.clients, "partition": config.data.partition,
             "local_epochs": config.federation.train.local_epochs, "lr": config.federation.train.lr,
             "batch_size": config.federation.train.batch_size, "seed": config.federation.seed,
-            "dp_per_sample": method.dp_per_sample, "leak_gap_db": LEAK_GAP_DB}
+            "dp_per_sample": method.dp_per_sample, "dp_statistics": method.dp_statistics,
+            "stat_noise_multiplier": settings.stat_noise_multiplier, "stat_clip": settings.stat_clip,
+            "counts": settings.counts, "leak_gap_db": LEAK_GAP_DB}

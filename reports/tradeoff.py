@@ -3,7 +3,8 @@ facts about the sweep in ``meta``; Markdown, a PNG and one line per value out).
 
 ``meta``: ``defense, method, dataset, image_attacks, label_attacks, delta, max_grad_norm,
 accountant, targets, victim_batch, victim_steps, rounds, clients, partition, local_epochs, lr,
-batch_size, seed, dp_per_sample, leak_gap_db`` (the "at chance" margin the audit uses).
+batch_size, seed, dp_per_sample, leak_gap_db`` (the "at chance" margin the audit uses) and, for
+DP, ``dp_statistics, stat_noise_multiplier, stat_clip, counts`` (the statistics mechanism).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pandas as pd
 
 BASELINE = "none"
 VALUE_MEANING = {
-    "dp": "noise multiplier σ of DP-SGD",
+    "dp": "noise multiplier σ of DP-SGD (and of the statistics mechanism unless --stat-noise-multiplier is set)",
     "noise": "variance v of the noise on the gradient −Δ/lr (σ on Δ = lr·√v)",
     "clip": "bound on the L2 norm of Δ",
     "prune": "percent of the entries of Δ zeroed (smallest |Δ| first)",
@@ -177,6 +178,19 @@ def _table(frame: pd.DataFrame, meta: Mapping) -> list[str]:
     return lines
 
 
+def _statistics_sentence(m: Mapping) -> str:
+    """What the DP statistics mechanism did in this sweep (or that the method has no statistics)."""
+    if not m.get("dp_statistics"):
+        return f"{m['method']} computes no whole-data statistic: DP-SGD covers all it uploads."
+    sigma = "σ of the row" if m.get("stat_noise_multiplier") is None else f"{m['stat_noise_multiplier']:g}"
+    clip = m["max_grad_norm"] if m.get("stat_clip") is None else m["stat_clip"]
+    return (f"Whole-data statistics go through their own Gaussian mechanism: each sample's feature clipped to "
+            f"norm {clip:g}, noise σ_stat·{clip:g} on every class sum and σ_stat on the class counts (σ_stat = "
+            f"{sigma}; a class is held when its noisy count ≥ max(1, 3σ_stat)); class counts "
+            f"{m.get('counts', 'noised')} in the upload; every release is composed in the same accountant. "
+            f"Statistics of {m['method']}: {m['dp_statistics']}")
+
+
 def tradeoff_markdown(frame: pd.DataFrame, meta: Mapping, command: str | None) -> str:
     """``tradeoff.md``: the table, the plot, what the value means, the DLG claim check, notes."""
     m = meta
@@ -193,6 +207,7 @@ def tradeoff_markdown(frame: pd.DataFrame, meta: Mapping, command: str | None) -
                      f"across rounds; ε = the maximum over clients of the cumulative ε of the training run. "
                      f"'ε attacked client' is the victim run's (q = 1, {m['victim_steps']} step(s)). "
                      f"Per-sample terms of {m['method']}: {m['dp_per_sample']}")
+        lines += ["", _statistics_sentence(m)]
     else:
         lines.append("Channel filter on the client's update Δ (upload − download; for a kept personal classifier, "
                      "upload − the client's previous upload); no formal guarantee, so no ε.")

@@ -228,15 +228,15 @@ def test_dp_refuses_a_loss_that_is_not_per_sample(digits):
         method.client_update(ctx, method.init_client(model, 0), Download(0, 0, {}))
 
 
-def test_dp_refuses_whole_data_statistics(digits):
+def test_dp_refuses_whole_data_reads_outside_both_mechanisms(digits):
+    """Reading ctx.images directly is refused; statistics through ctx.class_feature_sums are covered
+    (tests/test_dp_statistics.py)."""
     ctx, model = _context(digits)
     method = DPMethod(ReadsAllData(), DPConfig(noise_multiplier=1.0))
     with pytest.raises(UserError, match="whole training set"):
         method.client_update(ctx, {}, Download(0, 0, {}))
-    for name, hp in (("fedecouple", {}), ("fedpac", {}), ("fedproto", {})):
-        with pytest.raises(UserError, match="DP-SGD cannot cover"):
-            DPMethod(make_method(name, **hp), DPConfig(noise_multiplier=1.0))
-    DPMethod(make_method("fedecouple", gfa=False), DPConfig(noise_multiplier=1.0))  # accepted
+    for name, hp in (("fedecouple", {}), ("fedecouple", {"gfa": False}), ("fedpac", {}), ("fedproto", {})):
+        DPMethod(make_method(name, **hp), DPConfig(noise_multiplier=1.0))  # accepted
 
 
 @pytest.mark.parametrize("name,hp", [("fedavg", {}), ("fedecouple", {"gfa": False, "da": False})])
@@ -404,11 +404,33 @@ def test_dp_sweep_numbers_move_the_right_way(tmp_path):
     assert frame.loc[1, "epsilon_attacked"] > frame.loc[2, "epsilon_attacked"] > 0
 
 
+def test_dp_sweep_covers_fedecouple_with_gfa_from_the_cli(tmp_path):
+    """`fedsec defend --method fedecouple --defense dp` runs with GFA on: ε falls as σ grows, the
+    statistics mechanism and the counts choice are in the outputs."""
+    import json
+
+    from fedsec.cli import main
+
+    out = tmp_path / "dp-fedecouple"
+    main(["defend", "--method", "fedecouple", "--dataset", "digits", "--clients", "2", "--rounds", "1", "--threads",
+          "1", "--defense", "dp", "--values", "0.5,2", "--attacks", "ig,labels", "--iterations", "5", "--targets",
+          "1", "--no-baseline", "--counts", "withheld", "--out", str(out)])
+    frame = pd.read_csv(out / "tradeoff.csv")
+    assert list(frame["value"]) == [0.5, 2.0] and frame.loc[0, "epsilon"] > frame.loc[1, "epsilon"] > 0
+    assert frame["accuracy"].between(0, 1).all() and frame["class_presence_labels"].notna().all()
+    defense = json.loads((out / "value-0.5" / "train" / "defense.json").read_text())
+    assert defense["counts"] == "withheld" and defense["statistics_noise_multiplier_used"] == 0.5
+    assert set(defense["statistic_releases_per_client"].values()) == {1}  # the anchors of the one round
+    assert "GFA anchors" in (out / "tradeoff.md").read_text()
+    ig = json.loads((out / "value-0.5" / "attack-ig" / "summary.json").read_text())
+    assert ig["threat_model"]["modes_used"] == ["method"]  # the same adaptive attacker as without DP
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--defense", "prune", "--values", "120"], "percentages"),
     (["--defense", "dp", "--values", "abc"], "numbers"),
-    (["--defense", "dp", "--values", "1", "--method", "fedpac"], "cannot cover"),
-    (["--defense", "dp", "--values", "1"], "GFA"),
+    (["--defense", "dp", "--values", "1", "--stat-clip", "-1"], "--stat-clip must be positive"),
+    (["--defense", "noise", "--values", "0.1", "--counts", "withheld"], "apply to --defense dp only"),
     (["--defense", "exclude", "--values", "prototype", "--method", "fedavg"], "no field of kind"),
     (["--defense", "noise", "--values", "0.1", "--attacks", "dlg,nope"], "unknown attack"),
 ])

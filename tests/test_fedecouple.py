@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from fedecouple.methods import fedecouple as fc
+from fedecouple.methods.base import ClientContext
 from fedecouple.models import build_model, set_params
 
 from helpers import tiny_federation
@@ -73,14 +74,14 @@ def test_upload_is_extractor_personal_classifier_and_count(digits):
 def test_anchors_come_from_frozen_global_extractor_and_never_leave(digits, monkeypatch):
     fed = tiny_federation(digits, clients=2)
     captured = []
-    real = fc.class_means
+    real = ClientContext.class_feature_sums
 
-    def spy(features, labels, num_classes):
-        out = real(features, labels, num_classes)
-        captured.append((features.clone(), labels.clone(), out[0].clone()))
+    def spy(ctx, features, squared_norms=False):  # the one API whole-data statistics go through
+        out = real(ctx, features, squared_norms)
+        captured.append((features(ctx.images).clone(), ctx.labels.clone(), out.means().clone()))
         return out
 
-    monkeypatch.setattr(fc, "class_means", spy)
+    monkeypatch.setattr(ClientContext, "class_feature_sums", spy)
     fed.run_round()
     assert len(captured) == 2
     for cid, (features, labels, anchors) in enumerate(captured):

@@ -128,6 +128,23 @@ class ClientContext:
     def class_counts(self) -> torch.Tensor:
         return torch.bincount(self.labels, minlength=self.num_classes)
 
+    def class_feature_sums(self, features: Callable[[torch.Tensor], torch.Tensor],
+                           squared_norms: bool = False) -> "ClassFeatureSums":
+        """Per-class sums of ``features(images)`` over the client's un-augmented training images,
+        the class counts and, with ``squared_norms``, per-class sums of ‖feature‖².
+
+        The one way a method reads a whole-data statistic of the client's features (class means,
+        prototypes, anchors, FedPAC's h and V are formed from it). ``features`` must act on each
+        image on its own (one row out per image in). A DP context overrides this with a Gaussian
+        mechanism (``fedsec.defenses.dp_statistics``); here the numbers are exact."""
+        return ClassFeatureSums.of(features(self.images), self.labels, self.num_classes, squared_norms)
+
+    def class_means(self, model: SplitModel) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-class mean feature of ``model``, class counts) over the client's un-augmented
+        training images, through ``class_feature_sums`` (rows of absent classes are zero)."""
+        sums = self.class_feature_sums(lambda images: extract_features(model, images))
+        return sums.means(), sums.counts
+
     def batches(self, epochs: int, phase: str, augment: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Mini-batches drawn by index from the in-memory tensors.
 
@@ -213,11 +230,35 @@ def cross_entropy_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor
     return lambda x, y: F.cross_entropy(model(x), y)
 
 
-def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-class mean feature (rows of absent classes are zero) and per-class counts."""
-    counts = torch.bincount(labels, minlength=num_classes)
-    sums = torch.zeros(num_classes, features.shape[1], dtype=features.dtype).index_add_(0, labels, features)
-    return sums / counts.clamp_min(1).unsqueeze(1).to(features.dtype), counts
+@dataclass(frozen=True)
+class ClassFeatureSums:
+    """What ``ClientContext.class_feature_sums`` returns: per-class sums of features (C, d), class
+    counts (C,) int64 and per-class sums of squared feature norms (C,) or None. A class with count
+    0 is absent: its rows are zero. Means and FedPAC's statistics are formed from these by the same
+    formulas with or without DP (a DP context returns noisy sums and guarded noisy counts)."""
+
+    sums: torch.Tensor
+    counts: torch.Tensor
+    squared_norms: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, features: torch.Tensor, labels: torch.Tensor, num_classes: int,
+           squared_norms: bool = False) -> "ClassFeatureSums":
+        """Exact per-class sums of the rows of ``features`` (one row per sample of ``labels``)."""
+        counts = torch.bincount(labels, minlength=num_classes)
+        sums = torch.zeros(num_classes, features.shape[1], dtype=features.dtype).index_add_(0, labels, features)
+        squares = None
+        if squared_norms:
+            squares = torch.zeros(num_classes, dtype=features.dtype).index_add_(0, labels, features.pow(2).sum(dim=1))
+        return cls(sums, counts, squares)
+
+    def denominators(self) -> torch.Tensor:
+        """(C,) counts clamped below at 1, in the sums' dtype: what means divide by."""
+        return self.counts.clamp_min(1).to(self.sums.dtype)
+
+    def means(self) -> torch.Tensor:
+        """(C, d) per-class mean feature; rows of absent classes are zero."""
+        return self.sums / self.denominators().unsqueeze(1)
 
 
 @torch.no_grad()
@@ -285,8 +326,11 @@ class Method:
     it in one place, as class attributes: what it keeps on the client (``persistent_groups``),
     whether it talks to the server at all (``communicates``), whether its local training is plain
     per-sample cross-entropy SGD (``plain_sgd``: then a replay of T SGD steps reproduces its update
-    exactly), what the paper's preset changes (``paper_preset``) and what DP-SGD covers of it
-    (``dp_per_sample``, ``dp_uncovered``)."""
+    exactly), what the paper's preset changes (``paper_preset``) and what differential privacy
+    covers of it: the loss terms DP-SGD clips per sample (``dp_per_sample``), the whole-data
+    statistics it reads through ``ClientContext.class_feature_sums`` (``dp_statistics``: a DP
+    context releases them through their own Gaussian mechanism), and what neither covers
+    (``dp_uncovered``)."""
 
     name: ClassVar[str] = "method"
     summary: ClassVar[str] = ""
@@ -303,9 +347,13 @@ class Method:
     paper_preset: ClassVar[dict] = {}
     # which loss terms are per-sample, in words (DP-SGD's per-sample clipping needs them to be)
     dp_per_sample: ClassVar[str] = "n/a"
+    # the whole-data statistics the method computes through ``ctx.class_feature_sums``, in words;
+    # None: it computes none (a DP context then refuses any call, so the declaration stays true)
+    dp_statistics: ClassVar[str | None] = None
 
     def dp_uncovered(self) -> str | None:
-        """What DP-SGD cannot cover in this configuration (a clause for an error message), or None."""
+        """What neither DP-SGD nor the statistics mechanism covers in this configuration (a clause
+        for an error message), or None."""
         return None
 
     @classmethod

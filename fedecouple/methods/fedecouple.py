@@ -44,8 +44,7 @@ import torch.nn.functional as F
 
 from ..channel import Download, Upload
 from ..models import SplitModel, get_params, set_params
-from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, class_means, extract_features,
-                   make_upload, model_fields, sgd, strip_prefix)
+from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, make_upload, model_fields, sgd, strip_prefix)
 from .replay import as_probabilities, batch, cross_entropy, features, group, head, sgd_step
 from .replay import class_means as replay_class_means
 
@@ -114,16 +113,10 @@ class FedeCouple(Method):
     paper_preset = {"lam": 0.8, "mu": 2.0, "tau": 2.0}  # Section V (equal to the defaults)
     dp_per_sample = ("CE and λ·KL(teacher ‖ student) (the teacher's logits of the same sample, detached) are "
                      "per-sample; the adapted teacher's CE is per-sample and is trained under DP-SGD on the same batch "
-                     "(accounted as one mechanism, σ/√2); the centre loss is per-sample in form but its anchors are "
-                     "class means of ALL the client's features, computed outside DP-SGD — not covered, so GFA is "
-                     "refused (--no-gfa); DA: original + augmented copy clipped together.")
-
-    def dp_uncovered(self) -> str | None:
-        if self.gfa:
-            return ("its GFA anchors are class means of all the client's features, computed outside DP-SGD and used "
-                    "in every sample's centre loss; rerun with --no-gfa (DA is fine: an original and its augmented "
-                    "copy are clipped together)")
-        return None
+                     "(accounted as one mechanism, σ/√2); the centre loss is per-sample given the anchors, which are a "
+                     "statistic released before the extractor phase; DA: original + augmented copy clipped together.")
+    dp_statistics = ("GFA anchors, once per round: class means of the frozen global extractor's features over the "
+                     "client's un-augmented training images (kept on the client, never uploaded).")
 
     def manifest(self, model: SplitModel):
         return model_fields(model, "extractor") + model_fields(model, "classifier") + [SAMPLE_COUNT]
@@ -147,7 +140,7 @@ class FedeCouple(Method):
         set_params(model, {k: v for k, v in glob.items() if k.startswith("extractor.")})  # θ_i ← θ^t
         anchors = None
         if self.gfa:
-            anchors, counts = class_means(extract_features(model, ctx.images), ctx.labels, ctx.num_classes)
+            anchors, counts = ctx.class_means(model)
             ctx.private["anchors"] = anchors[counts > 0].clone()
         frozen_global = copy.deepcopy(model.classifier)
         frozen_global.load_state_dict(global_classifier)

@@ -49,7 +49,7 @@ from scipy.optimize import minimize
 from ..channel import Download, Upload
 from ..errors import UserError
 from ..models import SplitModel, get_params, set_params
-from .base import (SAMPLE_COUNT, ClientContext, FieldSpec, Method, State, add_prefix, by_client, class_means,
+from .base import (SAMPLE_COUNT, ClassFeatureSums, ClientContext, FieldSpec, Method, State, add_prefix, by_client,
                    extract_features, make_upload, model_fields, only_group, sample_weighted_average, strip_prefix,
                    train_extractor, train_head)
 from .replay import as_probabilities, batch, cross_entropy, features, group, head, sgd_step
@@ -62,12 +62,19 @@ HEAD = "head.{cid}."
 
 def client_statistics(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
     """(class counts, class means, h = p_k·μ_k, V) of one client's features (reference-code formulas)."""
-    means, counts = class_means(features, labels, num_classes)
-    n = max(int(labels.shape[0]), 1)
-    p = counts.to(features.dtype) / n
+    return statistics_from_sums(ClassFeatureSums.of(features, labels, num_classes, squared_norms=True),
+                                int(labels.shape[0]))
+
+
+def statistics_from_sums(sums: ClassFeatureSums, num_samples: int):
+    """(class counts, class means, h = p_k·μ_k, V) from per-class feature sums, counts and sums of
+    squared norms (``ClientContext.class_feature_sums``), p_k = n_k/n with n the sample count."""
+    means, counts = sums.means(), sums.counts
+    dtype = sums.sums.dtype
+    n = max(num_samples, 1)
+    p = counts.to(dtype) / n
     h = p.unsqueeze(1) * means
-    sq = torch.zeros(num_classes, dtype=features.dtype).index_add_(0, labels, features.pow(2).sum(dim=1))
-    mean_sq = sq / counts.clamp_min(1).to(features.dtype)
+    mean_sq = sums.squared_norms / sums.denominators()
     v = (p * mean_sq - p.pow(2) * means.pow(2).sum(dim=1)).sum()
     return counts, means, h, v
 
@@ -139,11 +146,11 @@ class FedPAC(Method):
 
     name = "fedpac"
     summary = "prototype feature alignment; per-client QP combines all heads; uploads base, head, prototypes, label stats"
-    dp_per_sample = ("CE and the prototype term are per-sample, but it uploads class counts, prototypes and feature "
-                     "statistics computed from all its data outside DP-SGD — refused.")
-
-    def dp_uncovered(self) -> str | None:
-        return "it uploads class counts, prototypes and feature statistics computed from all its data"
+    dp_per_sample = ("CE on the head, then CE + λ·prototype alignment on the base: per-sample (the targets are the "
+                     "global prototypes and the client's own released class means).")
+    dp_statistics = ("two per round: before training, class counts, class means, h and V of the received base's "
+                     "features (sums, counts, squared norms); after training, the uploaded prototypes (class means "
+                     "of the trained base).")
 
     def __post_init__(self) -> None:
         if self.head_epochs < 0:
@@ -180,8 +187,9 @@ class FedPAC(Method):
         set_params(model, only_group(received, "classifier"))  # the server's combination replaces it
         set_params(model, only_group(received, "extractor"))
 
-        counts, local_means, h, v = client_statistics(extract_features(model, ctx.images), ctx.labels,
-                                                      ctx.num_classes)
+        counts, local_means, h, v = statistics_from_sums(
+            ctx.class_feature_sums(lambda images: extract_features(model, images), squared_norms=True),
+            ctx.num_samples)
         train_head(ctx, model, self.head_epochs, "classifier")
 
         global_protos = prototypes_in(received)

@@ -41,11 +41,9 @@ class FedProto(Method):
     name = "fedproto"
     summary = "whole model local; uploads per-class prototypes and counts only (no weights)"
     persistent_groups = ("extractor", "classifier")
-    dp_per_sample = ("CE and the prototype term are per-sample, but it uploads prototypes and class counts computed "
-                     "from all its data outside DP-SGD — refused.")
-
-    def dp_uncovered(self) -> str | None:
-        return "it uploads prototypes and class counts computed from all its data"
+    dp_per_sample = "CE + λ·prototype alignment to the global prototypes on the whole model: per-sample."
+    dp_statistics = ("one per round, after training: the uploaded prototypes and class counts (class means of the "
+                     "trained model's features).")
 
     def manifest(self, model: SplitModel):
         return [prototype_field(model), FieldSpec(CLASS_COUNT, "class_counts", (), per_class=True)]

@@ -6,7 +6,7 @@ import re
 import torch
 
 from ..models import SplitModel
-from .base import ClientContext, FieldSpec, class_means, extract_features
+from .base import ClientContext, FieldSpec
 
 PROTOTYPE = "prototype.{k}"
 CLASS_COUNT = "class_count.{k}"
@@ -46,8 +46,9 @@ def prototype_loss(features: torch.Tensor, labels: torch.Tensor, table: torch.Te
 
 
 def local_prototypes(ctx: ClientContext, model: SplitModel) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-class mean feature of the client's (un-augmented) training images, and per-class counts."""
-    return class_means(extract_features(model, ctx.images), ctx.labels, ctx.num_classes)
+    """Per-class mean feature of the client's (un-augmented) training images, and per-class counts
+    (``ctx.class_means``: exact, or through a DP context's mechanism)."""
+    return ctx.class_means(model)
 
 
 def weighted_prototypes(per_client: list[tuple[dict[int, torch.Tensor], dict[int, float]]]) -> dict[int, torch.Tensor]:

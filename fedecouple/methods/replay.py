@@ -99,7 +99,7 @@ def class_sums(feats: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def class_means(feats: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-class mean features (absent classes: zero rows) and counts, as ``base.class_means``."""
+    """Per-class mean features (absent classes: zero rows) and counts, as ``ClientContext.class_means``."""
     sums, counts = class_sums(feats, probs)
     return sums / counts.clamp_min(1).unsqueeze(1), counts
 

@@ -16,9 +16,12 @@ same idea as Flower adding DP as a mod around a client). During the session:
   q = batch_size / n; ceil(n / batch_size) steps per epoch, Opacus' ``DPDataLoader`` convention —
   the non-DP loop instead drops a ragged last batch), which is what the accountant assumes; an empty
   draw still takes a noise-only step;
-* the client's data can be read only through ``ctx.batches``: reading ``ctx.images``,
-  ``ctx.labels`` or ``ctx.class_counts()`` (whole-data statistics such as FedeCouple's anchors,
-  FedPAC's statistics, prototypes) raises ``UserError``, because DP-SGD would not cover it;
+* the client's data can be read only through ``ctx.batches`` (DP-SGD) and
+  ``ctx.class_feature_sums`` (whole-data statistics: FedeCouple's anchors, FedPAC's class means,
+  h, V, prototypes and counts, FedProto's prototypes and counts), which here runs the Gaussian
+  mechanism of ``fedsec.defenses.dp_statistics`` (features clipped per sample to C_stat, noise
+  σ_stat·C_stat on class sums, σ_stat on counts); reading ``ctx.images``, ``ctx.labels`` or
+  ``ctx.class_counts()`` raises ``UserError``, because neither mechanism would cover it;
 * on the first batch of every phase (every ``ctx.batches`` call) a **per-sample probe** takes the
   method's steps without applying them (parameters unchanged, nothing released) on the whole batch
   and on single samples of it and compares each sample's gradient: a loss that mixes samples
@@ -31,18 +34,31 @@ steps), so ε is cumulative across rounds, survives checkpoints, and the client 
 function of (state, download). One accountant step per drawn batch: when k optimizer steps use
 the same batch (FedeCouple trains its personal classifier and its teacher on each batch), their
 joint release is one Gaussian mechanism with L2 sensitivity √k·C and noise σ·C per coordinate, so
-the step is accounted with noise multiplier σ/√k. ε at δ (default 1e-5) per client; the report
-gives every client's ε and the maximum. Sample-level ("one training example") add/remove DP of
+the step is accounted with noise multiplier σ/√k. Every statistic release goes into the same
+history as (σ_stat, sample rate 1, steps): one step for the class sums, one for the sums of squared
+norms (FedPAC's V), one for the class counts — released once per client and kept in its state,
+since its labels never change (``dp_statistics``). RDP composes all of them, DP-SGD steps and
+statistics alike, because they all read the same data: per round FedeCouple with GFA adds 1
+statistic step (anchors), FedProto 1 (prototypes), FedPAC 3 (sums and squared norms before
+training, sums after), plus the counts once. ε at δ (default 1e-5) per client; the report gives
+every client's ε and the maximum. Sample-level ("one training example") add/remove DP of
 everything the client uploads; the client's sample count n is treated as public (it sets q and is
 uploaded by most methods).
+
+Class counts (``counts``): a class is held when its noisy count is at least max(1, 3σ_stat), with
+count round(ñ_k); the others count 0 and their rows are zeroed (``dp_statistics``). ``noised``
+uploads these guarded noisy counts wherever the method uploads counts; ``withheld`` removes every field of kind ``class_counts`` from the upload (the counts are
+still released inside the client: the means divide by them) and the server weights every sent
+prototype equally (``dp_statistics.unit_counts``).
 
 Data augmentation (FedeCouple's DA: every batch is the originals followed by one augmented copy of
 each): an augmented copy belongs to the same person as its original, so per-sample gradients are
 summed over the pair *before* clipping (one clipped gradient per original sample); the sensitivity
 is therefore still C per person.
 
-Which loss terms are per-sample (each method's ``dp_per_sample``; what is not covered is its
-``dp_uncovered()``, named in the refusal):
+What each method declares (``dp_per_sample``: loss terms under DP-SGD; ``dp_statistics``: whole-data
+statistics under the Gaussian mechanism; what neither covers is its ``dp_uncovered()``, named in
+the refusal):
 """
 from __future__ import annotations
 
@@ -61,19 +77,24 @@ from torch.nn.modules.module import register_module_forward_hook
 
 from fedecouple.data.augment import BatchAugmenter
 from fedecouple.errors import UserError
-from fedecouple.methods.base import BatchRecord, ClientContext, Method, State, optimizer_hook
+from fedecouple.engine import derive_seed
+from fedecouple.methods.base import BatchRecord, ClassFeatureSums, ClientContext, Method, State, optimizer_hook
+
+from .dp_statistics import (COUNTS_CHOICES, RELEASES_KEY, StatisticsMechanism, count_specs, unit_counts,
+                            withhold_counts)
 
 ACCOUNT_KEY = "dp.accountant"
 ACCOUNTANTS = ("rdp", "prv")
 PROBE_TOLERANCE = 1e-3
 
-def _per_sample_terms() -> str:
+def _declared_coverage() -> str:
     from fedecouple.methods import METHODS
 
-    return "".join(f"\n* ``{name}``: {cls.dp_per_sample}" for name, cls in METHODS.items()) + "\n"
+    return "".join(f"\n* ``{name}``: per-sample — {cls.dp_per_sample} Statistics — {cls.dp_statistics or 'none.'}"
+                   for name, cls in METHODS.items()) + "\n"
 
 
-__doc__ += _per_sample_terms()  # each method declares its own (``Method.dp_per_sample``)
+__doc__ += _declared_coverage()  # each method declares its own (``dp_per_sample``, ``dp_statistics``)
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,19 @@ class DPConfig:
     delta: float = 1e-5
     accountant: str = "rdp"
     probe: int = 3  # samples compared by the per-sample probe of each phase's first batch (0: no probe)
+    # the statistics mechanism (``dp_statistics``): noise multiplier and clip bound (None: the DP-SGD
+    # ones), and whether class counts are uploaded noised or withheld
+    statistics_noise_multiplier: float | None = None
+    statistics_clip: float | None = None
+    counts: str = "noised"
+
+    @property
+    def stat_sigma(self) -> float:
+        return self.noise_multiplier if self.statistics_noise_multiplier is None else self.statistics_noise_multiplier
+
+    @property
+    def stat_clip(self) -> float:
+        return self.max_grad_norm if self.statistics_clip is None else self.statistics_clip
 
     def validate(self) -> None:
         if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
@@ -95,6 +129,12 @@ class DPConfig:
             raise UserError(f"unknown accountant {self.accountant!r}; choose one of: {', '.join(ACCOUNTANTS)}")
         if self.probe < 0:
             raise UserError(f"the per-sample probe size must be >= 0, got {self.probe}")
+        if not (self.stat_sigma >= 0 and math.isfinite(self.stat_sigma)):
+            raise UserError(f"--stat-noise-multiplier must be a finite number >= 0, got {self.stat_sigma}")
+        if not (self.stat_clip > 0 and math.isfinite(self.stat_clip)):
+            raise UserError(f"--stat-clip must be positive, got {self.stat_clip}")
+        if self.counts not in COUNTS_CHOICES:
+            raise UserError(f"--counts must be one of {', '.join(COUNTS_CHOICES)}, got {self.counts!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,8 +182,9 @@ def epsilon(history: torch.Tensor | list | None, delta: float, kind: str = "rdp"
 
 
 def privacy_report(clients: dict[int, State], config: DPConfig) -> dict:
-    """Per-client cumulative ε (from the accountants kept in client state) and the maximum."""
-    per_client, steps = {}, {}
+    """Per-client cumulative ε (from the accountants kept in client state) and the maximum, the
+    accountant steps and statistic releases per client, and the resolved statistics settings."""
+    per_client, steps, releases = {}, {}, {}
     for cid in sorted(clients):
         hist = clients[cid].get(ACCOUNT_KEY)
         if hist is None:
@@ -151,9 +192,12 @@ def privacy_report(clients: dict[int, State], config: DPConfig) -> dict:
         rows = history_rows(hist)
         per_client[str(cid)] = epsilon(rows, config.delta, config.accountant)
         steps[str(cid)] = sum(n for _, _, n in rows)
+        releases[str(cid)] = int(clients[cid].get(RELEASES_KEY, torch.tensor(0)))
     values = list(per_client.values())
-    return {**asdict(config), "epsilon_max": max(values) if values else 0.0, "epsilon_per_client": per_client,
-            "accountant_steps_per_client": steps}
+    return {**asdict(config), "statistics_noise_multiplier_used": config.stat_sigma,
+            "statistics_clip_used": config.stat_clip, "epsilon_max": max(values) if values else 0.0,
+            "epsilon_per_client": per_client, "accountant_steps_per_client": steps,
+            "statistic_releases_per_client": releases}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,6 +310,9 @@ class _PrivateContext(ClientContext):
     def class_counts(self) -> torch.Tensor:
         self._refuse("ctx.class_counts()")
 
+    def class_feature_sums(self, features, squared_norms: bool = False) -> ClassFeatureSums:
+        return self._dp_session.statistics.release(features, squared_norms)
+
     def batches(self, epochs: int, phase: str, augment: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self._dp_session.batches(epochs, phase, augment)
 
@@ -277,7 +324,8 @@ class DPSession:
     """DP-SGD for one client update: optimizer hook, per-sample-gradient hooks, Poisson batches,
     probe and accountant steps. Use as a context manager around the method's ``client_update``."""
 
-    def __init__(self, method: Method, ctx: ClientContext, config: DPConfig, history: torch.Tensor | None = None):
+    def __init__(self, method: Method, ctx: ClientContext, config: DPConfig, history: torch.Tensor | None = None,
+                 dp_state: State | None = None):
         self.method, self.config = method.name, config
         self.uncovered = method.dp_uncovered()
         self.base = ctx
@@ -291,6 +339,12 @@ class DPSession:
         self.rows: dict[tuple[float, float], int] = {}
         for s, q, n in history_rows(history):
             self.rows[(s, q)] = self.rows.get((s, q), 0) + n
+        # its own stream, derived from the DP-SGD seed: methods without statistics draw exactly as before
+        self.statistics = StatisticsMechanism(
+            ctx.images, ctx.labels, ctx.num_classes, sigma=config.stat_sigma, clip=config.stat_clip,
+            probe=config.probe, generator=torch.Generator().manual_seed(derive_seed(seed, 1)),
+            state=dp_state or {}, account=self._account_statistic, method=method.name,
+            declared=method.dp_statistics)
         self.optimizers: list[DPSGD] = []
         self._unclaimed: list[DPSGD] = []
         self._augmenter: BatchAugmenter | None = None
@@ -332,7 +386,8 @@ class DPSession:
     def refusal(self, what: str) -> str:
         hint = self.uncovered or "it computes statistics of the whole data set"
         return (f"DP-SGD cannot cover {self.method}: it reads the client's whole training set ({what}) outside the "
-                f"per-sample training loop — {hint}; its upload would not be covered by ε, so the run is refused")
+                f"per-sample training loop and outside ctx.class_feature_sums — {hint}; its upload would not be "
+                f"covered by ε, so the run is refused")
 
     # -- per-sample gradients --------------------------------------------------------------------
     def _forward_hook(self, module, inputs, output) -> None:
@@ -387,6 +442,11 @@ class DPSession:
         sigma = self.config.noise_multiplier / math.sqrt(max(k, 1))
         key = (float(sigma), float(self.sample_rate))
         self.rows[key] = self.rows.get(key, 0) + 1
+
+    def _account_statistic(self, steps: int) -> None:
+        """``steps`` Gaussian releases of the whole data at the statistics' σ (sample rate 1)."""
+        key = (float(self.config.stat_sigma), 1.0)
+        self.rows[key] = self.rows.get(key, 0) + steps
 
     def history_tensor(self) -> torch.Tensor:
         return history_tensor(self.rows)
@@ -484,25 +544,29 @@ class DPSession:
 
 
 def check_supported(method: Method) -> None:
-    """Refuse, before any training, what the method declares DP-SGD cannot cover (``dp_uncovered``)."""
+    """Refuse, before any training, what the method declares neither DP-SGD nor the statistics
+    mechanism covers (``dp_uncovered``)."""
     reason = method.dp_uncovered()
     if reason is not None:
-        raise UserError(f"DP-SGD cannot cover {method.name}: {reason}; its ε would be meaningless (for methods "
+        raise UserError(f"DP cannot cover {method.name}: {reason}; its ε would be meaningless (for methods "
                         f"without a DP mode, use an upload filter such as noise or exclude instead)")
 
 
 class DPMethod(Method):
-    """``method`` with DP-SGD local training and one accountant per client in its state."""
+    """``method`` with DP-SGD local training, its whole-data statistics through the Gaussian
+    mechanism of ``dp_statistics``, and one accountant per client in its state."""
 
     def __init__(self, method: Method, config: DPConfig):
         config.validate()
         check_supported(method)
         self.inner, self.dp = method, config
         self.name = method.name
-        self.summary = method.summary + " [DP-SGD]"
+        self.summary = method.summary + " [DP]"
         self.persistent_groups = method.persistent_groups
         self.communicates = method.communicates
         self.plain_sgd = method.plain_sgd
+        self.dp_per_sample, self.dp_statistics = method.dp_per_sample, method.dp_statistics
+        self._manifest = None  # the inner method's manifest, once a model was seen (withheld counts)
 
     def __getattr__(self, item):
         if item in ("inner", "__setstate__", "__getstate__"):
@@ -516,26 +580,56 @@ class DPMethod(Method):
     def manifest(self, model):
         return self.inner.manifest(model)
 
+    # the inner method's local training, as attacks replay it (Kerckhoffs: the attacker knows the
+    # method; DP's noise it cannot replay, which the forward-model check then reports)
+    def local_phases(self, epochs: int):
+        return self.inner.local_phases(epochs)
+
+    def replay(self, model, context, images, labels, copies):
+        return self.inner.replay(model, context, images, labels, copies)
+
+    def replays(self) -> bool:
+        return self.inner.replays()
+
+    def _see(self, model) -> list:
+        if self._manifest is None:
+            self._manifest = self.inner.manifest(model)
+        return self._manifest
+
     def init_server(self, model):
+        self._see(model)
         return self.inner.init_server(model)
 
     def init_client(self, model, client_id: int) -> State:
+        self._see(model)
         return {**self.inner.init_client(model, client_id), ACCOUNT_KEY: empty_history()}
 
     def download(self, server, client_id, round):
         return self.inner.download(server, client_id, round)
 
     def client_update(self, ctx, state, download):
-        session = DPSession(self.inner, ctx, self.dp, state.get(ACCOUNT_KEY))
+        dp_state = {k: v for k, v in state.items() if k.startswith("dp.")}
+        session = DPSession(self.inner, ctx, self.dp, state.get(ACCOUNT_KEY), dp_state)
         with session:
             new_state, upload = self.inner.client_update(session.ctx, self._strip(state), download)
-        return {**new_state, ACCOUNT_KEY: session.history_tensor()}, upload
+        if self.dp.counts == "withheld":
+            upload = withhold_counts(upload, self._see(ctx.model))
+        return {**new_state, **session.statistics.state_entries(), ACCOUNT_KEY: session.history_tensor()}, upload
 
     def aggregate(self, server, uploads, round):
+        if self.dp.counts == "withheld" and uploads and count_specs(self._known_manifest())[0]:
+            uploads = [unit_counts(u, self._manifest) for u in uploads]
         return self.inner.aggregate(server, uploads, round)
+
+    def _known_manifest(self) -> list:
+        if self._manifest is None:
+            raise RuntimeError("DPMethod with withheld counts aggregates before it saw a model (init_server)")
+        return self._manifest
 
     def personalized(self, ctx, server, state):
         return self.inner.personalized(ctx, server, self._strip(state))
 
     def hyperparameters(self) -> dict:
-        return {**self.inner.hyperparameters(), "dp": asdict(self.dp)}
+        """The inner method's, plus the DP settings as flat ``dp.*`` entries (flat values stay
+        hashable: attacks key batched targets by them)."""
+        return {**self.inner.hyperparameters(), **{f"dp.{k}": v for k, v in asdict(self.dp).items()}}
