@@ -459,8 +459,9 @@ def defend(ctx, defense, values, attack_list, baseline, max_grad_norm, delta, ac
               help="rmia: offline a in [0, 1], or 'tune' (on reference pair 0; needs --reference-runs >= 4, "
                    "else 0.3).")
 @click.option("--dp", "dp_noise", type=float, default=None,
-              help="Train target and reference runs with DP-SGD at this noise multiplier; the summary then shows the "
-                   "accountant's epsilon next to the empirical lower bound.")
+              help="Train target and reference runs with DP at this noise multiplier (DP-SGD, and the statistics "
+                   "mechanism at the same multiplier for methods that release statistics); the summary then shows "
+                   "the accountant's epsilon next to the empirical lower bound.")
 @click.option("--max-grad-norm", type=float, default=1.0, show_default=True, help="--dp: per-sample clipping bound C.")
 @click.option("--delta", type=float, default=1e-5, show_default=True,
               help="delta of the accounted and of the empirical epsilon.")

@@ -449,7 +449,7 @@ def run_mia(config: RunConfig, settings: MiaSettings, out: str | Path, progress:
     prep = prepare(config)
     dp = settings.dp_config()
     if dp is not None:
-        DPMethod(prep.method, dp)  # refuses methods DP-SGD cannot cover, before anything is written
+        DPMethod(prep.method, dp)  # refuses what a method declares DP cannot cover, before anything is written
     out = Path(out)
     records = audit_records(prep.partition, prep.dataset.labels.numpy())
     ref_in = reference_membership(records, settings.reference_runs, config.federation.seed)

@@ -365,7 +365,7 @@ def test_kinds_follow_what_each_method_has_and_dp_reports_both_epsilons(tmp_path
     (["--temperature", "-1"], "--temperature"),
     (["--offline-a", "2"], "--offline-a"),
     (["--offline-a", "tune", "--reference-runs", "2"], "--offline-a tune needs --reference-runs >= 4"),
-    (["--method", "fedproto", "--dp", "1"], "DP-SGD cannot cover fedproto"),
+    (["--dp", "-1"], "noise multiplier must be a finite number >= 0"),
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--bootstrap", "5"], "--bootstrap"),
 ])
