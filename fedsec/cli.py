@@ -349,7 +349,7 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
     interrupted report resumes where it stopped.
 
     The defaults (10 clients, 3 rounds; 2 clients attacked in round 0, `fedsec attack`'s step budgets)
-    take about 6-7 CPU-minutes on mnist5k (single-threaded); training dominates. Scale up with the train flags (--clients,
+    take about 6-7 minutes on mnist5k (single-threaded); the attacks dominate, IG most. Scale up with the train flags (--clients,
     --rounds, --local-epochs: train and audit grow linearly) and the attack budget (--targets,
     --iterations, --attack-rounds 0,9: each attack retrains up to its last round), e.g.
     --clients 20 --rounds 20 --targets 5 --iterations 1000.

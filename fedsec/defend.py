@@ -44,7 +44,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import pandas as pd
 
 import attacks
@@ -325,7 +324,7 @@ def run_value(prep: Prepared, settings: DefendSettings, value, out: Path,
            "accuracy": _num(trained.get("mean_accuracy")), "accuracy_std": _num(trained.get("std_accuracy")),
            "epsilon": (math.inf if defense.get("epsilon_max") is None else float(defense["epsilon_max"]))
            if defense.get("kind") == "dp" else float("nan"), "epsilon_attacked": float("nan")}
-    priors, notes = [], []
+    notes = []
     for attack in settings.attacks:
         if on_part:
             on_part(attack)
@@ -336,8 +335,8 @@ def run_value(prep: Prepared, settings: DefendSettings, value, out: Path,
         if attacks.get(attack).rebuilds_images:
             row[f"mean_psnr_{attack}"] = _num(summary.get("mean_psnr"))
             row[f"max_psnr_{attack}"] = _num(summary.get("max_psnr"))
-            if summary.get("mean_prior_psnr") is not None:
-                priors.append(float(summary["mean_prior_psnr"]))
+            # each attack's own prior: the prototype attack scores against another one than DLG/IG
+            row[f"prior_psnr_{attack}"] = _num(summary.get("mean_prior_psnr"))
             if not summary.get("images_scored"):
                 notes.extend(summary.get("notes", [])[:2])
         else:
@@ -345,7 +344,6 @@ def run_value(prep: Prepared, settings: DefendSettings, value, out: Path,
         eps = _attacked_epsilon(summary)
         if eps is not None:
             row["epsilon_attacked"] = eps if math.isnan(row["epsilon_attacked"]) else max(row["epsilon_attacked"], eps)
-    row["prior_psnr"] = float(np.mean(priors)) if priors else float("nan")
     row["seconds"] = round(time.perf_counter() - start, 1)
     if notes:
         row["notes"] = "; ".join(dict.fromkeys(notes))
@@ -360,7 +358,8 @@ def tradeoff_frame(rows: list[dict], settings: DefendSettings) -> pd.DataFrame:
     image = [a for a in settings.attacks if a != MIA and attacks.get(a).rebuilds_images]
     labels = [a for a in settings.attacks if a != MIA and not attacks.get(a).rebuilds_images]
     membership = ["mia_auc", "mia_tpr_1pct_fpr", "mia_epsilon_lower_bound"] if MIA in settings.attacks else []
-    columns = (COLUMNS + [f"mean_psnr_{a}" for a in image] + ["prior_psnr"] + [f"class_presence_{a}" for a in labels]
+    columns = (COLUMNS + [f"mean_psnr_{a}" for a in image] + [f"prior_psnr_{a}" for a in image]
+               + [f"class_presence_{a}" for a in labels]
                + membership + [f"max_psnr_{a}" for a in image] + ["seconds"])
     frame = pd.DataFrame(rows, columns=columns)
     if any("notes" in r for r in rows):

@@ -51,10 +51,10 @@ def value_line(row: Mapping) -> str:
     parts = [f"{row['defense']} {row['value']}: accuracy {100 * row['accuracy']:.2f}%"]
     if _finite(row.get("epsilon")):
         parts.append(f"epsilon {row['epsilon']:.3g}")
-    psnr = ", ".join(f"{k[len('mean_psnr_'):].upper()} {row[k]:.2f} dB" for k in row
-                     if k.startswith("mean_psnr_") and _finite(row[k]))
-    if psnr:
-        parts.append(psnr + (f" (prior {row['prior_psnr']:.2f} dB)" if _finite(row.get("prior_psnr")) else ""))
+    for k in [k for k in row if k.startswith("mean_psnr_") and _finite(row[k])]:
+        a = k[len("mean_psnr_"):]
+        prior = row.get(f"prior_psnr_{a}")
+        parts.append(f"{a.upper()} {row[k]:.2f} dB" + (f" (prior {prior:.2f} dB)" if _finite(prior) else ""))
     parts += [f"{k[len('class_presence_'):]} class presence {row[k]:.2f}" for k in row
               if k.startswith("class_presence_") and _finite(row[k])]
     return ", ".join(parts)
@@ -69,11 +69,11 @@ def claim_check(frame: pd.DataFrame, meta: Mapping) -> str | None:
     sub = frame[frame["defense"] == defense].copy()
     if sub.empty:
         return None
-    sub["gap"] = sub["mean_psnr_dlg"] - sub["prior_psnr"]
+    sub["gap"] = sub["mean_psnr_dlg"] - sub["prior_psnr_dlg"]
     sub = sub.sort_values("value")
     defeated = sub[sub["gap"] < margin]
     base = frame[frame["defense"] == BASELINE]
-    base_gap = float(base["mean_psnr_dlg"].iloc[0] - base["prior_psnr"].iloc[0]) if not base.empty else float("nan")
+    base_gap = float(base["mean_psnr_dlg"].iloc[0] - base["prior_psnr_dlg"].iloc[0]) if not base.empty else float("nan")
     threshold, unit = (1e-2, "variance") if defense == "noise" else (20.0, "% pruned")
     claim = ("the DLG paper: Gaussian noise of variance ≥ 1e-2 defeats DLG" if defense == "noise"
              else "the DLG paper: pruning more than 20 % of the gradient defeats DLG")
@@ -110,13 +110,17 @@ def _leakage_axes(ax, frame: pd.DataFrame, meta: Mapping) -> None:
         for _, r in frame[ok].iterrows():
             ax.annotate(str(r["value"]), (r[col], r["accuracy"] * 100), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")
-    prior = frame["prior_psnr"].dropna()
-    if len(prior):
-        ax.axvline(float(prior.mean()), color="grey", linestyle="--", label="prior baseline")
+    priors: dict[float, list[str]] = {}  # one dashed line per distinct prior, named by its attacks
+    for a in meta["image_attacks"]:
+        values = frame[f"prior_psnr_{a}"].dropna()
+        if len(values):
+            priors.setdefault(round(float(values.mean()), 1), []).append(a.upper())
+    for i, (prior, names) in enumerate(sorted(priors.items())):
+        ax.axvline(prior, color="grey", linestyle=("--", ":", "-.")[i % 3], label=f"prior ({', '.join(names)})")
     ax.set_xlabel("mean PSNR of reconstructions (dB)  ← more private")
     ax.set_ylabel("mean client test accuracy (%)")
     ax.set_title(f"{meta['defense']} on {meta['method']}: accuracy vs leakage", fontsize=9)
-    if meta["image_attacks"] or len(prior):
+    if meta["image_attacks"]:
         ax.legend(fontsize=7)
 
 
@@ -161,7 +165,7 @@ def _table(frame: pd.DataFrame, meta: Mapping) -> list[str]:
     head = ["value", "accuracy (%)"]
     if meta["defense"] == "dp":
         head += [f"ε train (δ={meta['delta']:g})", "ε attacked client"]
-    head += [f"{a.upper()} PSNR (dB)" for a in image] + (["prior PSNR (dB)"] if image else [])
+    head += [f"{a.upper()} PSNR (dB) (prior)" for a in image]
     head += [f"{a} class presence" for a in labels]
     if meta.get("membership"):
         head += ["MIA AUC (LiRA, personal)", "MIA TPR@1%FPR", "empirical ε ≥"]
@@ -170,7 +174,7 @@ def _table(frame: pd.DataFrame, meta: Mapping) -> list[str]:
         cells = [str(r["value"]), f"{_fmt(r['accuracy'], pct=True)} ± {_fmt(r['accuracy_std'], pct=True)}"]
         if meta["defense"] == "dp":
             cells += [_fmt_eps(r["epsilon"]), _fmt_eps(r["epsilon_attacked"])]
-        cells += [_fmt(r[f"mean_psnr_{a}"]) for a in image] + ([_fmt(r["prior_psnr"])] if image else [])
+        cells += [f"{_fmt(r[f'mean_psnr_{a}'])} ({_fmt(r.get(f'prior_psnr_{a}'))})" for a in image]
         cells += [_fmt(r.get(f"class_presence_{a}")) for a in labels]
         if meta.get("membership"):
             cells += [_fmt(r.get("mia_auc"), 3), _fmt(r.get("mia_tpr_1pct_fpr"), 3), _fmt(r.get("mia_epsilon_lower_bound"), 3)]

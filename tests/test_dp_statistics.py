@@ -24,7 +24,7 @@ from fedsec.defenses import DPConfig, DPMethod, epsilon, privacy_report
 from fedsec.defenses.dp import ACCOUNT_KEY, history_rows
 from fedsec.defenses.dp_statistics import COUNTS_KEY, RELEASES_KEY, StatisticsMechanism, held_threshold
 
-from helpers import tiny_federation
+from helpers import dp_federation
 
 
 def _mechanism(features, labels, sigma, clip, seed=0, state=None, classes=3):
@@ -108,9 +108,8 @@ def test_statistic_releases_compose_in_the_accountant_as_opacus_composes_them(di
     from opacus.accountants import RDPAccountant
 
     sigma, sigma_stat, delta, rounds = 1.3, 2.5, 1e-5, 2
-    fed = tiny_federation(digits, "fedpac", clients=2, rounds=rounds)
-    fed.method = DPMethod(fed.method, DPConfig(noise_multiplier=sigma, statistics_noise_multiplier=sigma_stat))
-    fed.clients.clear()
+    fed = dp_federation(digits, "fedpac", DPConfig(noise_multiplier=sigma, statistics_noise_multiplier=sigma_stat),
+                        rounds=rounds)
     fed.run(rounds)
     state = fed.clients[0]
     rows = history_rows(state[ACCOUNT_KEY])
@@ -136,10 +135,7 @@ def test_kept_counts_and_epsilon_survive_a_checkpoint(digits):
     """FedProto 2 rounds straight = 1 round, checkpoint, load, 1 round: same ε, same kept noisy counts,
     same uploads (the counts are released once, in round 0)."""
     def fed():
-        f = tiny_federation(digits, "fedproto", clients=2, rounds=2)
-        f.method = DPMethod(f.method, DPConfig(noise_multiplier=1.0))
-        f.clients.clear()
-        return f
+        return dp_federation(digits, "fedproto", DPConfig(noise_multiplier=1.0), rounds=2)
 
     straight = fed()
     straight.run(2)
@@ -244,10 +240,8 @@ def test_coverage_follows_the_declarations(digits):
 
 def test_withheld_counts_leave_the_upload_and_the_server_still_aggregates(digits):
     for name, field in (("fedproto", "class_count."), ("fedpac", "class_counts")):
-        fed = tiny_federation(digits, name, clients=3, rounds=2)
-        fed.method = DPMethod(fed.method, DPConfig(noise_multiplier=1.0, counts="withheld"))
-        fed.method.init_server(fed.model)
-        fed.clients.clear()
+        fed = dp_federation(digits, name, DPConfig(noise_multiplier=1.0, counts="withheld"), clients=3, rounds=2,
+                            init_server=True)
         fed.run(1)
         uploads = list(fed.channel.recorder.uploads())
         assert uploads and not any(k.startswith(field) for u in uploads for k in u.tensors)
@@ -305,10 +299,7 @@ def test_label_count_inference_falls_to_chance_at_small_epsilon(digits, name):
     results = {}
     clients = 16
     for sigma in (0.5, 100.0):
-        fed = tiny_federation(digits, name, clients=clients, rounds=1)
-        fed.method = DPMethod(fed.method, DPConfig(noise_multiplier=sigma, probe=0))
-        fed.method.init_server(fed.model)
-        fed.clients.clear()
+        fed = dp_federation(digits, name, DPConfig(noise_multiplier=sigma, probe=0), clients=clients, init_server=True)
         initial = copy.deepcopy(fed.model)
         set_params(initial, fed.initial_params)
         fed.run(1)
