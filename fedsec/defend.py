@@ -337,6 +337,7 @@ def run_value(prep: Prepared, settings: DefendSettings, value, out: Path,
             row[f"max_psnr_{attack}"] = _num(summary.get("max_psnr"))
             # each attack's own prior: the prototype attack scores against another one than DLG/IG
             row[f"prior_psnr_{attack}"] = _num(summary.get("mean_prior_psnr"))
+            row[f"mis_specified_{attack}"] = bool(summary.get("mis_specified"))
             if not summary.get("images_scored"):
                 notes.extend(summary.get("notes", [])[:2])
         else:
@@ -359,7 +360,7 @@ def tradeoff_frame(rows: list[dict], settings: DefendSettings) -> pd.DataFrame:
     labels = [a for a in settings.attacks if a != MIA and not attacks.get(a).rebuilds_images]
     membership = ["mia_auc", "mia_tpr_1pct_fpr", "mia_epsilon_lower_bound"] if MIA in settings.attacks else []
     columns = (COLUMNS + [f"mean_psnr_{a}" for a in image] + [f"prior_psnr_{a}" for a in image]
-               + [f"class_presence_{a}" for a in labels]
+               + [f"mis_specified_{a}" for a in image] + [f"class_presence_{a}" for a in labels]
                + membership + [f"max_psnr_{a}" for a in image] + ["seconds"])
     frame = pd.DataFrame(rows, columns=columns)
     if any("notes" in r for r in rows):

@@ -160,6 +160,10 @@ def tradeoff_plot(frame: pd.DataFrame, meta: Mapping) -> bytes:
     return buf.getvalue()
 
 
+def _flag(value) -> bool:
+    return value is True or str(value).lower() == "true"
+
+
 def _table(frame: pd.DataFrame, meta: Mapping) -> list[str]:
     image, labels = meta["image_attacks"], meta["label_attacks"]
     head = ["value", "accuracy (%)"]
@@ -174,7 +178,8 @@ def _table(frame: pd.DataFrame, meta: Mapping) -> list[str]:
         cells = [str(r["value"]), f"{_fmt(r['accuracy'], pct=True)} ± {_fmt(r['accuracy_std'], pct=True)}"]
         if meta["defense"] == "dp":
             cells += [_fmt_eps(r["epsilon"]), _fmt_eps(r["epsilon_attacked"])]
-        cells += [f"{_fmt(r[f'mean_psnr_{a}'])} ({_fmt(r.get(f'prior_psnr_{a}'))})" for a in image]
+        cells += [f"{_fmt(r[f'mean_psnr_{a}'])} ({_fmt(r.get(f'prior_psnr_{a}'))})"
+                  + (" MIS-SPECIFIED" if _flag(r.get(f"mis_specified_{a}")) else "") for a in image]
         cells += [_fmt(r.get(f"class_presence_{a}")) for a in labels]
         if meta.get("membership"):
             cells += [_fmt(r.get("mia_auc"), 3), _fmt(r.get("mia_tpr_1pct_fpr"), 3), _fmt(r.get("mia_epsilon_lower_bound"), 3)]
@@ -204,6 +209,11 @@ def tradeoff_markdown(frame: pd.DataFrame, meta: Mapping, command: str | None) -
              f"{m['seed']}) with the defense, then attack round 0 of a fresh run with the same defense ({m['targets']} "
              f"targets; DLG/IG: each target trains {m['victim_steps']} step(s) on {m['victim_batch']} image(s)).", ""]
     lines += _table(frame, m)
+    if any(_flag(v) for a in m["image_attacks"] for v in frame.get(f"mis_specified_{a}", [])):
+        lines += ["", "MIS-SPECIFIED: for some target the true images, replayed through the attack's model of the "
+                      "client, matched the upload worse than the reconstruction did: that PSNR says nothing about "
+                      "the defense's privacy (the attack replays the client's undefended training: it models neither "
+                      "the defense's clipping nor its noise)."]
     lines += ["", "![privacy–utility trade-off](tradeoff.png)", ""]
     if m["defense"] == "dp":
         lines.append(f"DP-SGD (Opacus): per-sample clipping to C = {m['max_grad_norm']:g}, Poisson batches "

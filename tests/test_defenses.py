@@ -396,6 +396,11 @@ def test_dp_sweep_numbers_move_the_right_way(tmp_path):
     assert frame["accuracy"].between(0, 1).all()
     assert frame["mean_psnr_ig"].notna().all() and (frame["mean_psnr_ig"] > 0).all()
     assert frame["prior_psnr_ig"].notna().all() and "prior_psnr" not in frame  # each attack its own prior
+    # the forward-model check travels with every PSNR: the undefended baseline is modelled right, and a
+    # flagged row is named in the table
+    assert frame["mis_specified_ig"].dtype == bool and not frame.loc[0, "mis_specified_ig"]
+    table = (tmp_path / "dp" / "tradeoff.md").read_text()
+    assert ("MIS-SPECIFIED" in table) == bool(frame["mis_specified_ig"].any())
     assert frame["class_presence_labels"].between(0, 1).all()
     # the attacked client's ε (one step on one image, q = 1) is finite and grows as σ shrinks
     assert frame.loc[1, "epsilon_attacked"] > frame.loc[2, "epsilon_attacked"] > 0
