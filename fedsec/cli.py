@@ -119,6 +119,22 @@ def _parse_value(text: str):
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
+def statistics_dp_options(func):
+    """The DP statistics mechanism's flags, shared by ``defend --defense dp`` and ``mia --dp``."""
+    for option in reversed([
+        click.option("--stat-noise-multiplier", type=float, default=None,
+                     help="dp: noise multiplier of the mechanism for whole-data statistics (anchors, prototypes, h, "
+                          "V, class counts) [the DP-SGD noise multiplier]."),
+        click.option("--stat-clip", type=float, default=None,
+                     help="dp: bound on each sample's feature norm in those statistics [--max-grad-norm]."),
+        click.option("--counts", type=click.Choice(["noised", "withheld"]), default="noised", show_default=True,
+                     help="dp: class counts in the upload: noised, or withheld (the server weights prototypes "
+                          "equally)."),
+    ]):
+        func = option(func)
+    return func
+
+
 def config_from_options(ctx: click.Context, **opts) -> RunConfig:
     """Turn parsed train options into a RunConfig, applying ``--preset`` under explicit flags."""
     hp = {k: opts.pop(k) for k in HYPERPARAMETER_FLAGS if opts.get(k) is not None}
@@ -403,13 +419,7 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
 @click.option("--delta", type=float, default=1e-5, show_default=True, help="dp: delta of the reported epsilon.")
 @click.option("--accountant", type=click.Choice(["rdp", "prv"]), default="rdp", show_default=True,
               help="dp: Opacus accountant (one per client, kept across rounds).")
-@click.option("--stat-noise-multiplier", type=float, default=None,
-              help="dp: noise multiplier of the mechanism for whole-data statistics (anchors, prototypes, h, V, "
-                   "class counts) [each value's DP-SGD noise multiplier].")
-@click.option("--stat-clip", type=float, default=None,
-              help="dp: bound on each sample's feature norm in those statistics [--max-grad-norm].")
-@click.option("--counts", type=click.Choice(["noised", "withheld"]), default="noised", show_default=True,
-              help="dp: class counts in the upload: noised, or withheld (the server weights prototypes equally).")
+@statistics_dp_options
 @click.option("--targets", type=int, default=2, show_default=True, help="Clients attacked in round 0.")
 @click.option("--iterations", type=int, default=None, help="Optimiser steps per reconstruction [each attack's default].")
 @click.option("--victim-batch", type=int, default=1, show_default=True,
@@ -459,10 +469,11 @@ def defend(ctx, defense, values, attack_list, baseline, max_grad_norm, delta, ac
               help="rmia: offline a in [0, 1], or 'tune' (on reference pair 0; needs --reference-runs >= 4, "
                    "else 0.3).")
 @click.option("--dp", "dp_noise", type=float, default=None,
-              help="Train target and reference runs with DP at this noise multiplier (DP-SGD, and the statistics "
-                   "mechanism at the same multiplier for methods that release statistics); the summary then shows "
-                   "the accountant's epsilon next to the empirical lower bound.")
+              help="Train target and reference runs with DP at this noise multiplier (DP-SGD, and for methods that "
+                   "release statistics the statistics mechanism at --stat-noise-multiplier, by default the same); "
+                   "the summary then shows the accountant's epsilon next to the empirical lower bound.")
 @click.option("--max-grad-norm", type=float, default=1.0, show_default=True, help="--dp: per-sample clipping bound C.")
+@statistics_dp_options
 @click.option("--delta", type=float, default=1e-5, show_default=True,
               help="delta of the accounted and of the empirical epsilon.")
 @click.option("--bootstrap", type=int, default=1000, show_default=True, help="Client-bootstrap resamples per interval.")
@@ -471,8 +482,8 @@ def defend(ctx, defense, values, attack_list, baseline, max_grad_norm, delta, ac
               help="Output folder [runs/mia-<method>]: mia.csv, summary.json, mia.md, per_client_auc.csv, roc.png, "
                    "histograms.png, exposed.csv, exposed.png, runs/<run>/ (rerun to resume).")
 @click.pass_context
-def mia(ctx, attack_list, reference_runs, gamma, temperature, offline_a, dp_noise, max_grad_norm, delta, bootstrap,
-        exposed, out, **opts):
+def mia(ctx, attack_list, reference_runs, gamma, temperature, offline_a, dp_noise, max_grad_norm, stat_noise_multiplier,
+        stat_clip, counts, delta, bootstrap, exposed, out, **opts):
     """Membership inference audit: can a model (personal, global, or a client's upload) tell which
     records a client trained on? Trains the federation and --reference-runs shadow federations.
 
@@ -487,7 +498,8 @@ def mia(ctx, attack_list, reference_runs, gamma, temperature, offline_a, dp_nois
 
     settings = MiaSettings(attacks=parse_attacks(attack_list), reference_runs=reference_runs, gamma=gamma,
                            temperature=temperature, offline_a=parse_offline_a(offline_a), dp_noise=dp_noise,
-                           max_grad_norm=max_grad_norm, delta=delta, bootstrap=bootstrap, exposed=exposed)
+                           max_grad_norm=max_grad_norm, stat_noise_multiplier=stat_noise_multiplier,
+                           stat_clip=stat_clip, counts=counts, delta=delta, bootstrap=bootstrap, exposed=exposed)
     if offline_a.strip().lower() == "tune" and reference_runs < 4 and \
             ctx.get_parameter_source("offline_a") == click.core.ParameterSource.COMMANDLINE:
         raise UserError("--offline-a tune needs --reference-runs >= 4 (a reference pair plus another pair); "

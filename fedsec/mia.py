@@ -83,6 +83,9 @@ class MiaSettings:
     offline_a: float | None = None  # None: tune on reference pair 0 (needs R >= 4), else 0.3
     dp_noise: float | None = None  # DP-SGD noise multiplier for every run (None: no DP)
     max_grad_norm: float = 1.0
+    stat_noise_multiplier: float | None = None  # DP statistics mechanism (None: dp_noise)
+    stat_clip: float | None = None  # (None: max_grad_norm)
+    counts: str = "noised"
     delta: float = 1e-5
     bootstrap: int = 1000
     exposed: int = 16
@@ -107,11 +110,19 @@ class MiaSettings:
             raise UserError(f"--exposed must be >= 0, got {self.exposed}")
         if self.dp_noise is not None:
             self.dp_config().validate()
+        else:
+            given = [flag for flag, value in (("--stat-noise-multiplier", self.stat_noise_multiplier),
+                                              ("--stat-clip", self.stat_clip)) if value is not None]
+            if given or self.counts != "noised":
+                raise UserError(f"{(given or ['--counts'])[0]} needs --dp (it sets the DP statistics mechanism); "
+                                f"add --dp SIGMA or drop the flag")
 
     def dp_config(self) -> DPConfig | None:
         if self.dp_noise is None:
             return None
-        return DPConfig(noise_multiplier=self.dp_noise, max_grad_norm=self.max_grad_norm, delta=self.delta)
+        return DPConfig(noise_multiplier=self.dp_noise, max_grad_norm=self.max_grad_norm, delta=self.delta,
+                        statistics_noise_multiplier=self.stat_noise_multiplier, statistics_clip=self.stat_clip,
+                        counts=self.counts)
 
 
 def parse_attacks(text: str) -> tuple[str, ...]:

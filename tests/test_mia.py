@@ -357,7 +357,22 @@ def test_kinds_follow_what_each_method_has_and_dp_reports_both_epsilons(tmp_path
     assert 0 <= eps["epsilon_lower_bound"] <= summary["dp"]["epsilon_accounted_max"]
 
 
+def test_dp_statistics_flags_reach_every_run(tmp_path):
+    """``mia --dp`` on a method that releases statistics: --stat-noise-multiplier is the statistics
+    mechanism's σ in every run (recorded in the summary), and more noise there spends less ε."""
+    eps = {}
+    for sigma_stat in (1.0, 4.0):
+        out = tmp_path / f"stat-{sigma_stat:g}"
+        main(["mia", "--method", "fedproto", *TINY, "--rounds", "1", "--reference-runs", "2", "--attacks", "loss",
+              "--dp", "1.0", "--stat-noise-multiplier", str(sigma_stat), "--out", str(out)])
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["dp"]["statistics_noise_multiplier"] == sigma_stat and summary["dp"]["counts"] == "noised"
+        eps[sigma_stat] = summary["dp"]["epsilon_accounted_max"]
+    assert 0 < eps[4.0] < eps[1.0]
+
+
 @pytest.mark.parametrize("args, fragment", [
+    (["--stat-noise-multiplier", "4"], "--stat-noise-multiplier needs --dp"),
     (["--reference-runs", "3"], "--reference-runs must be an even number"),
     (["--reference-runs", "0"], "--reference-runs must be an even number"),
     (["--attacks", "loss,bogus"], "unknown attack(s) bogus"),
