@@ -286,8 +286,10 @@ def membership_defended(prep: Prepared, settings: DefendSettings, value, out: Pa
     if path.exists():
         summary = io.read_json(path)
     else:
+        # the value's whole DP configuration, statistics mechanism included, as in the row's training
+        statistics = {} if value == BASELINE else {k: getattr(settings, k) for k in STAT_DEFAULTS}
         mia = MiaSettings(reference_runs=MIA_REFERENCE_RUNS, max_grad_norm=settings.max_grad_norm,
-                          delta=settings.delta, dp_noise=None if value == BASELINE else float(value))
+                          delta=settings.delta, dp_noise=None if value == BASELINE else float(value), **statistics)
         summary = run_mia(prep.config, mia, out, progress=False, echo=lambda text: None)
     lira = ((summary.get("targets") or {}).get("personal") or {}).get("attacks", {}).get("lira", {})
     eps = (lira.get("empirical_epsilon") or {}).get("epsilon_lower_bound")

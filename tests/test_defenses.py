@@ -445,3 +445,22 @@ def test_defend_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, args, needle)
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_defend_membership_cells_train_under_the_rows_whole_dp_configuration(tmp_path, monkeypatch):
+    """``defend --attacks mia`` trains its shadow federations with the same DP as the row it sits in,
+    statistics mechanism included (--stat-noise-multiplier, --stat-clip, --counts); the baseline
+    row without DP."""
+    from types import SimpleNamespace
+
+    import fedsec.mia
+    from fedsec.defend import DefendSettings, dp_config, membership_defended
+
+    seen = []
+    monkeypatch.setattr(fedsec.mia, "run_mia", lambda config, mia, out, **kw: seen.append(mia) or {})
+    settings = DefendSettings(defense="dp", values="1", attacks="mia", stat_noise_multiplier=4.0, stat_clip=2.0,
+                              counts="withheld")
+    membership_defended(SimpleNamespace(config=None), settings, 1.0, tmp_path / "dp")
+    membership_defended(SimpleNamespace(config=None), settings, "none", tmp_path / "none")
+    assert seen[0].dp_config() == dp_config(settings, 1.0)
+    assert seen[1].dp_config() is None
