@@ -214,13 +214,6 @@ class Layout:
     epoch_copies: int
 
 
-def planned_steps(method, hp: LocalHyperparameters) -> tuple[list[Step], list[bool]]:
-    """The SGD steps the client took, as a server that knows ``hp`` lays them out (``plan_layout``),
-    and whether each is augmented."""
-    layout = plan_layout(method, hp)
-    return layout.steps, layout.augmented
-
-
 def plan_layout(method, hp: LocalHyperparameters) -> Layout:
     """The method's phases (``Method.local_phases``), ``phase_steps`` steps each (ragged last batches
     dropped, as the client does), laid out on dummy slots (``Layout``)."""

@@ -69,7 +69,6 @@ MAX_PANELS = 16
 # training and attacks run small models at small batches: on a shared 2-core machine one thread was
 # 6-8x faster than two for IG on the 28x28 CNN (measured, see BENCHMARKS.md)
 ATTACK_THREADS = 1
-SCORE_KEYS = SUMMARY_KEYS
 AUGMENTATION_MODELS = ("free", "family", "oracle")
 
 
@@ -506,7 +505,7 @@ def _summary(run: RecordedRun, settings: AttackSettings, targets: dict, scored: 
              notes: list[str], seconds: float, context: dict) -> dict:
     spec = settings.spec
     label_scores = [j.result.trace["label_score"] for j in scored if "label_score" in j.result.trace]
-    scores = summarize_scores(rows) if spec.rebuilds_images else {k: float("nan") for k in SCORE_KEYS}
+    scores = summarize_scores(rows) if spec.rebuilds_images else {k: float("nan") for k in SUMMARY_KEYS}
     if spec.scoring == "images":
         label_accuracy = prediction_accuracy([(r["label_true"], r["label_pred"]) for r in rows])
     else:
@@ -517,7 +516,7 @@ def _summary(run: RecordedRun, settings: AttackSettings, targets: dict, scored: 
     statistics = leakage_statistics(rows, seed=settings.seed) if spec.rebuilds_images else {}
     summary = {
         "method": run.method.name, "attack": spec.name, "dataset": run.dataset.name, "run": run.label,
-        **{k: scores[k] for k in SCORE_KEYS},
+        **{k: scores[k] for k in SUMMARY_KEYS},
         **statistics, "label_accuracy": label_accuracy,
         "class_presence_accuracy": float(np.mean(presence)) if presence else float("nan"),
         "images_scored": len(rows) if spec.rebuilds_images else 0,

@@ -592,15 +592,10 @@ def write_outputs(out: Path, prep: Prepared, records: AuditRecords, scored: dict
         images = prep.dataset.images[torch.from_numpy(exposed["record"].to_numpy().copy())].numpy()
         captions = [f"#{r.record} c{r.client} y={r.label}" for r in exposed.itertuples()]
         title = f"{kind} model, {attack}: most exposed members"
-        _write_bytes(out / "exposed.png", render.exposed_png(images, captions, title))
+        io.write_bytes(out / "exposed.png", render.exposed_png(images, captions, title))
     if curves:
-        _write_bytes(out / "roc.png", render.roc_png(curves, title=f"{summary['method']}: membership inference ROC"))
-        _write_bytes(out / "histograms.png", render.histograms_png(histograms))
+        io.write_bytes(out / "roc.png", render.roc_png(curves, title=f"{summary['method']}: membership inference ROC"))
+        io.write_bytes(out / "histograms.png", render.histograms_png(histograms))
     rows = render.summary_rows(summary)
     io.write_text(out / "mia.md", render.markdown_table(rows) + "\n")
     io.write_json(out / "summary.json", io.finite(summary))
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    with io.atomic_path(path) as tmp:
-        tmp.write_bytes(data)

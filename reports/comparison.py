@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 from typing import Any, Mapping
 
@@ -41,7 +40,8 @@ import numpy as np
 import pandas as pd
 
 from .audit import SEVERITIES
-from .formatting import finite_or_none
+from .figures import png_bytes
+from .formatting import finite_or_none, is_true
 
 PLOT_PSNR = "psnr_by_method.png"
 PLOT_SCATTER = "accuracy_vs_leakage.png"
@@ -69,8 +69,7 @@ def status_of(row: Mapping, attack: str) -> str:
 def mis_specified(row: Mapping, attack: str) -> bool:
     """Whether the attack's forward model was wrong for some target (the truth matched the upload
     worse than the reconstruction): its PSNR is then no evidence of privacy."""
-    value = row.get(f"{attack}_mis_specified")
-    return value is True or str(value).lower() == "true"
+    return is_true(row.get(f"{attack}_mis_specified"))
 
 
 def psnr_cell(row: Mapping, attack: str) -> str:
@@ -145,12 +144,7 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
 # plots (matplotlib's object API with the Agg canvas: no pyplot, no global state)
 # ----------------------------------------------------------------------------------------------
 def _png(fig) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
-    return buf.getvalue()
+    return png_bytes(fig, 100)
 
 
 def psnr_plot(summary: pd.DataFrame, results: pd.DataFrame, meta: Mapping) -> bytes:

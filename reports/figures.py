@@ -5,7 +5,9 @@ import io
 import math
 
 
-def _png(fig, dpi: int) -> bytes:
+def png_bytes(fig, dpi: int) -> bytes:
+    """A matplotlib ``Figure`` (object API, no pyplot) as PNG bytes, with no software tag, so the
+    same figure gives the same bytes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
@@ -47,7 +49,7 @@ def reconstruction_grid(panels: list[tuple], title: str) -> bytes:
         axes[0][0].text(0.5, 0.5, "nothing to show", ha="center", va="center")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    return _png(fig, 110)
+    return png_bytes(fig, 110)
 
 
 def leakage_by_round(results, psnr_cap_db: float) -> bytes:
@@ -70,4 +72,4 @@ def leakage_by_round(results, psnr_cap_db: float) -> bytes:
     if len(rows):
         ax.legend(fontsize=7)
     fig.tight_layout()
-    return _png(fig, 100)
+    return png_bytes(fig, 100)

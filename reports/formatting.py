@@ -1,4 +1,4 @@
-"""Reading the loosely typed cells of result tables (CSV strings, None, NaN) as numbers."""
+"""Reading the loosely typed cells of result tables (CSV strings, None, NaN) as numbers and flags."""
 from __future__ import annotations
 
 import math
@@ -12,3 +12,8 @@ def finite_or_none(x: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return v if math.isfinite(v) else None
+
+
+def is_true(x: Any) -> bool:
+    """A boolean cell: True, or the text "true" in any case (as a CSV round trip leaves it)."""
+    return x is True or str(x).lower() == "true"

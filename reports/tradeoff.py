@@ -8,12 +8,14 @@ DP, ``dp_statistics, stat_noise_multiplier, stat_clip, counts`` (the statistics 
 """
 from __future__ import annotations
 
-import io
 import math
 from typing import Mapping
 
 import numpy as np
 import pandas as pd
+
+from .figures import png_bytes
+from .formatting import is_true
 
 BASELINE = "none"
 VALUE_MEANING = {
@@ -144,7 +146,6 @@ def _epsilon_axes(ax, frame: pd.DataFrame, meta: Mapping) -> None:
 
 def tradeoff_plot(frame: pd.DataFrame, meta: Mapping) -> bytes:
     """Accuracy against mean PSNR per image attack; for DP also accuracy against ε. PNG bytes."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     show_eps = meta["defense"] == "dp"
@@ -154,14 +155,7 @@ def tradeoff_plot(frame: pd.DataFrame, meta: Mapping) -> bytes:
     if show_eps:
         _epsilon_axes(axes[0][1], frame, meta)
     fig.tight_layout()
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
-    return buf.getvalue()
-
-
-def _flag(value) -> bool:
-    return value is True or str(value).lower() == "true"
+    return png_bytes(fig, 110)
 
 
 def _table(frame: pd.DataFrame, meta: Mapping) -> list[str]:
@@ -179,7 +173,7 @@ def _table(frame: pd.DataFrame, meta: Mapping) -> list[str]:
         if meta["defense"] == "dp":
             cells += [_fmt_eps(r["epsilon"]), _fmt_eps(r["epsilon_attacked"])]
         cells += [f"{_fmt(r[f'mean_psnr_{a}'])} ({_fmt(r.get(f'prior_psnr_{a}'))})"
-                  + (" MIS-SPECIFIED" if _flag(r.get(f"mis_specified_{a}")) else "") for a in image]
+                  + (" MIS-SPECIFIED" if is_true(r.get(f"mis_specified_{a}")) else "") for a in image]
         cells += [_fmt(r.get(f"class_presence_{a}")) for a in labels]
         if meta.get("membership"):
             cells += [_fmt(r.get("mia_auc"), 3), _fmt(r.get("mia_tpr_1pct_fpr"), 3), _fmt(r.get("mia_epsilon_lower_bound"), 3)]
@@ -209,7 +203,7 @@ def tradeoff_markdown(frame: pd.DataFrame, meta: Mapping, command: str | None) -
              f"{m['seed']}) with the defense, then attack round 0 of a fresh run with the same defense ({m['targets']} "
              f"targets; DLG/IG: each target trains {m['victim_steps']} step(s) on {m['victim_batch']} image(s)).", ""]
     lines += _table(frame, m)
-    if any(_flag(v) for a in m["image_attacks"] for v in frame.get(f"mis_specified_{a}", [])):
+    if any(is_true(v) for a in m["image_attacks"] for v in frame.get(f"mis_specified_{a}", [])):
         lines += ["", "MIS-SPECIFIED: for some target the true images, replayed through the attack's model of the "
                       "client, matched the upload worse than the reconstruction did: that PSNR says nothing about "
                       "the defense's privacy (the attack replays the client's undefended training: it models neither "

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attacks.base import LocalHyperparameters
-from attacks.observation import observe, planned_steps, replay_context, update_target
+from attacks.observation import observe, plan_layout, replay_context, update_target
 from fedecouple.data.augment import BatchAugmenter
 from fedecouple.engine import VictimSetting
 from fedecouple.methods import METHODS, make_method
@@ -100,7 +100,7 @@ def test_the_servers_step_count_is_the_clients(digits, method):
         n = len(fed.ground_truth.training_set(0, c))
         assert n % 10 != 0 or c > 0  # digits' pathological split gives ragged clients
         hp = LocalHyperparameters(lr=0.05, steps=0, batch_size=10, epochs=2, samples=n)
-        steps, _ = planned_steps(fed.method, hp)
+        steps = plan_layout(fed.method, hp).steps
         planned = {p: sum(s.phase == p for s in steps) for p in dict.fromkeys(s.phase for s in steps)}
         assert planned == fed.ground_truth.steps_per_phase(0, c)
         assert sum(planned.values()) < 2 * -(-n // 10) * len(planned)  # fewer than with the ragged batches

@@ -44,8 +44,9 @@ import torch.nn.functional as F
 
 from ..channel import Download, Upload
 from ..models import SplitModel, get_params, set_params
-from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, make_upload, model_fields, sgd, strip_prefix)
-from .replay import as_probabilities, batch, cross_entropy, features, group, head, sgd_step
+from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, make_upload, model_fields, only_group, sgd,
+                   strip_prefix)
+from .replay import as_probabilities, batch, cross_entropy, features, head, sgd_step
 from .replay import class_means as replay_class_means
 
 
@@ -202,9 +203,9 @@ class FedeCouple(Method):
         probs = as_probabilities(labels, context.num_classes)
         glob = context.download
         student = self._replayed_classifier_phase(model, context, images, probs, copies)
-        extractor = group(glob, "extractor")  # θ_i ← θ^t
+        extractor = only_group(glob, "extractor")  # θ_i ← θ^t
         anchors = replay_class_means(features(model, extractor, images), probs)[0] if self.gfa else None
-        phases = ([("extractor-glf", group(glob, "classifier"))] if self.glf else []) + [("extractor", student)]
+        phases = ([("extractor-glf", only_group(glob, "classifier"))] if self.glf else []) + [("extractor", student)]
         for phase, classifier in phases:
             for i, step in context.phase(phase):
                 xb, yb = batch(images, probs, step, copies[i])
@@ -220,8 +221,8 @@ class FedeCouple(Method):
         return {**extractor, **student}
 
     def _replayed_classifier_phase(self, model, context, images, probs, copies):
-        previous_extractor = group(context.kept, "extractor")
-        student, teacher = group(context.before, "classifier"), group(context.download, "classifier")
+        previous_extractor = only_group(context.kept, "extractor")
+        student, teacher = only_group(context.before, "classifier"), only_group(context.download, "classifier")
         adapt_teacher = self.gpc and self.teacher == "adapted"
         for i, step in context.phase("classifier"):
             xb, yb = batch(images, probs, step, copies[i])

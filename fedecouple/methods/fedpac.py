@@ -52,18 +52,12 @@ from ..models import SplitModel, get_params, set_params
 from .base import (SAMPLE_COUNT, ClassFeatureSums, ClientContext, FieldSpec, Method, State, add_prefix, by_client,
                    extract_features, make_upload, model_fields, only_group, sample_weighted_average, strip_prefix,
                    train_extractor, train_head)
-from .replay import as_probabilities, batch, cross_entropy, features, group, head, sgd_step
+from .replay import as_probabilities, batch, cross_entropy, features, head, sgd_step
 from .replay import class_means as replay_class_means
 from .prototypes import (PROTOTYPE, local_prototypes, prototype_field, prototype_loss, prototype_table,
                          prototypes_in, weighted_prototypes)
 
 HEAD = "head.{cid}."
-
-
-def client_statistics(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
-    """(class counts, class means, h = p_k·μ_k, V) of one client's features (reference-code formulas)."""
-    return statistics_from_sums(ClassFeatureSums.of(features, labels, num_classes, squared_norms=True),
-                                int(labels.shape[0]))
 
 
 def statistics_from_sums(sums: ClassFeatureSums, num_samples: int):
@@ -80,7 +74,8 @@ def statistics_from_sums(sums: ClassFeatureSums, num_samples: int):
 
 
 def soft_client_statistics(features: torch.Tensor, probs: torch.Tensor):
-    """``client_statistics`` with soft class membership (probability rows; one-hot gives the same)."""
+    """``statistics_from_sums`` of ``features`` with soft class membership (probability rows; one-hot
+    rows give the exact statistics), written on the tensors so the replay can differentiate it."""
     means, counts = replay_class_means(features, probs)
     p = counts / max(int(probs.shape[0]), 1)
     h = p.unsqueeze(1) * means
@@ -214,7 +209,7 @@ class FedPAC(Method):
         """Statistics on the received base, head steps (base frozen), base steps with the new head frozen
         and the prototype term, then the prototypes of the trained base: the whole upload but counts."""
         probs = as_probabilities(labels, context.num_classes)
-        base, cls = group(context.before, "extractor"), group(context.before, "classifier")
+        base, cls = only_group(context.before, "extractor"), only_group(context.before, "classifier")
         counts, local_means, h, v = soft_client_statistics(features(model, base, images), probs)
         for i, step in context.phase("classifier"):
             xb, yb = batch(images, probs, step, copies[i])

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from ..channel import Download, Upload
 from ..errors import UserError
-from .base import ClientContext, State, train_extractor, train_head
+from .base import ClientContext, State, only_group, train_extractor, train_head
 from .fedper import FedPer
-from .replay import as_probabilities, batch, cross_entropy, features, group, head, sgd_step
+from .replay import as_probabilities, batch, cross_entropy, features, head, sgd_step
 
 
 @dataclass
@@ -56,7 +56,7 @@ class FedRep(FedPer):
         """Head steps on the frozen downloaded base (from the head as the server knows it), then base
         steps with the new head frozen."""
         probs = as_probabilities(labels, context.num_classes)
-        base, cls = group(context.before, "extractor"), group(context.before, "classifier")
+        base, cls = only_group(context.before, "extractor"), only_group(context.before, "classifier")
         for i, step in context.phase("classifier"):
             xb, yb = batch(images, probs, step, copies[i])
             feats = features(model, base, xb)

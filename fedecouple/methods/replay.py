@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad
 
 from ..models import SplitModel
+from .base import strip_prefix
 
 Params = dict[str, torch.Tensor]
 
@@ -61,10 +62,6 @@ class ReplayContext:
         return [(i, s) for i, s in enumerate(self.steps) if s.phase == name]
 
 
-def group(params: Params, name: str) -> Params:
-    return {k: v for k, v in params.items() if k.startswith(name + ".")}
-
-
 def as_probabilities(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
     """(n, C) rows: one-hot for class ids, unchanged for probability rows."""
     return F.one_hot(labels, num_classes).to(torch.float32) if labels.ndim == 1 else labels
@@ -72,14 +69,12 @@ def as_probabilities(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
 
 def features(model: SplitModel, params: Params, x: torch.Tensor) -> torch.Tensor:
     """The extractor's features of ``x`` under ``params`` (names with the ``extractor.`` prefix)."""
-    sub = {k[len("extractor."):]: v for k, v in params.items() if k.startswith("extractor.")}
-    return functional_call(model.extractor, sub, (model.normalize(x),))
+    return functional_call(model.extractor, strip_prefix(params, "extractor."), (model.normalize(x),))
 
 
 def head(model: SplitModel, params: Params, feats: torch.Tensor) -> torch.Tensor:
     """The classifier's logits for ``feats`` under ``params`` (names with the ``classifier.`` prefix)."""
-    sub = {k[len("classifier."):]: v for k, v in params.items() if k.startswith("classifier.")}
-    return functional_call(model.classifier, sub, (feats,))
+    return functional_call(model.classifier, strip_prefix(params, "classifier."), (feats,))
 
 
 def cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
