@@ -13,24 +13,13 @@ from fedecouple.methods import METHODS
 from fedecouple.models import ARCHITECTURES
 from reports.tradeoff import VALUE_MEANING
 
-from .options import pop_threat_model, threat_model_options
+from .options import LiveChoice, pop_threat_model, threat_model_options
 from .runner import PAPER_FEDERATION, RunConfig
 
 HYPERPARAMETER_FLAGS = ("lam", "mu", "tau", "teacher", "center_reduction")
 ABLATION_FLAGS = ("no_glf", "no_gfa", "no_gpc", "no_da")
 
 
-class LiveChoice(click.Choice):
-    """A ``click.Choice`` whose choices are read each time they are used, so an attack registered
-    after this module was imported (``attacks.register``) is a valid choice and shows in ``--help``."""
-
-    def __init__(self, source, case_sensitive: bool = True):
-        self._source = source
-        self.case_sensitive = case_sensitive
-
-    @property
-    def choices(self) -> tuple[str, ...]:
-        return tuple(self._source())
 
 
 class ListedOption(click.Option):

@@ -48,3 +48,16 @@ def threat_model_options(func):
 def pop_threat_model(opts: dict) -> dict:
     """The threat-model options, removed from a command's keyword arguments."""
     return {name: opts.pop(name) for name in THREAT_MODEL}
+
+
+class LiveChoice(click.Choice):
+    """A ``click.Choice`` whose choices are read each time they are used, so an attack registered
+    after this module was imported (``attacks.register``) is a valid choice and shows in ``--help``."""
+
+    def __init__(self, source, case_sensitive: bool = True):
+        self._source = source
+        self.case_sensitive = case_sensitive
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self._source())

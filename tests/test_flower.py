@@ -285,3 +285,15 @@ def test_error_declaration_does_not_match_the_arrays_sent(capsys, tmp_path):
                           "--out", str(tmp_path / "out")])
     assert "the declaration keeps classifier.bias, classifier.weight on the nodes, but the app uploads it" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_error_run_config_token_without_a_value_and_a_declaration_that_raises(capsys, tmp_path):
+    """A --run-config token without '=' (Flower's parser would drop it) and a declaration that raises
+    on the run config it was given: one line each, exit 2, nothing written."""
+    err = _fails(capsys, ["flower", "attack", str(EXAMPLE), "--attack", "ig", "--run-config", "bogus",
+                          "--out", str(tmp_path / "out")])
+    assert "--run-config expects space-separated key=value pairs" in err and "bogus" in err
+    err = _fails(capsys, ["flower", "audit", str(EXAMPLE), "--no-evidence", "--run-config", "lr='x'",
+                          "--out", str(tmp_path / "out")])
+    assert "raised ValueError" in err and "--run-config" in err
+    assert not (tmp_path / "out").exists()

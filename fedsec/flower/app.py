@@ -102,7 +102,10 @@ def parse_run_config(items: tuple[str, ...] | list[str]) -> dict:
     """``--run-config`` values (``key=value`` pairs, TOML values, as for ``flwr run``) → flat overrides."""
     from flwr.common.config import parse_config_args
 
+    malformed = [token for item in items for token in str(item).split() if "=" not in token]
     try:
+        if malformed:  # Flower's parser drops such tokens without a word
+            raise ValueError(malformed)
         return dict(parse_config_args(list(items)))
     except Exception:  # Flower raises click.ClickException or tomli's errors with multi-line messages
         raise UserError(f"--run-config expects space-separated key=value pairs with TOML values, e.g. "

@@ -10,7 +10,7 @@ import click
 import attacks
 from fedecouple.errors import UserError
 
-from ..options import threat_model_options
+from ..options import LiveChoice, threat_model_options
 
 
 def app_options(func):
@@ -46,7 +46,7 @@ def flower():
 
 @flower.command()
 @app_options
-@click.option("--attack", "attack_name", type=click.Choice(attacks.names()), required=True,
+@click.option("--attack", "attack_name", type=LiveChoice(attacks.names), required=True,
               help="Attack on the recorded uploads (it must apply to what the app uploads: dlg, idlg, ig, labels "
                    "for a model-sharing app).")
 @click.option("--attack-rounds", default="0", show_default=True,

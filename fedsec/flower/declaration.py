@@ -96,7 +96,12 @@ def load_declaration(app: FlowerApp, run_config: dict) -> Declaration:
         raise UserError(f"{where}: cannot load declaration {reference!r} ({str(exc).splitlines()[0]})") from None
     if not callable(function):
         raise UserError(f"{where}: declaration {reference!r} is not a function of the run config")
-    values = function(dict(run_config))
+    try:
+        values = function(dict(run_config))
+    except Exception as exc:  # the user's code: one line naming it, not its traceback
+        first = (str(exc).splitlines() or [""])[0]
+        raise UserError(f"{where}: declaration {reference!r} raised {type(exc).__name__}: {first} (check the "
+                        f"run config it was given: --run-config and [tool.flwr.app.config])") from None
     if not isinstance(values, dict):
         raise UserError(f"declaration {reference!r} returned {type(values).__name__}, expected a dict ({HOW})")
     missing = [k for k in REQUIRED if k not in values]
