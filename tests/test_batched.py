@@ -130,14 +130,15 @@ def test_targets_of_different_models_are_not_batched(digits):
     assert groups("proto", [a, b]) == [[0], [1]]
 
 
-def test_the_harness_batches_by_default(tmp_path):
+def test_the_harness_batches_by_default_and_says_so(tmp_path):
     config = RunConfig.of(dataset="digits", clients=4, rounds=1, seed=0, threads=1)
     settings = AttackSettings("idlg", targets=3, iterations=5)
     summary = run_attack(config, settings, out=tmp_path / "b", progress=False)
+    assert summary["budget"]["batched"] is True
     frame = pd.read_csv(tmp_path / "b" / "attack.csv")
     assert len(frame) == 3 and frame["psnr"].notna().all()
     # the three round-0 targets share the initial model: one optimisation of three
     assert [t["batched_with"] for t in summary["per_target"]] == [3, 3, 3]
     assert all(t["seconds"] > 0 for t in summary["per_target"])
     one = run_attack(config, dataclasses.replace(settings, batched=False), progress=False)
-    assert [t["batched_with"] for t in one["per_target"]] == [1, 1, 1]
+    assert [t["batched_with"] for t in one["per_target"]] == [1, 1, 1] and one["budget"]["batched"] is False
