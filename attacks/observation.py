@@ -270,6 +270,7 @@ def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: lis
 
 
 COPY_MODELS = ("free", "family")
+AUGMENTATION_MODELS = (*COPY_MODELS, "oracle")  # oracle: the draws are known (KnownSchedule)
 FAMILY_PARAMETERS = 8  # per copy: gain a, offset b, and a 2x3 affine map
 
 

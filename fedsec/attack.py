@@ -44,7 +44,7 @@ import attacks
 from attacks.base import AttackResult, Budget, KnownSchedule, LocalHyperparameters, NotApplicable
 from attacks.metrics import (SUMMARY_KEYS, leakage_statistics, prediction_accuracy, score_images,
                              score_label_distribution, summarize_scores)
-from attacks.observation import MODES, observe
+from attacks.observation import AUGMENTATION_MODELS, MODES, observe
 from attacks.registry import AttackSpec
 from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.engine import GroundTruth, VictimSetting, derive_seed
@@ -69,7 +69,6 @@ MAX_PANELS = 16
 # training and attacks run small models at small batches: on a shared 2-core machine one thread was
 # 6-8x faster than two for IG on the 28x28 CNN (measured, see BENCHMARKS.md)
 ATTACK_THREADS = 1
-AUGMENTATION_MODELS = ("free", "family", "oracle")
 
 
 @dataclass

@@ -13,7 +13,7 @@ from fedecouple.methods import METHODS
 from fedecouple.models import ARCHITECTURES
 from reports.tradeoff import VALUE_MEANING
 
-from .options import LiveChoice, pop_threat_model, threat_model_options
+from .options import LiveChoice, pop_threat_model, restarts_option, threat_model_options
 from .runner import PAPER_FEDERATION, RunConfig
 
 HYPERPARAMETER_FLAGS = ("lam", "mu", "tau", "teacher", "center_reduction")
@@ -232,8 +232,7 @@ def compare(ctx, methods, seeds, out, **opts):
 @click.option("--iterations", type=int, default=None,
               help=f"Optimiser steps per reconstruction [each attack's default: {attack_defaults()}; dlg/idlg count "
                    f"L-BFGS steps of up to 20 evaluations, ig Adam steps].")
-@click.option("--restarts", type=int, default=None,
-              help="Independent starts; the lowest objective is kept [each attack's default: ig 3, the others 1].")
+@restarts_option
 @click.option("--victim-batch", type=int, default=None,
               help="B: attacked clients train on B of their images in the attacked round, and B images are rebuilt "
                    "[1 for the gradient attacks; 0 (= the method's real local training) for the others].")

@@ -405,6 +405,7 @@ def defend(config: RunConfig, settings: DefendSettings, out: str | Path, progres
     key = settings.key(config)
     _open_sweep(out, key, settings)
     plan = ([BASELINE] if settings.baseline else []) + list(settings.values)
+    meta = _render_meta(settings, prep)
     rows: list[dict] = []
     bar = tqdm(plan, desc=f"defend {settings.defense} on {config.method}", unit="value", disable=not progress)
     try:
@@ -419,8 +420,8 @@ def defend(config: RunConfig, settings: DefendSettings, out: str | Path, progres
             rows.append(row)
             frame = tradeoff_frame(rows, settings)
             io.write_csv(out / "tradeoff.csv", frame)
-            io.write_bytes(out / "tradeoff.png", tradeoff_plot(frame, _render_meta(settings, config)))
-            io.write_text(out / "tradeoff.md", tradeoff_markdown(frame, _render_meta(settings, config), command))
+            io.write_bytes(out / "tradeoff.png", tradeoff_plot(frame, meta))
+            io.write_text(out / "tradeoff.md", tradeoff_markdown(frame, meta, command))
             if on_value is not None:
                 on_value(row)
     finally:
@@ -428,9 +429,9 @@ def defend(config: RunConfig, settings: DefendSettings, out: str | Path, progres
     return tradeoff_frame(rows, settings)
 
 
-def _render_meta(settings: DefendSettings, config: RunConfig) -> dict:
+def _render_meta(settings: DefendSettings, prep: Prepared) -> dict:
     """What ``reports.tradeoff`` needs to know about the sweep."""
-    method = runner.build_method(config)
+    config, method = prep.config, prep.method
     return {"defense": settings.defense, "method": config.method, "dataset": config.data.dataset,
             "image_attacks": [a for a in settings.attacks if a != MIA and attacks.get(a).rebuilds_images],
             "label_attacks": [a for a in settings.attacks if a != MIA and not attacks.get(a).rebuilds_images],

@@ -4,26 +4,30 @@ from __future__ import annotations
 
 import click
 
+import attacks
+from attacks.base import STARTS
+from attacks.observation import AUGMENTATION_MODELS, MODES
+
 THREAT_MODEL = ("mode", "augmentations", "start", "aux_data", "hyperparameters_known", "head_known", "batched")
 
 
 def threat_model_options(func):
     """The threat-model flags; the command receives them as keyword arguments named in ``THREAT_MODEL``."""
     options = [
-        click.option("--mode", type=click.Choice(["auto", "method", "replay", "scaled"]), default="auto",
+        click.option("--mode", type=click.Choice(MODES), default="auto",
                      show_default=True,
                      help="Gradient attacks' forward model: method = replay the attacked method's own local training "
                           "(its phases, losses, augmentation; needs known hyperparameters); replay = plain "
                           "cross-entropy SGD steps; scaled = the update read as one gradient. auto: method where the "
                           "method's training is not plain SGD, else replay for T > 1, else scaled (the same "
                           "computation for plain SGD)."),
-        click.option("--augmentations", type=click.Choice(["free", "family", "oracle"]), default="free",
+        click.option("--augmentations", type=click.Choice(AUGMENTATION_MODELS), default="free",
                      show_default=True,
                      help="Method mode, for methods that train on augmented copies (FedeCouple's DA): free = each "
                           "copy is an unknown image; family = each copy is a transform of its image from the "
                           "augmentation family (gain, offset, affine warp), its parameters unknown; oracle = the "
                           "server knows the client's augmentation draws and batch order (an upper bound)."),
-        click.option("--start", type=click.Choice(["noise", "mean"]), default="noise", show_default=True,
+        click.option("--start", type=click.Choice(STARTS), default="noise", show_default=True,
                      help="DLG/iDLG dummy images start as uniform noise or as the per-channel mean image."),
         click.option("--aux-data", default=None, metavar="DATASET",
                      help="Threat model: the server holds public data of the same domain (an embedded data set: "
@@ -61,3 +65,11 @@ class LiveChoice(click.Choice):
     @property
     def choices(self) -> tuple[str, ...]:
         return tuple(self._source())
+
+
+def restarts_option(func):
+    """``--restarts``, shared by ``fedsec attack`` and ``fedsec flower attack``; its help lists each
+    registered attack's declared default."""
+    defaults = ", ".join(f"{name} {spec.default_restarts}" for name, spec in attacks.ATTACKS.items())
+    return click.option("--restarts", type=int, default=None,
+                        help=f"Independent starts; the lowest objective is kept [each attack's default: {defaults}].")(func)

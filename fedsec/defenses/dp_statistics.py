@@ -127,12 +127,11 @@ class StatisticsMechanism:
 
     def _counts(self) -> torch.Tensor:
         """The client's noisy class counts: the kept ones, or a fresh (accounted) release."""
-        if self.noisy_counts is None and self._kept is not None:
-            self.fingerprint = data_fingerprint(self.images, self.labels)
-            if self._kept_for is not None and torch.equal(self._kept_for, self.fingerprint):
+        if self.noisy_counts is None:
+            self.fingerprint = data_fingerprint(self.images, self.labels)  # hashes the images: once per update
+            if self._kept is not None and self._kept_for is not None and torch.equal(self._kept_for, self.fingerprint):
                 self.noisy_counts = self._kept
         if self.noisy_counts is None:
-            self.fingerprint = data_fingerprint(self.images, self.labels)
             exact = torch.bincount(self.labels, minlength=self.num_classes).to(torch.float64)
             self.noisy_counts = exact + _gaussian(exact.shape, self.sigma, self.generator, torch.float64)
             self.account(1)

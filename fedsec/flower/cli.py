@@ -10,7 +10,7 @@ import click
 import attacks
 from fedecouple.errors import UserError
 
-from ..options import LiveChoice, threat_model_options
+from ..options import LiveChoice, restarts_option, threat_model_options
 
 
 def app_options(func):
@@ -56,8 +56,7 @@ def flower():
               help="Flower rounds to run (set through the app's declared rounds-key).")
 @click.option("--targets", type=int, default=2, show_default=True, help="Clients attacked per attacked round (seeded choice).")
 @click.option("--iterations", type=int, default=None, help="Optimiser steps per reconstruction [the attack's default].")
-@click.option("--restarts", type=int, default=None,
-              help="Independent starts; the lowest objective is kept [each attack's default: ig 3, the others 1].")
+@restarts_option
 @click.option("--victim-batch", type=int, default=None,
               help="B: in the attacked rounds every node trains on B of its images, through the app's declared "
                    "victim-keys [1 for the gradient attacks; 0 (= the app's real local training) for labels].")
