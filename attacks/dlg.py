@@ -4,7 +4,8 @@
 inside) and dummy label logits ŷ (standard normal; the soft label is softmax(ŷ)) are optimised
 jointly with L-BFGS (learning rate 1, torch's default of up to 20 function evaluations per step,
 no line search, as in the paper's code) to minimise Σ_layers ‖∇W(x, ŷ) − ∇W(true)‖², the squared
-distance between the dummy's gradient and the observed one. ``budget.iterations`` is the number of
+distance between the dummy's gradient and the observed one (in the method mode: the sum over the
+upload's weight groups and statistics of ‖a_g − b_g‖²/‖b_g‖², ``GradientMatcher.l2_objective``). ``budget.iterations`` is the number of
 L-BFGS steps (the paper's 300), ``budget.restarts`` independent starts keep the lowest objective,
 and within a start the lowest-objective iterate is returned (at least one step is taken). A start
 stops early when it has converged (objective 1e-12 of its first value) or stalled (less than 0.1 %

@@ -8,8 +8,9 @@ with ĝ and g the dummy's and the observed gradient-like update over *all attack
 (one cosine of the concatenated vectors, the paper's "equal weights"), and TV the anisotropic
 total variation, mean |x[i+1, j] − x[i, j]| + mean |x[i, j+1] − x[i, j]| (over batch and
 channels). The cosine ignores the update's scale, so the attack works whether or not the learning
-rate is known. ``g`` comes from ``attacks.observation.GradientMatcher`` (scaled-gradient or replay
-mode, named in the trace).
+rate is known. ``g`` comes from ``attacks.observation.GradientMatcher`` (scaled-gradient, replay or
+method mode, named in the trace); in the method mode ĝ and g are the replayed and the observed
+update Δ, and each statistic the method uploads adds its relative squared error to the objective.
 
 Optimisation as in the paper: Adam (lr 0.1, in pixel units) on the *sign* of the objective's
 gradient, learning rate ×0.1 at 3/8, 5/8 and 7/8 of ``budget.iterations``, pixels projected to

@@ -20,7 +20,7 @@ carries "the initial head as the server knows it" for methods whose download hol
 * for the parameters the client trains but does not upload (a private head), the forward model
   uses the last global head if the download has one, else the initial head, and says so.
 
-Two ways to compare a dummy batch with Δ (``GradientMatcher``), named in every output:
+Three ways to compare a dummy batch with Δ (``GradientMatcher``), named in every output:
 
 * ``scaled-gradient``: the target is g = −Δ/(lr·steps) (one big step on the batch); with unknown
   hyperparameters g = −Δ/‖Δ‖ (the scale is unknown: cosine objectives ignore it, DLG fits it);
@@ -30,10 +30,14 @@ Two ways to compare a dummy batch with Δ (``GradientMatcher``), named in every 
   Δ̂ is compared with Δ (both divided by −lr·steps, so they read as gradients). This is exact for
   FedAvg-style local training; for methods that train in phases or with extra losses
   (FedeCouple, FedRep, FedPAC, ...) it is an approximation, and the notes say so.
+* ``method``: needs the hyperparameters; the attacked method's own local training
+  (``Method.replay``: its phases, losses, frozen parts and augmented copies, in the layout of
+  ``plan_layout``) is replayed on the dummy data and matched to the upload group by group, plus the
+  statistics the method uploads (prototypes, ``h``, counts) as relative errors.
 
-``mode="auto"`` replays when the hyperparameters are known and the client took more than one
-step; with one step replay and scaled gradient are the same computation, and it is named
-``scaled-gradient``.
+``mode="auto"`` (``resolve_mode``) takes ``method`` when the hyperparameters are known and the
+method's local training is not plain SGD; otherwise it replays for more than one step, and with one
+step, where replay and scaled gradient are the same computation, it is named ``scaled-gradient``.
 """
 from __future__ import annotations
 

@@ -22,8 +22,10 @@ Two halves: ``run_attack`` trains a federation in fedsec's engine and hands the 
 (``fedsec.recorded.RecordedRun``) to ``attack_recorded``, which attacks, scores and writes; a
 federation recorded elsewhere (a Flower app) goes straight to ``attack_recorded``.
 
-Outputs in ``out``: ``attack.csv`` (one row per reconstructed image: method, attack, mode, round,
-client, image, psnr, ssim, prior_psnr, label_true, label_pred; for a label attack one row per
+Outputs in ``out``: ``attack.csv`` (one row per reconstructed image: ``IMAGE_COLUMNS``, i.e. method,
+attack, mode, round, client, image, psnr, ssim, prior_psnr, class_prior_psnr, label_true, label_pred
+and the target's forward-model check: mis_specified, replay_cosine, objective_truth,
+objective_reconstruction; for a label attack one row per
 class: method, attack, mode, round, client, class, true_count, true_proportion,
 predicted_proportion), ``summary.json`` and ``reconstructions.png`` (ground truth above
 reconstruction, PSNR under each; not for label attacks), all written atomically.

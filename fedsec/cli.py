@@ -299,7 +299,8 @@ def attack_headline(summary: dict, out) -> str:
               help="Measure each finding's evidence with the matching attack (the first registered gradient, image "
                    "and label attack that applies: DLG, proto, labels) on the same config.")
 @click.option("--evidence-iterations", type=int, default=300, show_default=True,
-              help="Optimisation steps for each evidence attack.")
+              help="Optimisation steps for each evidence attack, and for inverting the uploads towards a private "
+                   "value (e.g. FedeCouple's anchors).")
 @click.pass_context
 def audit(ctx, out, evidence, evidence_iterations, **opts):
     """Inspect every upload of a training run: what leaves each client, and what it gives away.

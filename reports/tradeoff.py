@@ -188,7 +188,8 @@ def _statistics_sentence(m: Mapping) -> str:
     sigma = "σ of the row" if m.get("stat_noise_multiplier") is None else f"{m['stat_noise_multiplier']:g}"
     clip = m["max_grad_norm"] if m.get("stat_clip") is None else m["stat_clip"]
     return (f"Whole-data statistics go through their own Gaussian mechanism: each sample's feature clipped to "
-            f"norm {clip:g}, noise σ_stat·{clip:g} on every class sum and σ_stat on the class counts (σ_stat = "
+            f"norm {clip:g}, noise σ_stat·{clip:g} on every class sum, σ_stat·{clip:g}² on the class sums of squared "
+            f"norms where a method uses them (FedPAC's V) and σ_stat on the class counts (σ_stat = "
             f"{sigma}; a class is held when its noisy count ≥ max(1, 3σ_stat)); class counts "
             f"{m.get('counts', 'noised')} in the upload; every release is composed in the same accountant. "
             f"Statistics of {m['method']}: {m['dp_statistics']}")
