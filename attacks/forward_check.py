@@ -15,6 +15,9 @@ Two checks per target:
   holds torchvision's draws only approximately), the true labels — and at the reconstruction. ``mis_specified`` is True
   when the truth matches the observation worse than the reconstruction does: then the optimum of
   what the attack minimises is not the client's data, and a low PSNR says nothing about privacy.
+  ``not_converged`` is the other way round: the truth matches better than the reconstruction, so
+  the optimiser stopped short of an answer its own objective prefers; the PSNR is then a lower
+  bound set by the attack's budget, not by the method.
 """
 from __future__ import annotations
 
@@ -114,11 +117,13 @@ def check(obs: Observation, mode: str, kind: str, result: AttackResult, images: 
     if rebuilt is None or result.variables.get("labels") is None or where is None \
             or rebuilt.shape[0] - matcher.free_copies != len(where):
         # the attack's dummy images do not correspond to the client's: no truth to compare
-        return {**out, "objective_truth": None, "objective_reconstruction": None, "mis_specified": None}
+        return {**out, "objective_truth": None, "objective_reconstruction": None, "mis_specified": None,
+                "not_converged": None}
     index = torch.tensor(where)
     truth = matching_term(matcher, kind, images[index], F.one_hot(labels[index], obs.num_classes).to(torch.float32),
                           copies=true_copies(matcher, images, records, where))
     reconstruction = matching_term(matcher, kind, rebuilt, result.variables["labels"],
                                    result.variables.get("copy_parameters"))
     return {**out, "objective_truth": truth, "objective_reconstruction": reconstruction,
-            "mis_specified": bool(truth > reconstruction and truth > OBJECTIVE_FLOOR)}
+            "mis_specified": bool(truth > reconstruction and truth > OBJECTIVE_FLOOR),
+            "not_converged": bool(reconstruction > truth and reconstruction > OBJECTIVE_FLOOR)}

@@ -24,7 +24,7 @@ federation recorded elsewhere (a Flower app) goes straight to ``attack_recorded`
 
 Outputs in ``out``: ``attack.csv`` (one row per reconstructed image: ``IMAGE_COLUMNS``, i.e. method,
 attack, mode, round, client, image, psnr, ssim, prior_psnr, class_prior_psnr, label_true, label_pred
-and the target's forward-model check: mis_specified, replay_cosine, objective_truth,
+and the target's forward-model check: mis_specified, not_converged, replay_cosine, objective_truth,
 objective_reconstruction; for a label attack one row per
 class: method, attack, mode, round, client, class, true_count, true_proportion,
 predicted_proportion), ``summary.json`` and ``reconstructions.png`` (ground truth above
@@ -33,6 +33,7 @@ reconstruction, PSNR under each; not for label attacks), all written atomically.
 from __future__ import annotations
 
 import copy
+import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -62,9 +63,9 @@ from .runner import Prepared, RunConfig, build_federation, prepare
 from .versions import package_versions
 
 IMAGE_COLUMNS = ["method", "attack", "mode", "round", "client", "image", "psnr", "ssim", "prior_psnr",
-                 "class_prior_psnr", "label_true", "label_pred", "mis_specified", "replay_cosine", "objective_truth",
-                 "objective_reconstruction"]
-CHECK_KEYS = ("mis_specified", "replay_cosine", "replay_relative_error", "objective_truth", "objective_reconstruction")
+                 "class_prior_psnr", "label_true", "label_pred", "mis_specified", "not_converged", "replay_cosine",
+                 "objective_truth", "objective_reconstruction"]
+CHECK_KEYS = ("mis_specified", "not_converged", "replay_cosine", "replay_relative_error", "objective_truth", "objective_reconstruction")
 LABEL_COLUMNS = ["method", "attack", "mode", "round", "client", "class", "true_count", "true_proportion",
                  "predicted_proportion"]
 MAX_PANELS = 16
@@ -218,17 +219,20 @@ def model_for(prep: Prepared):
 # training a federation for the attack
 # ----------------------------------------------------------------------------------------------
 def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | None = None, progress: bool = True,
-               interceptors: Iterable = (), dp=None) -> dict:
+               interceptors: Iterable = (), dp=None, trainings: "TrainingCache | None" = None) -> dict:
     """Train ``config``, attack ``settings.targets`` clients in each attacked round, score, write
     (when ``out`` is given); returns the summary.
 
     ``interceptors`` (e.g. a ``fedsec.defenses.FilterChain``) sit in the channel before the recorder,
     so the server sees their output; ``dp`` (a ``fedsec.defenses.DPConfig``) trains every client with
-    DP-SGD and adds the per-client ε to the summary (``"dp"``)."""
+    DP-SGD and adds the per-client ε to the summary (``"dp"``). ``trainings`` (without interceptors
+    and dp) keeps the recorded federation for the next attack whose training is the same
+    (``training_key``), so a report trains it once for all of them."""
     start = time.perf_counter()
     settings = settings.resolved(config.federation.seed, config.execution.threads)
     config = config.updated(rounds=settings.rounds_to_train, threads=settings.threads)
     previous_threads = torch.get_num_threads()
+    key = training_key(config, settings) if trainings is not None and dp is None and not interceptors else None
     try:
         prep = prepare(config)
         if dp is not None:
@@ -236,18 +240,69 @@ def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | No
 
             prep = replace(prep, method=DPMethod(prep.method, dp))
         check_applicable(settings.spec, prep)
-        fed, run, targets = train_recorded(prep, settings, interceptors, progress)
-        try:
+        kept = trainings.get(key, settings.rounds) if key is not None else None
+        if kept is None:
+            fed, run, _ = train_recorded(prep, settings, interceptors, progress)
             context = {"train_seconds": round(time.perf_counter() - start, 2), "config": config.to_dict()}
+            if key is not None:
+                trainings.put(key, (fed, run, context["train_seconds"]))
+        else:
+            fed, run, seconds = kept
+            torch.set_num_threads(settings.threads)
+            context = {"train_seconds": seconds, "training_shared": True, "config": config.to_dict()}
+        targets = {r: pick_targets(fed.sample_clients(r), settings.targets, settings.seed, r) for r in settings.rounds}
+        try:
             if dp is not None:
                 from .defenses.dp import privacy_report
 
                 context["dp"] = io.finite(privacy_report(fed.clients, dp))
             return attack_recorded(run, settings, targets, out, progress=progress, context=context, start=start)
         finally:
-            fed.close()  # e.g. shut down the Ray this run started
+            if key is None:
+                fed.close()  # e.g. shut down the Ray this run started
     finally:
         torch.set_num_threads(previous_threads)
+
+
+def training_key(config: RunConfig, settings: AttackSettings | None = None) -> str:
+    """What a recorded training is, as far as results go: the run's result key with the rounds
+    trained, and the victim setting (with its targets; real local training does not depend on
+    them). ``settings`` None: plain training of ``config``'s rounds."""
+    victim = ({"batch": settings.victim_batch, "steps": settings.victim_steps, "targets": settings.targets,
+               "seed": settings.seed} if settings is not None and settings.victim_batch > 0 else None)
+    rounds = config.federation.rounds if settings is None else settings.rounds_to_train
+    return json.dumps({"config": config.updated(rounds=rounds).result_key(), "victim": victim}, sort_keys=True)
+
+
+class TrainingCache:
+    """Recorded trainings (federation, ``RecordedRun``, training seconds) kept for later stages with
+    the same ``training_key`` whose rounds the record covers: a report runs one method's stages in a
+    row, and its train stage (recording every round), audit and real-training attacks share one
+    federation. ``close`` releases them all."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple] = {}
+
+    def get(self, key: str, rounds: Iterable[int] | None = None) -> tuple | None:
+        """The kept training under ``key`` if its record holds ``rounds`` (None: every round)."""
+        kept = self._kept.get(key)
+        if kept is None:
+            return None
+        recorded = [kept[1].recorder.rounds, kept[1].ground_truth.rounds]
+        if all(r is None for r in recorded) or (rounds is not None and all(set(rounds) <= r for r in recorded)):
+            return kept
+        return None
+
+    def put(self, key: str, value: tuple) -> None:
+        old = self._kept.pop(key, None)
+        if old is not None:
+            old[0].close()
+        self._kept[key] = value
+
+    def close(self) -> None:
+        for fed, *_ in self._kept.values():
+            fed.close()
+        self._kept.clear()
 
 
 def train_recorded(prep: Prepared, settings: AttackSettings, interceptors: Iterable = (),
@@ -256,15 +311,8 @@ def train_recorded(prep: Prepared, settings: AttackSettings, interceptors: Itera
     Returns (federation, its ``RecordedRun``, {round: targets})."""
     from tqdm import tqdm
 
-    recorder = Recorder(rounds=settings.rounds)
-    ground_truth = GroundTruth(rounds=settings.rounds)
-    fed = build_federation(prep, channel=ServerChannel(interceptors, recorder=recorder), ground_truth=ground_truth)
+    fed, run, targets = recording_federation(prep, settings, interceptors)
     try:
-        initial_model = copy.deepcopy(fed.model)  # the server built it: it knows the initial weights
-        targets = {r: pick_targets(fed.sample_clients(r), settings.targets, settings.seed, r) for r in settings.rounds}
-        if settings.victim_batch > 0:
-            fed.victim = VictimSetting(batch=settings.victim_batch, steps=settings.victim_steps,
-                                       targets={(r, c) for r in settings.rounds for c in targets[r]})
         bar = tqdm(total=settings.rounds_to_train, desc=f"{prep.method.name} rounds", unit="round",
                    disable=not progress, leave=False)
         fed.run(settings.rounds_to_train, on_round=lambda r, rows: bar.update(1))
@@ -272,6 +320,23 @@ def train_recorded(prep: Prepared, settings: AttackSettings, interceptors: Itera
     except BaseException:
         fed.close()
         raise
+    return fed, run, targets
+
+
+def recording_federation(prep: Prepared, settings: AttackSettings | None = None, interceptors: Iterable = ()) -> tuple:
+    """An untrained federation whose channel records the attacked rounds (``settings`` None: every
+    round) and the harness's ground truth, the chosen targets in the victim setting: (federation,
+    its ``RecordedRun``, {round: targets}). Whoever trains it (``train_recorded``, or a report's
+    train stage) fills the record."""
+    rounds = None if settings is None else settings.rounds
+    recorder, ground_truth = Recorder(rounds=rounds), GroundTruth(rounds=rounds)
+    fed = build_federation(prep, channel=ServerChannel(interceptors, recorder=recorder), ground_truth=ground_truth)
+    initial_model = copy.deepcopy(fed.model)  # the server built it: it knows the initial weights
+    targets = {} if settings is None else {r: pick_targets(fed.sample_clients(r), settings.targets, settings.seed, r)
+                                           for r in settings.rounds}
+    if settings is not None and settings.victim_batch > 0:
+        fed.victim = VictimSetting(batch=settings.victim_batch, steps=settings.victim_steps,
+                                   targets={(r, c) for r in settings.rounds for c in targets[r]})
     run = RecordedRun(recorder, ground_truth, prep.dataset, prep.method, lambda: copy.deepcopy(initial_model),
                       prep.config.federation.train, prep.config.method, fed.backend)
     return fed, run, targets
@@ -544,12 +609,16 @@ def _summary(run: RecordedRun, settings: AttackSettings, targets: dict, scored: 
 
 
 def _check_summary(checks: list[dict]) -> dict:
-    """The forward-model check over all targets: whether any was mis-specified, the worst replay."""
+    """The forward-model check over all targets: whether any was mis-specified, how many stopped short
+    of the truth's objective (``not_converged``), the worst replay."""
     if not checks:
-        return {"mis_specified": None, "mis_specified_targets": None, "replay_cosine_min": None}
+        return {"mis_specified": None, "mis_specified_targets": None, "not_converged_targets": None,
+                "replay_cosine_min": None}
     flags = [c["mis_specified"] for c in checks if c.get("mis_specified") is not None]
+    short = [c["not_converged"] for c in checks if c.get("not_converged") is not None]
     cosines = [c["replay_cosine"] for c in checks if c.get("replay_cosine") is not None]
     return {"mis_specified": any(flags) if flags else None, "mis_specified_targets": sum(flags) if flags else None,
+            "not_converged_targets": sum(short) if short else None,
             "replay_cosine_min": min(cosines) if cosines else None}
 
 

@@ -164,30 +164,35 @@ def _measure_evidence(config: RunConfig, kinds: set[str], out: Path, iterations:
 # training, then auditing the recorded run
 # ----------------------------------------------------------------------------------------------
 def run_audit(config: RunConfig, out: str | Path, evidence: bool = True, evidence_iterations: int = 300,
-              progress: bool = True) -> dict:
-    """Train ``config`` with a recorder on every round, audit what was recorded, write the outputs."""
+              progress: bool = True, recorded: RecordedRun | None = None) -> dict:
+    """Train ``config`` with a recorder on every round, audit what was recorded, write the outputs.
+    ``recorded``: that training, already done and recorded on every round (a report's train stage)."""
     start = time.perf_counter()
-    prep = prepare(config)
-    recorder, ground_truth = Recorder(), GroundTruth()
-    fed = build_federation(prep, channel=ServerChannel(recorder=recorder), ground_truth=ground_truth)
-    initial_model = copy.deepcopy(fed.model)
-    from tqdm import tqdm
-
-    bar = tqdm(total=config.federation.rounds, desc=f"audit {config.method}", unit="round", disable=not progress)
-    try:
-        fed.run(config.federation.rounds, on_round=lambda r, rows: bar.update(1))
-    finally:
-        fed.close()  # e.g. shut down the Ray this run started
-        bar.close()
-    run = RecordedRun(recorder, ground_truth, prep.dataset, prep.method, lambda: copy.deepcopy(initial_model),
-                      config.federation.train, config.method)
-    uploaded = next(recorder.uploads(), None) is not None
+    run = recorded if recorded is not None else _train_recording_everything(config, progress)
+    uploaded = next(run.recorder.uploads(), None) is not None
     measured = _measure_evidence(config, run.upload_kinds(), Path(out), evidence_iterations) \
         if evidence and uploaded else {}
     context = {"dataset": config.data.dataset, "clients": config.data.clients, "partition": config.data.partition,
                "seed": config.federation.seed, "config": config.to_dict()}
     return audit_recorded(run, out, config.federation.rounds, measured, context, start,
                           inversion_iterations=evidence_iterations if evidence else 0)
+
+
+def _train_recording_everything(config: RunConfig, progress: bool) -> RecordedRun:
+    from tqdm import tqdm
+
+    prep = prepare(config)
+    recorder, ground_truth = Recorder(), GroundTruth()
+    fed = build_federation(prep, channel=ServerChannel(recorder=recorder), ground_truth=ground_truth)
+    initial_model = copy.deepcopy(fed.model)
+    bar = tqdm(total=config.federation.rounds, desc=f"audit {config.method}", unit="round", disable=not progress)
+    try:
+        fed.run(config.federation.rounds, on_round=lambda r, rows: bar.update(1))
+    finally:
+        fed.close()  # e.g. shut down the Ray this run started
+        bar.close()
+    return RecordedRun(recorder, ground_truth, prep.dataset, prep.method, lambda: copy.deepcopy(initial_model),
+                       config.federation.train, config.method)
 
 
 def audit_recorded(run: RecordedRun, out: str | Path, rounds: int, evidence: dict[str, dict] | None = None,

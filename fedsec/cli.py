@@ -14,7 +14,7 @@ from fedecouple.models import ARCHITECTURES
 from reports.tradeoff import VALUE_MEANING
 
 from .options import LiveChoice, pop_threat_model, restarts_option, threat_model_options
-from .runner import PAPER_FEDERATION, RunConfig
+from .runner import AUDIT_FEDERATION, PAPER_FEDERATION, RunConfig
 
 HYPERPARAMETER_FLAGS = ("lam", "mu", "tau", "teacher", "center_reduction")
 ABLATION_FLAGS = ("no_glf", "no_gfa", "no_gpc", "no_da")
@@ -76,8 +76,10 @@ def train_options(func):
         click.option("--ray-address", default=None,
                      help="--backend ray: join this Ray cluster (e.g. ray://head:10001 or auto) "
                           "[default: start Ray locally with this machine's cores]."),
-        click.option("--preset", type=click.Choice(["paper"]), default=None,
-                     help="paper: 20 clients, 5 local epochs, 200 rounds, lambda 0.8, mu 2, tau 2 (explicit flags win)."),
+        click.option("--preset", type=click.Choice(["paper", "audit"]), default=None,
+                     help="paper: 20 clients, 5 local epochs, 200 rounds, lambda 0.8, mu 2, tau 2. audit: 20 clients, "
+                          "20 rounds; report and attack add the audit's attack plan (see their --help). Explicit "
+                          "flags win."),
         click.option("--lam", type=float, default=None,
                      help="lambda: FedeCouple KD weight [0.8]; FedPAC/FedProto prototype weight [their papers' 1.0]."),
         click.option("--mu", type=float, default=None, help="FedeCouple centre-loss weight mu [2.0]."),
@@ -137,14 +139,20 @@ def config_from_options(ctx: click.Context, **opts) -> RunConfig:
         hp[key.strip().replace("-", "_")] = _parse_value(value.strip())
     for k in HYPERPARAMETER_FLAGS:
         opts.pop(k, None)
-    if opts.pop("preset", None) == "paper":
-        for key, value in PAPER_FEDERATION.items():
-            if ctx.get_parameter_source(key) != click.core.ParameterSource.COMMANDLINE:
-                opts[key] = value
+    preset = opts.pop("preset", None)
+    for key, value in {"paper": PAPER_FEDERATION, "audit": AUDIT_FEDERATION}.get(preset, {}).items():
+        if not explicit(ctx, key):
+            opts[key] = value
+    if preset == "paper":
         if opts["method"] in METHODS:  # compare/report set methods later: each gets its own preset there
             for hk, hv in METHODS[opts["method"]].paper_preset.items():
                 hp.setdefault(hk, hv)
     return RunConfig.of(**opts, hyperparameters=hp)
+
+
+def explicit(ctx: click.Context, name: str) -> bool:
+    """Whether the user gave ``--name`` on the command line (presets never override those)."""
+    return ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -212,7 +220,7 @@ def compare(ctx, methods, seeds, out, **opts):
     from .compare import compare as run_compare, parse_methods, parse_seeds
 
     for flag in ("method", "seed"):
-        if ctx.get_parameter_source(flag) == click.core.ParameterSource.COMMANDLINE:
+        if explicit(ctx, flag):
             raise UserError(f"compare takes --{flag}s, not --{flag}")
     method_list, seed_list = parse_methods(methods), parse_seeds(seeds)
     opts["method"] = None  # set per run; also keeps --preset's FedeCouple values (= its defaults) from other methods
@@ -253,22 +261,52 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
 
     Training runs up to the last attacked round (max of --attack-rounds, + 1) unless --rounds is given;
     torch runs one thread unless --threads is given.
+
+    --preset audit: 20 clients, attack rounds 0 and 19, the audit's plan for this attack: gradient
+    attacks on 2 clients' real local training (every image they trained on; 100 IG steps, one start),
+    or with an explicit --victim-batch B the textbook setting (16 clients). Explicit flags win.
     """
     from .attack import AttackSettings, default_out, parse_rounds, run_attack
 
-    train_rounds = opts["rounds"] if ctx.get_parameter_source("rounds") == click.core.ParameterSource.COMMANDLINE else None
+    train_rounds = opts["rounds"] if explicit(ctx, "rounds") else None
+    if opts.get("preset") == "audit":  # the audit's plan for this attack, under explicit flags
+        from .report import audit_preset
+
+        textbook = explicit(ctx, "victim_batch") and victim_batch and attacks.get(attack).kind == "gradient"
+        plan = audit_preset().for_attack(f"{attack}@{'textbook' if textbook else 'real'}"
+                                         if attacks.get(attack).kind == "gradient" else attack)
+        attack_rounds = attack_rounds if explicit(ctx, "attack_rounds") else ",".join(map(str, plan.rounds))
+        targets = targets if explicit(ctx, "targets") else plan.targets
+        iterations = iterations if explicit(ctx, "iterations") else plan.iterations
+        restarts = restarts if explicit(ctx, "restarts") else plan.restarts
+        victim_batch = victim_batch if explicit(ctx, "victim_batch") else plan.victim_batch
     threat = pop_threat_model(opts)
     config = config_from_options(ctx, **opts)
     settings = AttackSettings(attack=attack, rounds=tuple(parse_rounds(attack_rounds)), targets=targets,
                               iterations=iterations, restarts=restarts, images=images, victim_batch=victim_batch,
                               victim_steps=victim_steps, seed=attack_seed, train_rounds=train_rounds, **threat)
     out = out or default_out(attack, config.method)
+    click.echo(f"estimated time: {attack_estimate(config, settings)} (fedsec.estimate)", err=True)
     summary = run_attack(config, settings, out=out)
     click.echo(attack_headline(summary, out))
     for note in summary["notes"][:3]:
         click.echo(f"  note: {note}")
     if len(summary["notes"]) > 3:
         click.echo(f"  ({len(summary['notes']) - 3} more notes in {out}/summary.json)")
+
+
+def attack_estimate(config: RunConfig, settings) -> str:
+    """``fedsec.estimate``'s guess for one attack run (training included); bad input raises here."""
+    from . import estimate
+    from .attack import check_applicable
+    from .runner import prepare
+
+    resolved = settings.resolved(config.federation.seed, config.execution.threads)
+    prep = prepare(config)
+    check_applicable(resolved.spec, prep)  # what does not apply fails before any estimate
+    work = estimate.attack_work(config.method, config.data.clients, estimate.training_images(prep), resolved,
+                                resolved.rounds_to_train)
+    return estimate.describe(estimate.seconds(work))
 
 
 def attack_headline(summary: dict, out) -> str:
@@ -360,16 +398,31 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
     --clients 20 --rounds 20 --targets 5 --iterations 1000.
 
     Example: fedsec report --methods fedecouple,fedper,fedpac,fedproto --out runs/report
+
+    --preset audit: 20 clients, 20 rounds; attacks ig, proto and labels at round 0 and round 19; IG in
+    two cells, ig@textbook (16 clients, one step on 2 images each) and ig@real (2 clients' real local
+    training, every image they trained on); proto on 11 clients, labels on all 20: at least 32 images
+    per image cell, each with its interval and share recovered. One start per reconstruction, 500
+    IG steps (textbook) and 100 (real). Explicit flags win (--iterations ig@real=300, --attacks,
+    --attack-rounds, --targets). The report prints its time estimate before it starts.
     """
     from . import report as rep
 
     for flag in ("method",):
-        if ctx.get_parameter_source(flag) == click.core.ParameterSource.COMMANDLINE:
+        if explicit(ctx, flag):
             raise UserError(f"report takes --{flag}s, not --{flag}")
     method_list = rep.parse_methods(methods)
-    attack_list = rep.parse_attacks(attacks)
-    settings = rep.ReportSettings(rounds=tuple(rep.parse_rounds(attack_rounds)), targets=targets,
-                                  iterations=rep.parse_iterations(iterations))
+    if opts.get("preset") == "audit":  # the audit's plan, under explicit flags
+        attack_list = rep.parse_attacks(attacks if explicit(ctx, "attacks") else ",".join(rep.AUDIT_ATTACKS))
+        settings = rep.audit_preset(rep.parse_iterations(iterations))
+        if explicit(ctx, "attack_rounds"):
+            settings.rounds = tuple(rep.parse_rounds(attack_rounds))
+        if explicit(ctx, "targets"):
+            settings.targets, settings.targets_by = targets, {}
+    else:
+        attack_list = rep.parse_attacks(attacks)
+        settings = rep.ReportSettings(rounds=tuple(rep.parse_rounds(attack_rounds)), targets=targets,
+                                      iterations=rep.parse_iterations(iterations))
     opts["method"] = None  # set per method; keeps --preset's FedeCouple values from other methods
     base = config_from_options(ctx, **opts)
     mia_settings = None
@@ -379,7 +432,7 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
         mia_settings = MiaSettings()
     result = rep.build_report(base, method_list, out, attacks=attack_list, settings=settings, reuse=reuse,
                               command=rep.command_line(), mia=mia_settings)
-    click.echo(rep.headline_markdown(result["summary"], attack_list, method_list))
+    click.echo(rep.headline_markdown(result["summary"], result["cells"], method_list))
     click.echo(f"→ {Path(out) / 'report.html'}, {Path(out) / 'report.md'}, {Path(out) / 'summary.csv'}, "
                f"{Path(out) / 'results.csv'}")
     if result["failed"]:
@@ -490,7 +543,7 @@ def mia(ctx, attack_list, reference_runs, gamma, temperature, offline_a, dp_nois
                            max_grad_norm=max_grad_norm, stat_noise_multiplier=stat_noise_multiplier,
                            stat_clip=stat_clip, counts=counts, delta=delta, bootstrap=bootstrap, exposed=exposed)
     if offline_a.strip().lower() == "tune" and reference_runs < 4 and \
-            ctx.get_parameter_source("offline_a") == click.core.ParameterSource.COMMANDLINE:
+            explicit(ctx, "offline_a"):
         raise UserError("--offline-a tune needs --reference-runs >= 4 (a reference pair plus another pair); "
                         "give a number instead, e.g. --offline-a 0.3")
     config = config_from_options(ctx, **opts)

@@ -32,6 +32,7 @@ headline columns).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -47,16 +48,17 @@ import pandas as pd
 import attacks
 from fedecouple.errors import UserError
 
-from . import io, runner
-from attacks.metrics import PSNR_CAP_DB
-from .attack import (IMAGE_COLUMNS, LABEL_COLUMNS, AttackSettings, check_applicable, parse_attacks, parse_rounds,
-                     run_attack)
+from . import estimate, io, runner
+from attacks.metrics import PSNR_CAP_DB, SUCCESS_RULE
+from .attack import (IMAGE_COLUMNS, LABEL_COLUMNS, AttackSettings, TrainingCache, check_applicable, parse_attacks,
+                     parse_rounds, recording_federation, run_attack, training_key)
 from .audit import LEAK_GAP_DB, at_chance, psnr_gap, run_audit
 from .compare import method_config, parse_list, parse_methods, run_status, shared_datasets, unused_hyperparameters
 from .runner import RunConfig
 from .versions import package_versions
 from reports.audit import SEVERITIES
 from reports.comparison import mis_specified
+from reports.formatting import is_true
 
 DEFAULT_METHODS = ("fedecouple", "fedper", "fedpac", "fedproto")
 DEFAULT_ATTACKS = ("dlg", "ig", "proto", "labels")
@@ -65,24 +67,68 @@ DONE = "done.json"
 RESULT_COLUMNS = list(dict.fromkeys(IMAGE_COLUMNS + LABEL_COLUMNS))
 
 
+VICTIM_SETTINGS = ("textbook", "real")
+
+
+def attack_of(key: str) -> str:
+    """The registered attack of a report cell key (``ig`` or ``ig@real``)."""
+    return key.partition("@")[0]
+
+
 @dataclass
 class ReportSettings:
     """How every attack stage is run (the same for all methods). Each attack runs as ``fedsec
-    attack`` does by default (its declared iterations and victim setting) unless overridden here."""
+    attack`` does by default (its declared iterations and victim setting) unless overridden here.
+
+    With ``victim_settings`` each gradient attack runs once per setting, as its own cell ``<attack>@
+    <setting>``: ``textbook`` (each target trains one step on ``textbook_batch`` of its images) and
+    ``real`` (its real local training); the other attacks read the real local training anyway.
+    ``iterations`` and ``targets_by`` may name a cell (``ig@real``) or an attack (``ig``)."""
 
     rounds: tuple[int, ...] = (0,)
     targets: int = DEFAULT_TARGETS
-    iterations: dict[str, int] = field(default_factory=dict)  # per attack; missing → the attack's default
+    iterations: dict[str, int] = field(default_factory=dict)  # per cell or attack; missing → the attack's default
     restarts: int | None = None  # None: each attack's declared restarts
     images: int = 1  # images rebuilt per target when the victim trains normally (proto, labels)
+    victim_settings: tuple[str, ...] = ()
+    textbook_batch: int = 1
+    targets_by: dict[str, int] = field(default_factory=dict)  # per cell or attack; missing → targets
 
-    def for_attack(self, attack: str) -> AttackSettings:
+    def keys(self, attack_names: Iterable[str]) -> list[str]:
+        """The report's cells: one per attack, or one per attack and victim setting (gradient attacks)."""
+        return [f"{a}@{v}" if v else a for a in attack_names
+                for v in (self.victim_settings if attacks.get(a).kind == "gradient" and self.victim_settings else [""])]
+
+    def for_attack(self, key: str) -> AttackSettings:
+        attack, _, setting = key.partition("@")
         spec = attacks.get(attack)
-        return AttackSettings(attack=attack, rounds=tuple(int(r) for r in self.rounds), targets=int(self.targets),
-                              iterations=int(self.iterations.get(attack, spec.default_iterations)),
+        victim = {"": spec.default_victim_batch, "real": 0, "textbook": self.textbook_batch}[setting]
+        pick = lambda table, default: table.get(key, table.get(attack, default))  # noqa: E731
+        return AttackSettings(attack=attack, rounds=tuple(int(r) for r in self.rounds),
+                              targets=int(pick(self.targets_by, self.targets)),
+                              iterations=int(pick(self.iterations, spec.default_iterations)),
                               restarts=spec.default_restarts if self.restarts is None else int(self.restarts),
-                              images=int(self.images),
-                              victim_batch=spec.default_victim_batch, victim_steps=1)
+                              images=int(self.images) if victim == 0 else victim,  # the victim's batch
+                              victim_batch=victim, victim_steps=1)
+
+
+def audit_preset(iterations: dict[str, int] | None = None) -> ReportSettings:
+    """``--preset audit``'s attack plan (the federation is ``runner.AUDIT_FEDERATION``): attacks at
+    round 0 and at the last round, IG in the textbook setting (16 clients, one step on 2 images each)
+    and on the clients' real local training (2 clients, every image they trained on), prototype
+    inversion on 11 clients (3 prototypes each) and label inference on all 20: at least 32 images per
+    image cell. One start per reconstruction; IG's budget is cut on the real local training, where
+    each step replays a whole epoch (or FedeCouple's three) on ~180 images."""
+    return ReportSettings(rounds=AUDIT_ROUNDS, victim_settings=VICTIM_SETTINGS, textbook_batch=2, restarts=1,
+                          targets_by={"ig@textbook": 16, "ig@real": 2, "proto": 11, "labels": 20},
+                          iterations={**{k: v for k, v in AUDIT_ITERATIONS.items()
+                                         if k not in (iterations or {}) and attack_of(k) not in (iterations or {})},
+                                      **(iterations or {})})
+
+
+AUDIT_ATTACKS = ("ig", "proto", "labels")
+AUDIT_ROUNDS = (0, 19)
+AUDIT_ITERATIONS = {"ig@textbook": 500, "ig@real": 100, "proto": 300}
 
 
 @dataclass
@@ -102,7 +148,7 @@ class Stage:
 
 
 def parse_iterations(text: str | None) -> dict[str, int]:
-    """``"300"`` (every attack) or ``"dlg=300,ig=1000"`` → {attack: iterations}."""
+    """``"300"`` (every attack) or ``"dlg=300,ig=1000,ig@real=200"`` → {attack or cell: iterations}."""
     if text is None or str(text).strip() == "":
         return {}
     out: dict[str, int] = {}
@@ -116,8 +162,12 @@ def parse_iterations(text: str | None) -> dict[str, int]:
             raise UserError(f"--iterations must be at least 1, got {n}")
         names = [name] if name else list(attacks.ATTACKS)
         for a in names:
-            if a not in attacks.ATTACKS:
-                raise UserError(f"--iterations names unknown attack {a!r}; choose from: {', '.join(attacks.ATTACKS)}")
+            attack, at, setting = a.partition("@")
+            if attack not in attacks.ATTACKS:
+                raise UserError(f"--iterations names unknown attack {attack!r}; choose from: {', '.join(attacks.ATTACKS)}")
+            if at and setting not in VICTIM_SETTINGS:
+                raise UserError(f"--iterations names unknown setting {a!r}; a cell is ATTACK@"
+                                f"{'|'.join(VICTIM_SETTINGS)}")
             out[a] = n
     return out
 
@@ -142,7 +192,7 @@ def plan(base: RunConfig, methods: list[str], attack_names: list[str], settings:
         cfg = method_config(base, m, base.federation.seed)
         stages.append(Stage(m, "train", None, cfg, stage_identity("train", cfg), out / m / "train"))
         stages.append(Stage(m, "audit", None, cfg, stage_identity("audit", cfg), out / m / "audit"))
-        for a in attack_names:
+        for a in settings.keys(attack_names):
             stages.append(Stage(m, f"attack-{a}", a, cfg, stage_identity("attack", cfg, settings.for_attack(a)),
                                 out / m / f"attack-{a}"))
         if mia is not None:
@@ -244,8 +294,9 @@ def _finish(stage: Stage, status: str, seconds: float, reason: str | None = None
                                       "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
-def run_stage(stage: Stage, settings: ReportSettings) -> tuple[str, str | None]:
-    """Run one stage into its folder; returns (status, reason). ``done.json`` is written last."""
+def run_stage(stage: Stage, settings: ReportSettings, trainings: TrainingCache | None = None) -> tuple[str, str | None]:
+    """Run one stage into its folder; returns (status, reason). ``done.json`` is written last.
+    ``trainings`` lets consecutive attack stages with the same training share one federation."""
     start = time.perf_counter()
     path = stage.path
     reason = None
@@ -253,19 +304,22 @@ def run_stage(stage: Stage, settings: ReportSettings) -> tuple[str, str | None]:
         status = run_status(path, stage.config)
         if status == "other" or (status == "new" and path.exists()):
             shutil.rmtree(path)
-        if status != "done":
+        if status != "done" and (trainings is None or status == "partial"):
             runner.train(stage.config, path, resume=status == "partial")
+        elif status != "done":
+            _train_recorded_stage(stage, trainings)
     else:
         if path.exists():
             shutil.rmtree(path)  # an incomplete stage is redone from scratch
         if stage.kind == "audit":
-            run_audit(stage.config, path, evidence=False, progress=False)
+            kept = trainings.get(training_key(stage.config)) if trainings is not None else None
+            run_audit(stage.config, path, evidence=False, progress=False, recorded=None if kept is None else kept[1])
         elif stage.kind == "mia":
             from .mia import run_mia
 
             run_mia(stage.config, stage.mia, path, progress=False, echo=lambda text: None)
         else:
-            reason = _attack_stage(stage, settings.for_attack(stage.attack))
+            reason = _attack_stage(stage, settings.for_attack(stage.attack), trainings)
     if reason is not None:
         path.mkdir(parents=True, exist_ok=True)
         _finish(stage, "not_applicable", time.perf_counter() - start, reason.strip().rstrip("."))
@@ -274,11 +328,25 @@ def run_stage(stage: Stage, settings: ReportSettings) -> tuple[str, str | None]:
     return "done", None
 
 
-def _attack_stage(stage: Stage, settings: AttackSettings) -> str | None:
+def _train_recorded_stage(stage: Stage, trainings: TrainingCache) -> None:
+    """The train stage with the channel recording every round: the federation is kept in
+    ``trainings`` for the method's audit and real-training attack stages (same ``training_key``)."""
+    start = time.perf_counter()
+    prep = runner.prepare(stage.config)
+    fed, run, _ = recording_federation(prep)
+    try:
+        runner.train_federation(fed, prep, stage.path)
+    except BaseException:
+        fed.close()
+        raise
+    trainings.put(training_key(stage.config), (fed, run, round(time.perf_counter() - start, 2)))
+
+
+def _attack_stage(stage: Stage, settings: AttackSettings, trainings: TrainingCache | None = None) -> str | None:
     """Run an attack stage; the reason it does not apply (known before training), or None."""
     try:
         check_applicable(settings.spec, runner.prepare(stage.config))
-        summary = run_attack(stage.config, settings, out=stage.path, progress=False)
+        summary = run_attack(stage.config, settings, out=stage.path, progress=False, trainings=trainings)
     except UserError as exc:
         return str(exc)
     scored = summary.get("images_scored", 0) if settings.spec.rebuilds_images else len(summary.get("label_scores") or [])
@@ -337,7 +405,8 @@ def _brief_evidence(evidence) -> str:
 ATTACK_COLUMNS = {"mean_psnr": "mean_psnr", "median_psnr": "median_psnr", "max_psnr": "max_psnr",
                   "prior_psnr": "mean_prior_psnr", "ssim": "mean_ssim", "label_accuracy": "label_accuracy",
                   "class_presence_accuracy": "class_presence_accuracy", "images": "images_scored",
-                  "mis_specified": "mis_specified", "n_images": "n_images", "success_rate": "success_rate"}
+                  "mis_specified": "mis_specified", "not_converged_targets": "not_converged_targets",
+                  "n_targets": "n_targets", "n_images": "n_images", "success_rate": "success_rate"}
 
 
 def _attack_cells(stage: Stage, out: Path) -> tuple[dict, dict | None, pd.DataFrame | None, dict | None]:
@@ -355,12 +424,12 @@ def _attack_cells(stage: Stage, out: Path) -> tuple[dict, dict | None, pd.DataFr
     if status != "done":
         return row, None, None, None
     try:
-        frame = pd.read_csv(stage.path / "attack.csv")
+        frame = pd.read_csv(stage.path / "attack.csv").assign(attack=a)  # the cell: ig, or ig@real
     except (OSError, ValueError, pd.errors.EmptyDataError):
         frame = None
     png = stage.path / "reconstructions.png"
     grid = {"png": png.read_bytes(), "path": png.relative_to(out).as_posix()} \
-        if attacks.get(a).rebuilds_images and png.is_file() else None
+        if attacks.get(attack_of(a)).rebuilds_images and png.is_file() else None
     return row, s, frame, grid
 
 
@@ -387,6 +456,7 @@ def _method_row(method: str, by: dict, attack_names: list[str], out: Path, colle
         row.update(cells)
         if summary is not None:
             measured[a] = summary
+            measured.setdefault(attack_of(a), summary)  # the audit's findings name attacks, not cells
         if frame is not None:
             collected["results"].append(frame)
         if grid is not None:
@@ -424,14 +494,17 @@ def assemble(stages: list[Stage], methods: list[str], attack_names: list[str], o
 
 def method_comparisons(summary: pd.DataFrame, results: pd.DataFrame, methods: list[str],
                        attack_names: list[str]) -> list[str]:
-    """One sentence per image attack and pair of methods: which leaks more, paired over the same
-    images (``attacks.metrics.paired_difference``), or that the intervals cannot tell them apart;
-    never a comparison with a mis-specified attack."""
+    """One sentence per image attack (cell) and pair of methods, over all attacked rounds and, with
+    several, per round: which leaks more, paired over the same images
+    (``attacks.metrics.paired_difference``), or that the intervals cannot tell them apart; never a
+    comparison with a mis-specified attack, nor with one that stopped short below the prior."""
     from attacks.metrics import paired_difference
+    from reports.comparison import stopped_short
 
     sentences = []
     rows = summary.set_index("method")
-    for a in [a for a in attack_names if attacks.get(a).rebuilds_images]:
+    rounds = sorted(int(r) for r in results["round"].dropna().unique()) if len(results) else []
+    for a in [a for a in attack_names if attacks.get(attack_of(a)).rebuilds_images]:
         done = [m for m in methods if rows.loc[m].get(f"{a}_status") == "done"]
         for i, m1 in enumerate(done):
             for m2 in done[i + 1:]:
@@ -440,16 +513,64 @@ def method_comparisons(summary: pd.DataFrame, results: pd.DataFrame, methods: li
                     sentences.append(f"{a}: {m1} vs {m2}: not comparable: the attack on {', '.join(wrong)} was "
                                      f"mis-specified")
                     continue
-                pick = lambda m: results[(results["method"] == m) & (results["attack"] == a)].to_dict("records")  # noqa: E731
-                d = paired_difference(pick(m1), pick(m2))
-                if not d["n_pairs"]:
+                short = [m for m in (m1, m2) if stopped_short(rows.loc[m], a)]
+                if short:
+                    sentences.append(f"{a}: {m1} vs {m2}: not comparable: the attack on {', '.join(short)} stopped "
+                                     f"short of the truth below the prior (a lower bound)")
                     continue
-                verdict = {"A leaks more": f"{m1} leaks more", "B leaks more": f"{m2} leaks more"}.get(d["verdict"],
-                                                                                                      d["verdict"])
-                sentences.append(f"{a}: {m1} vs {m2}: {verdict} (PSNR above the prior, {m1} minus {m2}: "
-                                 f"{d['mean_difference']:+.1f} dB [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}], "
-                                 f"{d['n_pairs']} images over {d['n_targets']} targets)")
+                for rnd in [None] + (rounds if len(rounds) > 1 else []):
+                    sentence = _paired_sentence(results, a, m1, m2, rnd, paired_difference)
+                    if sentence:
+                        sentences.append(sentence)
     return sentences
+
+
+def _paired_sentence(results: pd.DataFrame, a: str, m1: str, m2: str, rnd: int | None, paired_difference) -> str | None:
+    def pick(m):
+        sel = (results["method"] == m) & (results["attack"] == a)
+        if rnd is not None:
+            sel &= results["round"] == rnd
+        return results[sel].to_dict("records")
+
+    d = paired_difference(pick(m1), pick(m2))
+    if not d["n_pairs"]:
+        return None
+    verdict = {"A leaks more": f"{m1} leaks more", "B leaks more": f"{m2} leaks more"}.get(d["verdict"], d["verdict"])
+    where = a if rnd is None else f"{a}, round {rnd}"
+    return (f"{where}: {m1} vs {m2}: {verdict} (PSNR above the prior, {m1} minus {m2}: "
+            f"{d['mean_difference']:+.1f} dB [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}], "
+            f"{d['n_pairs']} images over {d['n_targets']} targets)")
+
+
+def leakage_by_round(results: pd.DataFrame, methods: list[str], cells: list[str], seed: int = 0) -> pd.DataFrame:
+    """One row per method, image cell and attacked round: images, targets, mean PSNR with its 95 %
+    interval, the prior, the share recovered with its interval, and the forward-model check's counts
+    (targets mis-specified, targets where the optimiser stopped short of the truth)."""
+    from attacks.metrics import leakage_statistics
+
+    columns = ["method", "attack", "round", "n_images", "n_targets", "mean_psnr", "mean_psnr_ci_low",
+               "mean_psnr_ci_high", "prior_psnr", "success_rate", "success_rate_ci_low", "success_rate_ci_high",
+               "mis_specified_targets", "not_converged_targets"]
+    out = []
+    image_cells = [a for a in cells if attacks.get(attack_of(a)).rebuilds_images]
+    if not len(results) or "psnr" not in results.columns:
+        return pd.DataFrame(columns=columns)
+    for m in methods:
+        for a in image_cells:
+            sel = results[(results["method"] == m) & (results["attack"] == a)]
+            for rnd, group in sel.groupby("round", sort=True):
+                records = group.to_dict("records")
+                stats = leakage_statistics(records, seed=seed)
+                targets = group.drop_duplicates(["round", "client"])
+                flag = lambda c: int(targets[c].map(is_true).sum()) if c in targets else 0  # noqa: E731
+                out.append({"method": m, "attack": a, "round": int(rnd), "n_images": stats["n_images"],
+                            "n_targets": stats["n_targets"], "mean_psnr": float(group["psnr"].clip(upper=PSNR_CAP_DB).mean()),
+                            "mean_psnr_ci_low": stats["mean_psnr_ci"][0], "mean_psnr_ci_high": stats["mean_psnr_ci"][1],
+                            "prior_psnr": float(group["prior_psnr"].mean()), "success_rate": stats["success_rate"],
+                            "success_rate_ci_low": stats["success_rate_ci"][0],
+                            "success_rate_ci_high": stats["success_rate_ci"][1],
+                            "mis_specified_targets": flag("mis_specified"), "not_converged_targets": flag("not_converged")})
+    return pd.DataFrame(out, columns=columns)
 
 
 def psnr_definition() -> str:
@@ -503,10 +624,33 @@ def build_report(base: RunConfig, methods: list[str], out: str | Path, attacks: 
     reuse_dirs = check_reuse_dirs(reuse)
     if mia is not None:
         mia.validate()
-    with shared_datasets():  # every stage reads the same data set tensors
+    with shared_datasets(), _one_ray(base):  # every stage reads the same data set tensors (and one Ray)
         stages = validate(base, methods, attack_names, settings, out, reuse_dirs, mia)
         records, failed, seconds = _run_stages(stages, settings, reuse_dirs, progress, log)
-    return _write_report(base, methods, attack_names, settings, out, stages, records, failed, seconds, command)
+    keys = settings.keys(attack_names)
+    return {**_write_report(base, methods, keys, settings, out, stages, records, failed, seconds, command),
+            "cells": keys}
+
+
+@contextlib.contextmanager
+def _one_ray(base: RunConfig):
+    """With ``--backend ray`` (local), one Ray for the whole report: every stage's backend finds it
+    running and leaves it so (instead of each federation starting and stopping its own)."""
+    execution = base.execution
+    if execution.backend != "ray" or execution.ray_address:
+        yield
+        return
+    from fedecouple.backends import import_ray, start_local_ray
+
+    ray = import_ray()
+    started = not ray.is_initialized()
+    if started:
+        start_local_ray()
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def _run_stages(stages: list[Stage], settings: ReportSettings, reuse_dirs: list[Path], progress: bool,
@@ -525,21 +669,53 @@ def _run_stages(stages: list[Stage], settings: ReportSettings, reuse_dirs: list[
             tqdm.write(text, file=sys.stderr)
 
     done_dirs, train_dirs = index_reuse(reuse_dirs) if reuse_dirs else ([], [])
+    todo = [st for st in stages if not stage_complete(st) and find_reusable(st, done_dirs, train_dirs) is None]
+    if todo:
+        say(f"{len(todo)} of {len(stages)} stages to compute: {estimate.describe(estimate_seconds(todo, settings))} "
+            f"on a 2-core machine like the one the rates were measured on (fedsec.estimate)")
     records: list[dict] = []
     failed: dict[tuple[str, str], str] = {}
+    trainings = TrainingCache()
     t0 = time.perf_counter()
     try:
         for i, st in enumerate(stages, 1):
+            if i > 1 and st.method != stages[i - 2].method:
+                trainings.close()  # a method's trainings serve only its own stages
             bar.set_postfix_str(f"{st.method} {st.name}")
             label = f"[{i:>{len(str(len(stages)))}}/{len(stages)}] {st.method} {st.name}"
-            records.append(_one_stage(st, settings, label, done_dirs, train_dirs, failed, say))
+            records.append(_one_stage(st, settings, label, done_dirs, train_dirs, failed, say, trainings))
             bar.update(1)
     finally:
+        trainings.close()
         bar.close()
     return records, failed, time.perf_counter() - t0
 
 
-def _one_stage(st: Stage, settings: ReportSettings, label: str, done_dirs, train_dirs, failed: dict, say) -> dict:
+def estimate_seconds(stages: list[Stage], settings: ReportSettings) -> float:
+    """The wall time ``stages`` (those still to compute) should take (``fedsec.estimate``); a training
+    shared between stages counts once."""
+    images = estimate.training_images(runner.prepare(stages[0].config))
+    trained: set[str] = set()
+    total = 0.0
+    for st in stages:
+        cfg = st.config
+        a = settings.for_attack(st.attack).resolved(cfg.federation.seed) if st.kind == "attack" else None
+        if a is not None:
+            try:
+                check_applicable(a.spec, runner.prepare(cfg))
+            except UserError:  # found before anything trains: costs nothing
+                continue
+        key = training_key(cfg) if a is None else training_key(cfg.updated(rounds=a.rounds_to_train), a)
+        rounds = 0 if key in trained else (cfg.federation.rounds if a is None else a.rounds_to_train)
+        trained.add(key)
+        work = (estimate.StageWork(st.method, cfg.data.clients, rounds, images) if a is None
+                else estimate.attack_work(st.method, cfg.data.clients, images, a, rounds))
+        total += estimate.seconds(work)
+    return total
+
+
+def _one_stage(st: Stage, settings: ReportSettings, label: str, done_dirs, train_dirs, failed: dict, say,
+               trainings: TrainingCache | None = None) -> dict:
     for stale in st.path.parent.glob(f".{st.path.name}.partial"):
         shutil.rmtree(stale, ignore_errors=True)
     source = "computed"
@@ -551,7 +727,7 @@ def _one_stage(st: Stage, settings: ReportSettings, label: str, done_dirs, train
     else:
         say(f"{label}: running ...")
         try:
-            run_stage(st, settings)
+            run_stage(st, settings, trainings)
         except Exception as exc:  # noqa: BLE001 - recorded, reported, retried by the next run
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             failed[(st.method, st.name)] = reason
@@ -571,9 +747,9 @@ def _report_meta(base: RunConfig, methods: list[str], attack_names: list[str], s
     return {
         "title": f"Privacy comparison: {', '.join(methods)} on {base.data.dataset}",
         "command": command, "methods": methods, "attacks": attack_names,
-        "image_attacks": [a for a in attack_names if attacks.get(a).rebuilds_images],
-        "label_attacks": [a for a in attack_names if not attacks.get(a).rebuilds_images],
-        "psnr_cap_db": PSNR_CAP_DB, "leak_gap_db": LEAK_GAP_DB,
+        "image_attacks": [a for a in attack_names if attacks.get(attack_of(a)).rebuilds_images],
+        "label_attacks": [a for a in attack_names if not attacks.get(attack_of(a)).rebuilds_images],
+        "psnr_cap_db": PSNR_CAP_DB, "leak_gap_db": LEAK_GAP_DB, "success_rule": SUCCESS_RULE,
         "config": {k: v for k, v in base.to_dict().items() if k != "method"},
         "method_hyperparameters": {m: d["hyperparameters"] for m, d in details.items()},
         "seeds": {"seed": base.federation.seed,
@@ -611,18 +787,16 @@ def _write_report(base: RunConfig, methods: list[str], attack_names: list[str], 
     notes += [f"FAILED: {m} {name}: {reason} (rerun with the same --out to retry)" for (m, name), reason in failed.items()]
     if len(stage_versions) > 1:
         notes.append("Some stages were computed with other package versions; each stage's done.json records its own.")
+    by_round = leakage_by_round(results, methods, attack_names, seed=base.federation.seed)
     meta = _report_meta(base, methods, attack_names, settings, details, records, notes, command, mia_summaries,
                         method_comparisons(summary, results, methods, attack_names))
+    meta["by_round"] = by_round.to_dict("records") if by_round["round"].nunique() > 1 else []
     paths = {}
     for name, content in render(summary, results, findings, grids, meta).items():
         (io.write_bytes if isinstance(content, bytes) else io.write_text)(out / name, content)
         paths[name] = out / name
-    if results["round"].dropna().nunique() > 1:  # attacks at several rounds: leakage across training
-        from reports.figures import leakage_by_round
-
-        io.write_bytes(out / "leakage_by_round.png", leakage_by_round(results, PSNR_CAP_DB))
-        paths["leakage_by_round.png"] = out / "leakage_by_round.png"
-    for name, frame in (("results.csv", results), ("summary.csv", summary), ("findings.csv", findings)):
+    for name, frame in (("results.csv", results), ("summary.csv", summary), ("findings.csv", findings),
+                        ("by_round.csv", by_round)):
         io.write_csv(out / name, frame)
         paths[name] = out / name
     return {"paths": paths, "summary": summary, "stages": records, "failed": failed}
@@ -634,8 +808,8 @@ def headline_markdown(summary: pd.DataFrame, attack_names: list[str], methods: l
 
     return md_table(*headline_rows(summary, {
         "attacks": attack_names, "methods": methods,
-        "image_attacks": [a for a in attack_names if attacks.get(a).rebuilds_images],
-        "label_attacks": [a for a in attack_names if not attacks.get(a).rebuilds_images]}))
+        "image_attacks": [a for a in attack_names if attacks.get(attack_of(a)).rebuilds_images],
+        "label_attacks": [a for a in attack_names if not attacks.get(attack_of(a)).rebuilds_images]}))
 
 
 def command_line(argv: list[str] | None = None) -> str:

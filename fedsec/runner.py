@@ -32,6 +32,9 @@ from .versions import package_versions
 
 # ``--preset paper``: the paper's federation (Section V); each method adds its own ``paper_preset``
 PAPER_FEDERATION = {"clients": 20, "local_epochs": 5, "rounds": 200, "join_ratio": 1.0}
+# ``--preset audit``: a federation trained to a useful accuracy in minutes (report and attack add the
+# audit's attack plan: ``fedsec.report.audit_preset``)
+AUDIT_FEDERATION = {"clients": 20, "rounds": 20, "join_ratio": 1.0}
 
 
 @dataclass
@@ -197,6 +200,12 @@ def train(config: RunConfig, out: str | Path | None, resume: bool = False,
         return _train_checkpointed(fed, prep, None if out is None else Path(out), resume, on_round)
     finally:
         fed.close()  # e.g. shut down the Ray this run started
+
+
+def train_federation(fed: Federation, prep: Prepared, out: str | Path) -> dict:
+    """Train a federation the caller built (and closes), e.g. one whose channel records rounds for
+    an attack, writing ``out`` as ``train`` does."""
+    return _train_checkpointed(fed, prep, Path(out), False, None)
 
 
 def _train_checkpointed(fed: Federation, prep: Prepared, out: Path | None, resume: bool, on_round) -> dict:

@@ -45,11 +45,30 @@ from .formatting import finite_or_none, is_true
 
 PLOT_PSNR = "psnr_by_method.png"
 PLOT_SCATTER = "accuracy_vs_leakage.png"
+PLOT_BY_ROUND = "leakage_by_round.png"
 
 
 # ----------------------------------------------------------------------------------------------
 # formatting helpers
 # ----------------------------------------------------------------------------------------------
+def headline_note(meta: Mapping) -> str:
+    """The legend under the headline table (Markdown and HTML)."""
+    return HEADLINE_NOTE.format(rule=meta.get("success_rule") or "see summary.json")
+
+
+HEADLINE_NOTE = (
+    "Accuracy: mean ± std over clients of each client's personalised model on its own test split (last round). "
+    "PSNR: mean [95 % interval over the attacked clients] / median / max over the reconstructed images, in dB, "
+    "with the prior baseline (the data set's mean image scored the same way), the number of images and the share "
+    "recovered ({rule}); leakage means above the prior. A cell "
+    "<attack>@textbook is the attack on clients that took one step on a few images, <attack>@real on their real "
+    "local training. MIS-SPECIFIED: for some target the true data matched the upload worse than the "
+    "reconstruction under the attack's own objective (its forward model was wrong), so that PSNR says nothing "
+    "about the method's privacy. LOWER BOUND: at or below the prior while, on some target, the truth matched "
+    "better than the reconstruction: the optimiser stopped short, so the PSNR is set by the attack's budget, not "
+    "by the method. Upload: all clients' uploads per round.")
+
+
 def fmt(x: Any, digits: int = 1, unit: str = "") -> str:
     v = finite_or_none(x)
     return "n/a" if v is None else f"{v:.{digits}f}{unit}"
@@ -72,11 +91,20 @@ def mis_specified(row: Mapping, attack: str) -> bool:
     return is_true(row.get(f"{attack}_mis_specified"))
 
 
+def stopped_short(row: Mapping, attack: str) -> bool:
+    """Whether the attack ended below the prior on images whose truth its own objective prefers
+    (``not_converged`` on some target): a lower bound set by the attack's budget, not a measure of
+    the method's privacy."""
+    short = finite_or_none(row.get(f"{attack}_not_converged_targets"))
+    mean, prior = finite_or_none(row.get(f"{attack}_mean_psnr")), finite_or_none(row.get(f"{attack}_prior_psnr"))
+    return bool(short) and mean is not None and prior is not None and mean <= prior
+
+
 def psnr_cell(row: Mapping, attack: str) -> str:
     status = status_of(row, attack)
     if status != "done":
         return "n/a"
-    flag = " MIS-SPECIFIED" if mis_specified(row, attack) else ""
+    flag = " MIS-SPECIFIED" if mis_specified(row, attack) else (" LOWER BOUND" if stopped_short(row, attack) else "")
     low, high = finite_or_none(row.get(f"{attack}_mean_psnr_ci_low")), finite_or_none(row.get(f"{attack}_mean_psnr_ci_high"))
     interval = f" [{low:.1f}, {high:.1f}]" if low is not None and high is not None else ""
     rate = finite_or_none(row.get(f"{attack}_success_rate"))
@@ -153,8 +181,8 @@ def psnr_plot(summary: pd.DataFrame, results: pd.DataFrame, meta: Mapping) -> by
 
     attacks = list(meta["image_attacks"])
     methods = [str(m) for m in summary["method"]]
-    fig = Figure(figsize=(max(6.0, 1.6 * len(methods) + 2), 4.2))
-    ax = fig.add_subplot(1, 1, 1)
+    fig = Figure(figsize=(max(6.0, 1.6 * len(methods) + 2), 7.0 if attacks and methods else 4.2))
+    ax = fig.add_subplot(2, 1, 1) if attacks and methods else fig.add_subplot(1, 1, 1)
     if not attacks or not methods:
         ax.text(0.5, 0.5, "no image attack in this report", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
@@ -174,6 +202,11 @@ def psnr_plot(summary: pd.DataFrame, results: pd.DataFrame, meta: Mapping) -> by
             ax.bar(x, mean, width * 0.9, color=colors[j], alpha=0.55, label=a,
                    hatch="//" if mis_specified(r, a) else None)  # hatched: the attack's forward model was wrong
             top = max(top, mean)
+            low, high = finite_or_none(r.get(f"{a}_mean_psnr_ci_low")), finite_or_none(r.get(f"{a}_mean_psnr_ci_high"))
+            if low is not None and high is not None:  # the 95 % interval of the mean
+                ax.errorbar(x, mean, yerr=[[max(mean - low, 0.0)], [max(high - mean, 0.0)]], fmt="none",
+                            ecolor="black", elinewidth=1.0, capsize=3, zorder=5)
+                top = max(top, high)
             if len(results) and {"method", "attack", "psnr"} <= set(results.columns):
                 sel = results[(results["method"] == r["method"]) & (results["attack"] == a)]["psnr"]
                 vals = pd.to_numeric(sel, errors="coerce").to_numpy(dtype=float)
@@ -201,10 +234,34 @@ def psnr_plot(summary: pd.DataFrame, results: pd.DataFrame, meta: Mapping) -> by
     ax.set_xticklabels(methods)
     ax.set_ylim(0, top * 1.18 + 1)
     ax.set_ylabel("PSNR (dB) — higher = more leakage")
-    ax.set_title("Reconstruction PSNR by method (bars: mean; dots: images; dashes: prior)", fontsize=10)
+    ax.set_title("Reconstruction PSNR by method (bars: mean, whiskers: 95 % interval; dots: images; dashes: prior)",
+                 fontsize=10)
     ax.grid(axis="y", alpha=0.3)
+    success_axis(fig.add_subplot(2, 1, 2), summary, attacks, methods, width, colors)
     fig.tight_layout()
     return _png(fig)
+
+
+def success_axis(ax, summary: pd.DataFrame, attacks: list[str], methods: list[str], width: float,
+                 colors: list[str]) -> None:
+    """Share of images recovered per method and attack, with its 95 % interval as whiskers."""
+    for j, a in enumerate(attacks):
+        for i, (_, r) in enumerate(summary.iterrows()):
+            x = i - 0.4 + width * (j + 0.5)
+            rate = finite_or_none(r.get(f"{a}_success_rate"))
+            if status_of(r, a) != "done" or rate is None:
+                continue
+            ax.bar(x, 100 * rate, width * 0.9, color=colors[j], alpha=0.55, label=a)
+            low, high = finite_or_none(r.get(f"{a}_success_rate_ci_low")), finite_or_none(r.get(f"{a}_success_rate_ci_high"))
+            if low is not None and high is not None:
+                ax.errorbar(x, 100 * rate, yerr=[[100 * max(rate - low, 0.0)], [100 * max(high - rate, 0.0)]],
+                            fmt="none", ecolor="black", elinewidth=1.0, capsize=3, zorder=5)
+    ax.set_xticks(range(len(methods)))
+    ax.set_xticklabels(methods)
+    ax.set_ylim(0, 105)
+    ax.set_ylabel("images recovered (%)")
+    ax.set_title("Share of images recovered (whiskers: 95 % interval)", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
 
 
 def leakage_points(summary: pd.DataFrame, meta: Mapping) -> list[dict]:
@@ -275,6 +332,28 @@ MIA_NOTE = ("Membership inference (`fedsec mia`): can a model tell a client's tr
             "clients]. Chance: the LOSS AUC of the split under reference models that trained on neither.")
 
 
+BY_ROUND_NOTE = ("Each image cell per attacked round (round 0: the initial weights; later rounds: the federation as "
+                 "trained by then): n images over n targets, mean PSNR [95 % interval over the targets], the prior, "
+                 "the share recovered [95 % interval], and the forward-model check: targets mis-specified / targets "
+                 "where the optimiser stopped short of the truth (its own objective preferred the true images).")
+
+
+def by_round_rows(meta: Mapping) -> tuple[list[str], list[list[str]]]:
+    """The by-round table as plain strings (Markdown and HTML)."""
+    header = ["method", "cell", "round", "n images (targets)", "mean PSNR dB [95 % CI]", "prior",
+              "recovered % [95 % CI]", "mis-specified / stopped short"]
+    rows = []
+    for r in meta.get("by_round") or []:
+        rate = finite_or_none(r.get("success_rate"))
+        rows.append([str(r["method"]), str(r["attack"]), str(r["round"]), f"{r['n_images']} ({r['n_targets']})",
+                     f"{fmt(r.get('mean_psnr'))} [{fmt(r.get('mean_psnr_ci_low'))}, {fmt(r.get('mean_psnr_ci_high'))}]",
+                     fmt(r.get("prior_psnr")),
+                     "n/a" if rate is None else f"{100 * rate:.0f} [{100 * (finite_or_none(r.get('success_rate_ci_low')) or 0):.0f}, "
+                                               f"{100 * (finite_or_none(r.get('success_rate_ci_high')) or 0):.0f}]",
+                     f"{r.get('mis_specified_targets', 0)} / {r.get('not_converged_targets', 0)}"])
+    return header, rows
+
+
 def _mia_markdown(meta: Mapping) -> list[str]:
     from .mia import METHOD_COLUMNS, markdown_table, method_rows
 
@@ -298,12 +377,7 @@ def render_markdown(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mappin
     if meta.get("command"):
         out += ["```", str(meta["command"]), "```", ""]
     out += ["## Headline", "", md_table(header, rows), "",
-            "Accuracy: mean ± std over clients of each client's personalised model on its own test split (last "
-            "round). PSNR: mean / median / max over the reconstructed images, in dB, with the prior baseline "
-            "(the data set's mean image scored the same way); leakage means *above the prior*. MIS-SPECIFIED: for "
-            "some target the true data matched the upload worse than the reconstruction under the attack's own "
-            "objective (its forward model was wrong), so that PSNR says nothing about the method's privacy. "
-            "Upload: all clients' uploads per round.", ""]
+            headline_note(meta), ""]
     skips = skipped(summary, meta)
     if skips:
         out += ["Not run:", ""] + [f"* {_md_cell(m)} × {_md_cell(a)}: {_md_cell(why)}" for m, a, why in skips] + [""]
@@ -326,6 +400,9 @@ def render_markdown(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mappin
                             [[r["severity"], r["code"], r["finding"], r.get("measured", "") or ""]
                              for _, r in sub.iterrows()]))
         out.append("")
+    if meta.get("by_round"):
+        out += ["## Leakage by round", "", BY_ROUND_NOTE, "", md_table(*by_round_rows(meta)), "",
+                f"![Leakage by round]({PLOT_BY_ROUND})", ""]
     if meta.get("comparisons"):
         out += ["## Which method leaks more", "", COMPARISON_NOTE, ""] + [f"* {_md_cell(c)}" for c in meta["comparisons"]] + [""]
     out += _mia_markdown(meta)
@@ -392,12 +469,7 @@ def render_html(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, m
     if meta.get("command"):
         h.append(f"<pre>{e(meta['command'])}</pre>")
     h += ["<h2>Headline</h2>", html_table(header, rows),
-          '<p class="muted">Accuracy: mean ± std over clients of each client\'s personalised model on its own test '
-          "split (last round). PSNR: mean / median / max over the reconstructed images, in dB, with the prior "
-          "baseline (the data set's mean image scored the same way); leakage means <em>above the prior</em>. "
-          "MIS-SPECIFIED: for some target the true data matched the upload worse than the reconstruction under "
-          "the attack's own objective (its forward model was wrong), so that PSNR says nothing about the "
-          "method's privacy. Upload: all clients' uploads per round.</p>"]
+          f'<p class="muted">{e(headline_note(meta))}</p>']
     skips = skipped(summary, meta)
     if skips:
         h.append("<p>Not run:</p><ul>" + "".join(f"<li>{e(m)} × {e(a)}: {e(why)}</li>" for m, a, why in skips)
@@ -429,6 +501,10 @@ def render_html(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, m
             h.append(f'<tr><td class="sev-{e(sev)}">{e(sev)}</td><td>{e(r["code"])}</td><td>{e(r["finding"])}</td>'
                      f'<td>{e(r.get("measured", "") or "")}</td><td><code>{e(r.get("evidence", "") or "")}</code></td></tr>')
         h.append("</table>")
+    if meta.get("by_round"):
+        h += ["<h2>Leakage by round</h2>", f'<p class="muted">{e(BY_ROUND_NOTE)}</p>',
+              html_table(*by_round_rows(meta), numeric_from=2),
+              f'<figure><img src="{data_uri(plots[PLOT_BY_ROUND])}" alt="Leakage by round"><figcaption>Mean PSNR above the prior per attacked round</figcaption></figure>']
     if meta.get("comparisons"):
         h += ["<h2>Which method leaks more</h2>", f'<p class="muted">{e(COMPARISON_NOTE)}</p>',
               "<ul>" + "".join(f"<li>{e(c)}</li>" for c in meta["comparisons"]) + "</ul>"]
@@ -456,7 +532,12 @@ def render_html(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, m
 
 def render(summary: pd.DataFrame, results: pd.DataFrame, findings: pd.DataFrame, grids: Mapping,
            meta: Mapping) -> dict[str, str | bytes]:
-    """Every output file's content: ``report.md``, ``report.html`` and the two plots."""
+    """Every output file's content: ``report.md``, ``report.html`` and the plots (the by-round one when
+    the attacks ran at several rounds)."""
     plots = {PLOT_PSNR: psnr_plot(summary, results, meta), PLOT_SCATTER: scatter_plot(summary, meta)}
+    if meta.get("by_round"):  # attacks at several rounds: leakage across training
+        from .figures import leakage_by_round
+
+        plots[PLOT_BY_ROUND] = leakage_by_round(results, meta["psnr_cap_db"])
     return {"report.md": render_markdown(summary, findings, grids, meta),
             "report.html": render_html(summary, findings, grids, meta, plots), **plots}

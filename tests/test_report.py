@@ -48,6 +48,11 @@ class Calls:
         def train(config, out, *a, **k):
             return self._call("train", config.method, lambda: real_train(config, out, *a, **k), out)
 
+        real_train_federation = rep.runner.train_federation
+
+        def train_federation(fed, prep, out):  # the train stage that records rounds for the attacks
+            return self._call("train", prep.config.method, lambda: real_train_federation(fed, prep, out), out)
+
         def audit(config, out, *a, **k):
             return self._call("audit", config.method, lambda: real_audit(config, out, *a, **k), out)
 
@@ -56,6 +61,7 @@ class Calls:
                               lambda: real_attack(config, settings, *a, **k), k.get("out"))
 
         monkeypatch.setattr(rep.runner, "train", train)
+        monkeypatch.setattr(rep.runner, "train_federation", train_federation)
         monkeypatch.setattr(rep, "run_audit", audit)
         monkeypatch.setattr(rep, "run_attack", attack)
 
@@ -282,3 +288,87 @@ def test_method_comparisons_call_a_difference_only_when_the_interval_says_so():
     summary.loc[summary["method"] == "b", "ig_mis_specified"] = True
     assert "ig: a vs b: not comparable: the attack on b was mis-specified" in method_comparisons(
         summary, results, ["a", "b", "c"], ["ig"])
+
+
+def test_victim_settings_are_cells_and_share_one_recorded_training(tmp_path, monkeypatch):
+    """With victim settings each gradient attack is two cells (textbook, real local training); the
+    train stage records every round and the audit and the real-training attacks reuse that federation
+    instead of retraining it, with the same numbers as an attack that trains on its own."""
+    from fedecouple.engine import Federation
+    from fedsec.attack import run_attack
+
+    rounds = []
+    real_round = Federation.run_round
+
+    def counted(self, *a, **k):
+        rounds.append(self.method.name)
+        return real_round(self, *a, **k)
+
+    monkeypatch.setattr(Federation, "run_round", counted)
+    settings = rep.ReportSettings(rounds=(0, 1), targets=1, iterations={"dlg": 3}, victim_settings=rep.VICTIM_SETTINGS,
+                                  textbook_batch=2, targets_by={"dlg@textbook": 2})
+    base = base_config(rounds=2)
+    result = rep.build_report(base, ["fedpac"], tmp_path / "r", attacks=["dlg", "labels"], settings=settings,
+                              progress=False)
+    assert result["failed"] == {} and result["cells"] == ["dlg@textbook", "dlg@real", "labels"]
+    # train (2 rounds, recorded) + the textbook cell's own training (its targets train differently): the
+    # audit, dlg@real and labels train nothing
+    assert len(rounds) == 4
+    summary = pd.read_csv(tmp_path / "r" / "summary.csv")
+    assert summary.loc[0, "dlg@textbook_n_images"] == 2 * 2 * 2  # 2 rounds x 2 targets x 2 images
+    assert summary.loc[0, "dlg@real_n_images"] >= 10 and summary.loc[0, "labels_status"] == "done"
+    for col in ("dlg@real_mean_psnr_ci_low", "dlg@real_success_rate_ci_high", "dlg@real_not_converged_targets"):
+        assert col in summary.columns
+    results = pd.read_csv(tmp_path / "r" / "results.csv")
+    assert set(results["attack"]) == {"dlg@textbook", "dlg@real", "labels"}
+    alone = run_attack(method_config_for(base, "fedpac"), settings.for_attack("dlg@real"), out=tmp_path / "alone",
+                       progress=False)
+    shared = json.loads((tmp_path / "r" / "fedpac" / "attack-dlg@real" / "summary.json").read_text())
+    assert shared["training_shared"] and alone["mean_psnr"] == shared["mean_psnr"]
+    assert pd.read_csv(tmp_path / "alone" / "attack.csv")["psnr"].tolist() == \
+        pd.read_csv(tmp_path / "r" / "fedpac" / "attack-dlg@real" / "attack.csv")["psnr"].tolist()
+
+
+def method_config_for(base, method):
+    from fedsec.compare import method_config
+
+    return method_config(base, method, base.federation.seed)
+
+
+def test_the_audit_preset_plans_at_least_32_images_per_image_cell():
+    """``--preset audit`` on mnist5k: every image cell scores at least 32 images, at round 0 and at
+    the last of 20 rounds (the textbook cell: targets x batch; real local training: the targets'
+    training sets; prototypes: one per class a target holds)."""
+    from fedsec.runner import AUDIT_FEDERATION, prepare
+
+    settings = rep.audit_preset()
+    cells = settings.keys(rep.AUDIT_ATTACKS)
+    assert cells == ["ig@textbook", "ig@real", "proto", "labels"] and settings.rounds == (0, 19)
+    prep = prepare(RunConfig.of(dataset="mnist5k", **AUDIT_FEDERATION))
+    smallest = min(len(prep.partition.train[c]) for c in range(prep.config.data.clients))
+    plan = {c: settings.for_attack(c) for c in cells}
+    assert plan["ig@textbook"].targets * plan["ig@textbook"].victim_batch >= 32
+    assert plan["ig@real"].victim_batch == 0 and plan["ig@real"].targets * smallest >= 32
+    assert plan["proto"].targets * prep.config.data.classes_per_client >= 32
+    assert all(s.rounds_to_train == AUDIT_FEDERATION["rounds"] for s in plan.values())
+
+
+def test_preset_audit_on_the_command_line_prints_an_estimate_and_writes_both_settings(tmp_path, capsys):
+    """``fedsec report --preset audit`` with explicit flags scaling it down (they win over the preset)."""
+    out = tmp_path / "audit"
+    main(["report", "--preset", "audit", "--dataset", "digits", "--clients", "4", "--rounds", "2",
+          "--attack-rounds", "0,1", "--targets", "1", "--iterations", "3", "--methods", "fedpac",
+          "--threads", "1", "--out", str(out)])  # returns (exit 0); a failure exits non-zero
+    captured = capsys.readouterr()
+    assert re.search(r"\d+ of \d+ stages to compute: about \d+ (s|min)", captured.err)
+    assert "ig@textbook" in captured.out and "ig@real" in captured.out
+    summary = pd.read_csv(out / "summary.csv")
+    assert summary.loc[0, "ig@textbook_n_images"] == 2 * 1 * 2  # 2 rounds x 1 target x 2 images (the preset's batch)
+    assert summary.loc[0, "ig@real_status"] == "done" and summary.loc[0, "proto_status"] == "done"
+    config = json.loads((out / "fedpac" / "train" / "config.json").read_text())["config"]
+    assert (config["clients"], config["rounds"]) == (4, 2)
+    assert (out / "leakage_by_round.png").is_file() and "## Leakage by round" in (out / "report.md").read_text()
+    by_round = pd.read_csv(out / "by_round.csv")
+    cells = by_round[by_round["attack"] == "ig@textbook"].set_index("round")
+    assert list(cells.index) == [0, 1] and (cells["n_images"] == 2).all()
+    assert (cells["mean_psnr_ci_low"] <= cells["mean_psnr"]).all() and (cells["mean_psnr"] <= cells["mean_psnr_ci_high"]).all()

@@ -1,0 +1,78 @@
+"""How long a report will take, printed before it starts: rates measured on the reference machine
+(2 CPU cores, one torch thread; BENCHMARKS.md, "Audit preset"), scaled by the work a stage does.
+
+A rough guide, not a promise: the rates are for mnist5k's 28×28 CNN; a stage's training is scaled
+by the images each client trains on per round (samples × local epochs), an attack's optimisation
+by its targets, rounds, steps and starts (and, on real local training, by the client's images per
+epoch). Stages already done (or reused) count zero; stages that share a recorded training (a
+report's train stage, its audit and its real-training attacks) count it once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# reference: mnist5k, pathological K=3, 20 clients (~187 training images each), 1 local epoch
+REFERENCE_IMAGES = 187
+# seconds per client per round of training (the local update and the driver's evaluation)
+ROUND_SECONDS = {"fedecouple": 0.365, "fedpac": 0.14, "fedper": 0.062, "fedproto": 0.098, "fedrep": 0.07,
+                 "fedavg": 0.06, "ft-fedavg": 0.07, "local": 0.06}
+DEFAULT_ROUND_SECONDS = 0.15
+# seconds per optimiser step of one target and per image: in the textbook setting the images it
+# rebuilds; on real local training the images the client trains on (the whole epoch is replayed at
+# every step); "image" is prototype inversion (one image per target step)
+STEP_SECONDS = {"textbook": {"fedecouple": 0.0093, "fedpac": 0.0115, "fedper": 0.0012, None: 0.008},
+                "real": {"fedecouple": 0.0063, "fedpac": 0.0039, "fedper": 0.001, None: 0.004},
+                "image": {None: 0.0103}}
+# seconds per target beyond its optimiser steps (observation, forward-model check, scoring), per image
+TARGET_SECONDS_PER_IMAGE = 0.006
+TARGET_SECONDS = 0.1
+
+
+@dataclass
+class StageWork:
+    """What one stage will compute (``None`` fields: nothing of that kind)."""
+
+    method: str
+    clients: int
+    rounds: int  # rounds trained (0: the training is shared or already done)
+    images_per_client: float  # training images per client per round (samples x local epochs)
+    attack_kind: str | None = None  # gradient | image | labels
+    setting: str | None = None  # textbook | real (gradient attacks)
+    targets: int = 0  # attacked clients over all attacked rounds
+    steps: int = 0  # optimiser steps x starts per target
+    images: float = 0.0  # images per target the step cost scales with
+
+
+def seconds(work: StageWork) -> float:
+    """The stage's estimated wall time on the reference machine."""
+    per_client = ROUND_SECONDS.get(work.method, DEFAULT_ROUND_SECONDS) * work.images_per_client / REFERENCE_IMAGES
+    total = work.rounds * work.clients * per_client
+    if work.attack_kind in ("gradient", "image"):
+        rates = STEP_SECONDS["image" if work.attack_kind == "image" else work.setting or "textbook"]
+        images = work.images if work.attack_kind == "gradient" else 1.0
+        total += work.targets * (TARGET_SECONDS + TARGET_SECONDS_PER_IMAGE * images
+                                 + work.steps * images * rates.get(work.method, rates[None]))
+    elif work.attack_kind is not None:
+        total += work.targets * TARGET_SECONDS
+    return total
+
+
+def describe(total_seconds: float) -> str:
+    minutes = total_seconds / 60
+    return f"about {minutes:.0f} min" if minutes >= 2 else f"about {total_seconds:.0f} s"
+
+
+def attack_work(method: str, clients: int, images_per_client: float, settings, train_rounds: int) -> StageWork:
+    """The work of one attack run (``settings``: resolved ``AttackSettings``) that trains
+    ``train_rounds`` rounds first (0: its training is shared)."""
+    real = settings.victim_batch == 0
+    return StageWork(method, clients, train_rounds, images_per_client, attack_kind=settings.spec.kind,
+                     setting="real" if real else "textbook", targets=settings.targets * len(settings.rounds),
+                     steps=settings.iterations * settings.restarts,
+                     images=images_per_client if real else settings.victim_batch)
+
+
+def training_images(prep) -> float:
+    """Images a client trains on per round, on average (samples x local epochs)."""
+    train = prep.partition.train
+    return sum(len(t) for t in train) / max(len(train), 1) * prep.config.federation.train.local_epochs
