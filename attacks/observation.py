@@ -260,9 +260,11 @@ def combine_epoch_copies(images: torch.Tensor, copies: int) -> torch.Tensor:
     return torch.stack(aligned).mean(0)
 
 
-def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: list[Step]) -> ReplayContext:
+def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: list[Step],
+                   copies: int = 1) -> ReplayContext:
     """What ``Method.replay`` starts from, from the observation alone (``before`` from
-    ``update_target``; the client's kept model: its previous upload, else the initial weights)."""
+    ``update_target``; the client's kept model: its previous upload, else the initial weights);
+    ``copies``: epoch copies of the image set in the replayed images (``Layout.epoch_copies``)."""
     initial = {n: p.detach() for n, p in obs.make_model().named_parameters()}
     previous = obs.previous_upload or {}
     kept = {n: previous[n].to(torch.float32) if n in previous else v for n, v in initial.items()}
@@ -270,7 +272,7 @@ def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: lis
     if obs.round > 0 and not any(n in previous for n in initial):
         notes.append("no previous upload of this client: its kept model is taken to be the initial one")
     return ReplayContext(before=before, kept=kept, download=dict(obs.download), lr=obs.known_hyperparameters.lr,
-                         steps=steps, num_classes=obs.num_classes, notes=notes)
+                         steps=steps, num_classes=obs.num_classes, notes=notes, copies=int(copies))
 
 
 COPY_MODELS = ("free", "family")
@@ -376,7 +378,7 @@ class GradientMatcher:
             self.draws = None
             self.reconstructed, self.epoch_copies = layout.reconstructed, layout.epoch_copies
         self.augmented = augmented
-        self.context = replay_context(obs, self.update.before, steps)
+        self.context = replay_context(obs, self.update.before, steps, self.epoch_copies)
         self.originals = (int(hp.samples if hp.samples is not None else hp.batch_size) if known is not None
                           else layout.slots)
         if obs.copies not in COPY_MODELS:

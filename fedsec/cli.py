@@ -387,14 +387,16 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
 
     For each method: train (accuracy), audit (what is uploaded, findings), then each attack. Outputs
     in --out: report.md, a self-contained report.html, results.csv (one row per method x attack x
-    round x client x image), summary.csv (one row per method), findings.csv, psnr_by_method.png,
-    accuracy_vs_leakage.png. Each stage writes <out>/<method>/<stage>/ and a done.json last, so an
-    interrupted report resumes where it stopped.
+    round x client x image), summary.csv (one row per method, with intervals and shares recovered),
+    by_round.csv, findings.csv, psnr_by_method.png, accuracy_vs_leakage.png (and leakage_by_round.png
+    with several attack rounds). Each stage writes <out>/<method>/<stage>/ and a done.json last, so an
+    interrupted report resumes where it stopped. The time estimate is printed before it starts.
 
     The defaults (10 clients, 3 rounds; 2 clients attacked in round 0, `fedsec attack`'s step budgets)
-    take about 6-7 minutes on mnist5k (single-threaded); the attacks dominate, IG most. Scale up with the train flags (--clients,
-    --rounds, --local-epochs: train and audit grow linearly) and the attack budget (--targets,
-    --iterations, --attack-rounds 0,9: each attack retrains up to its last round), e.g.
+    take about 6-7 minutes on mnist5k; the attacks dominate, IG most. Scale up with the train flags
+    (--clients, --rounds, --local-epochs: training grows linearly) and the attack budget (--targets,
+    --iterations, --attack-rounds 0,9: the train stage's recorded federation serves the audit and the
+    attacks on real local training; an attack in the textbook setting trains its own), e.g.
     --clients 20 --rounds 20 --targets 5 --iterations 1000.
 
     Example: fedsec report --methods fedecouple,fedper,fedpac,fedproto --out runs/report

@@ -14,15 +14,16 @@ from dataclasses import dataclass
 # reference: mnist5k, pathological K=3, 20 clients (~187 training images each), 1 local epoch
 REFERENCE_IMAGES = 187
 # seconds per client per round of training (the local update and the driver's evaluation)
-ROUND_SECONDS = {"fedecouple": 0.365, "fedpac": 0.14, "fedper": 0.062, "fedproto": 0.098, "fedrep": 0.07,
+ROUND_SECONDS = {"fedecouple": 0.34, "fedpac": 0.117, "fedper": 0.055, "fedproto": 0.078, "fedrep": 0.07,
                  "fedavg": 0.06, "ft-fedavg": 0.07, "local": 0.06}
 DEFAULT_ROUND_SECONDS = 0.15
 # seconds per optimiser step of one target and per image: in the textbook setting the images it
 # rebuilds; on real local training the images the client trains on (the whole epoch is replayed at
-# every step); "image" is prototype inversion (one image per target step)
-STEP_SECONDS = {"textbook": {"fedecouple": 0.0093, "fedpac": 0.0115, "fedper": 0.0012, None: 0.008},
-                "real": {"fedecouple": 0.0063, "fedpac": 0.0039, "fedper": 0.001, None: 0.004},
-                "image": {None: 0.0103}}
+# every step); "image" is prototype inversion (one image per target step). Measured in the audit
+# preset's run (BENCHMARKS.md)
+STEP_SECONDS = {"textbook": {"fedecouple": 0.0108, "fedpac": 0.0107, "fedper": 0.0014, None: 0.008},
+                "real": {"fedecouple": 0.0057, "fedpac": 0.0028, "fedper": 0.00094, None: 0.003},
+                "image": {"fedpac": 0.0195, "fedproto": 0.0316, None: 0.025}}
 # seconds per target beyond its optimiser steps (observation, forward-model check, scoring), per image
 TARGET_SECONDS_PER_IMAGE = 0.006
 TARGET_SECONDS = 0.1

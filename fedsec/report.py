@@ -9,7 +9,15 @@ Stages, for every method (each in ``out/<method>/<stage>/``):
 * ``attack-<name>``  ``fedsec.attack.run_attack`` for each requested attack → attack.csv,
                      summary.json, reconstructions.png. An attack that does not apply to a method
                      (``dlg`` on FedProto, ``proto`` on a method that uploads no prototypes, ...)
-                     is recorded as ``not applicable: <reason>``.
+                     is recorded as ``not applicable: <reason>``. With victim settings
+                     (``ReportSettings.victim_settings``, ``--preset audit``) a gradient attack is
+                     one stage per setting, ``attack-ig@textbook`` and ``attack-ig@real``: the
+                     report's *cells*, which name its columns and ``results.csv``'s ``attack``.
+
+One training serves several stages (``fedsec.attack.TrainingCache``): the train stage records every
+round, and the method's audit and its attacks on real local training (same rounds trained, no
+victim setting) use that federation instead of training it again; a textbook cell trains its own
+(its targets train differently in the attacked rounds). The numbers are those of separate runs.
 
 Every method uses the same ``RunConfig`` except ``method`` and the hyperparameters that method
 takes, so all see the same partition, initial model and seeds.
@@ -27,8 +35,11 @@ recomputed.
 Top-level outputs in ``out`` (written atomically after the last stage): ``report.md``,
 ``report.html``, ``psnr_by_method.png``, ``accuracy_vs_leakage.png``, ``results.csv`` (every
 attack.csv concatenated: one row per method × attack × round × client × image; ``labels`` rows are
-per class, with ``class`` set and ``image`` empty) and ``summary.csv`` (one row per method, the
-headline columns).
+per class, with ``class`` set and ``image`` empty), ``summary.csv`` (one row per method, the
+headline columns: per cell n, mean PSNR with its 95 % interval, the share recovered with its
+interval, the forward-model check's counts) and ``by_round.csv`` (the same per attacked round; with
+several rounds also a report section and ``leakage_by_round.png``). Before the first stage the report
+prints its time estimate (``fedsec.estimate``).
 """
 from __future__ import annotations
 
@@ -57,7 +68,6 @@ from .compare import method_config, parse_list, parse_methods, run_status, share
 from .runner import RunConfig
 from .versions import package_versions
 from reports.audit import SEVERITIES
-from reports.comparison import mis_specified
 from reports.formatting import is_true
 
 DEFAULT_METHODS = ("fedecouple", "fedper", "fedpac", "fedproto")
@@ -497,9 +507,9 @@ def method_comparisons(summary: pd.DataFrame, results: pd.DataFrame, methods: li
     """One sentence per image attack (cell) and pair of methods, over all attacked rounds and, with
     several, per round: which leaks more, paired over the same images
     (``attacks.metrics.paired_difference``), or that the intervals cannot tell them apart; never a
-    comparison with a mis-specified attack, nor with one that stopped short below the prior."""
+    comparison with a mis-specified attack, nor with one that stopped short of the truth below the
+    prior (in the rounds compared)."""
     from attacks.metrics import paired_difference
-    from reports.comparison import stopped_short
 
     sentences = []
     rows = summary.set_index("method")
@@ -508,16 +518,6 @@ def method_comparisons(summary: pd.DataFrame, results: pd.DataFrame, methods: li
         done = [m for m in methods if rows.loc[m].get(f"{a}_status") == "done"]
         for i, m1 in enumerate(done):
             for m2 in done[i + 1:]:
-                wrong = [m for m in (m1, m2) if mis_specified(rows.loc[m], a)]
-                if wrong:
-                    sentences.append(f"{a}: {m1} vs {m2}: not comparable: the attack on {', '.join(wrong)} was "
-                                     f"mis-specified")
-                    continue
-                short = [m for m in (m1, m2) if stopped_short(rows.loc[m], a)]
-                if short:
-                    sentences.append(f"{a}: {m1} vs {m2}: not comparable: the attack on {', '.join(short)} stopped "
-                                     f"short of the truth below the prior (a lower bound)")
-                    continue
                 for rnd in [None] + (rounds if len(rounds) > 1 else []):
                     sentence = _paired_sentence(results, a, m1, m2, rnd, paired_difference)
                     if sentence:
@@ -532,14 +532,31 @@ def _paired_sentence(results: pd.DataFrame, a: str, m1: str, m2: str, rnd: int |
             sel &= results["round"] == rnd
         return results[sel].to_dict("records")
 
-    d = paired_difference(pick(m1), pick(m2))
+    where = a if rnd is None else f"{a}, round {rnd}"
+    picked = {m: pick(m) for m in (m1, m2)}
+    wrong = [m for m, rs in picked.items() if any(is_true(r.get("mis_specified")) for r in rs)]
+    if wrong:
+        return f"{where}: {m1} vs {m2}: not comparable: the attack on {', '.join(wrong)} was mis-specified"
+    short = [m for m, rs in picked.items() if _stopped_short(rs)]
+    if short:
+        return (f"{where}: {m1} vs {m2}: not comparable: the attack on {', '.join(short)} stopped short of the truth "
+                f"below the prior (a lower bound)")
+    d = paired_difference(picked[m1], picked[m2])
     if not d["n_pairs"]:
         return None
     verdict = {"A leaks more": f"{m1} leaks more", "B leaks more": f"{m2} leaks more"}.get(d["verdict"], d["verdict"])
-    where = a if rnd is None else f"{a}, round {rnd}"
     return (f"{where}: {m1} vs {m2}: {verdict} (PSNR above the prior, {m1} minus {m2}: "
             f"{d['mean_difference']:+.1f} dB [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}], "
             f"{d['n_pairs']} images over {d['n_targets']} targets)")
+
+
+def _stopped_short(rows: list[dict]) -> bool:
+    """At or below the prior on average while the optimiser stopped short of the truth on some target
+    (``reports.comparison.stopped_short``, for a set of per-image rows)."""
+    if not rows or not any(is_true(r.get("not_converged")) for r in rows):
+        return False
+    psnr = [min(float(r["psnr"]), PSNR_CAP_DB) for r in rows]
+    return sum(psnr) <= sum(float(r["prior_psnr"]) for r in rows)
 
 
 def leakage_by_round(results: pd.DataFrame, methods: list[str], cells: list[str], seed: int = 0) -> pd.DataFrame:

@@ -323,9 +323,10 @@ def _json_block(obj: Any) -> str:
 
 
 COMPARISON_NOTE = ("Paired over the images both methods' attacks scored (same partition, seed and attacked "
-                   "clients): the mean difference of PSNR above the prior with a 95 % interval that resamples the "
-                   "attacked clients. A difference is called only when the interval excludes zero; a mis-specified "
-                   "attack is compared with nothing. \"Recovered\": PSNR at least 6 dB above the prior.")
+                   "clients), over all attacked rounds and per round: the mean difference of PSNR above the prior with "
+                   "a 95 % interval that resamples the attacked clients. A difference is called only when the "
+                   "interval excludes zero; a mis-specified attack, or one that stopped short of the truth below "
+                   "the prior (a lower bound), is compared with nothing. \"Recovered\": PSNR at least 6 dB above the prior.")
 MIA_NOTE = ("Membership inference (`fedsec mia`): can a model tell a client's training records from its own "
             "held-out records? LiRA (online, global variance) on each client's personal model, the global model and "
             "the uploads, with shadow federations of the same method as references; [95 % intervals that resample "

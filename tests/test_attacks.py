@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -227,6 +228,23 @@ def test_the_harness_reads_ground_truth_only_after_the_attack(monkeypatch, tmp_p
 # CLI
 
 
+def test_cli_attack_preset_audit_attacks_real_local_training_at_round_0_and_the_last(tmp_path, capsys):
+    """``fedsec attack ig --preset audit``: the audit's real-training cell (2 clients, every image they
+    trained on, one start) at round 0 and the last preset round; explicit flags win (here they scale
+    the federation down and cut the steps)."""
+    from fedsec.cli import main
+
+    out = tmp_path / "audit"
+    main(["attack", "ig", "--preset", "audit", "--method", "fedper", "--dataset", "digits", "--clients", "4",
+          "--attack-rounds", "0,1", "--iterations", "2", "--out", str(out)])
+    assert re.search(r"estimated time: about \d+ (s|min)", capsys.readouterr().err)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["victim"] is None and summary["budget"]["restarts"] == 1 and summary["budget"]["iterations"] == 2
+    assert summary["attack_rounds"] == [0, 1] and all(len(t) == 2 for t in summary["targets"].values())
+    assert summary["n_images"] >= 32 and summary["n_targets"] == 4  # every image two clients trained on, twice
+    assert summary["config"]["clients"] == 4 and len(summary["mean_psnr_ci"]) == 2
+
+
 def test_cli_attack_dlg_fedecouple_writes_the_three_files(tmp_path):
     from fedsec.cli import main
 
@@ -235,8 +253,8 @@ def test_cli_attack_dlg_fedecouple_writes_the_three_files(tmp_path):
           "--out", str(out)])
     frame = pd.read_csv(out / "attack.csv")
     assert list(frame.columns) == ["method", "attack", "mode", "round", "client", "image", "psnr", "ssim",
-                                   "prior_psnr", "class_prior_psnr", "label_true", "label_pred", "mis_specified", "not_converged",
-                                   "replay_cosine", "objective_truth", "objective_reconstruction"]
+                                   "prior_psnr", "class_prior_psnr", "label_true", "label_pred", "mis_specified",
+                                   "not_converged", "replay_cosine", "objective_truth", "objective_reconstruction"]
     assert len(frame) == 2 and set(frame["method"]) == {"fedecouple"} and set(frame["round"]) == {0}
     assert set(frame["mode"]) == {"method"}  # FedeCouple's own local training is replayed
     # the replay on the truth is the client's computation; the truth is no worse than the reconstruction

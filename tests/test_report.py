@@ -264,8 +264,9 @@ def test_reuse_takes_a_plain_train_run(tmp_path, monkeypatch):
 
 def test_method_comparisons_call_a_difference_only_when_the_interval_says_so():
     """Paired over the same targets: a consistent 8 dB gap over 6 clients is a difference; a gap
-    that flips sign from client to client is not; a mis-specified attack is never compared, and a
-    missing (NaN) flag — proto has no forward-model check — is not taken for one."""
+    that flips sign from client to client is not; a mis-specified attack is never compared, nor one
+    that stopped short below the prior, and a missing (NaN) flag — proto has no forward-model check —
+    is not taken for one."""
     import numpy as np
     import pandas as pd
 
@@ -277,7 +278,8 @@ def test_method_comparisons_call_a_difference_only_when_the_interval_says_so():
         base = 15 + rng.normal(0, 2)
         for method, shift in (("a", 8.0), ("b", 0.0), ("c", 3.0 if client % 2 else -3.0)):
             rows.append({"method": method, "attack": "ig", "round": 0, "client": client, "image": 0,
-                         "psnr": base + shift, "prior_psnr": 10.0, "ssim": 0.5})
+                         "psnr": base + shift, "prior_psnr": 10.0, "ssim": 0.5,
+                         "mis_specified": float("nan") if method == "a" else False})
     results = pd.DataFrame(rows)
     summary = pd.DataFrame([{"method": m, "ig_status": "done", "ig_mis_specified": flag}
                             for m, flag in (("a", float("nan")), ("b", False), ("c", False))])
@@ -285,9 +287,17 @@ def test_method_comparisons_call_a_difference_only_when_the_interval_says_so():
     assert any(s.startswith("ig: a vs b: a leaks more (PSNR above the prior, a minus b: +8.0 dB") for s in sentences)
     assert any(s.startswith("ig: b vs c: not distinguishable at this sample size") for s in sentences), sentences
     assert "6 images over 6 targets" in sentences[0]
-    summary.loc[summary["method"] == "b", "ig_mis_specified"] = True
+    flagged = results.assign(mis_specified=(results["method"] == "b").astype(object))
     assert "ig: a vs b: not comparable: the attack on b was mis-specified" in method_comparisons(
-        summary, results, ["a", "b", "c"], ["ig"])
+        summary, flagged, ["a", "b", "c"], ["ig"])
+    # below the prior while its own objective prefers the truth: a lower bound, compared with nothing in
+    # the rounds where it holds (here round 1 of c), while round 0 is still compared
+    late = results[results["method"] != "a"].assign(round=1, psnr=5.0, not_converged=results["method"] == "c")
+    sentences = method_comparisons(summary, pd.concat([results.assign(not_converged=False), late]), ["a", "b", "c"],
+                                   ["ig"])
+    assert "ig, round 1: b vs c: not comparable: the attack on c stopped short of the truth below the prior " \
+           "(a lower bound)" in sentences
+    assert any(s.startswith("ig, round 0: b vs c: not distinguishable at this sample size") for s in sentences)
 
 
 def test_victim_settings_are_cells_and_share_one_recorded_training(tmp_path, monkeypatch):

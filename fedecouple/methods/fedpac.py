@@ -211,6 +211,7 @@ class FedPAC(Method):
         probs = as_probabilities(labels, context.num_classes)
         base, cls = only_group(context.before, "extractor"), only_group(context.before, "classifier")
         counts, local_means, h, v = soft_client_statistics(features(model, base, images), probs)
+        counts = counts / context.copies  # the client counts its images once (means, h and V are ratios)
         for i, step in context.phase("classifier"):
             xb, yb = batch(images, probs, step, copies[i])
             feats = features(model, base, xb)

@@ -47,7 +47,9 @@ class ReplayContext:
     initial weights, see ``attacks.observation.update_target``). ``kept``: the client's own last
     model as the server knows it (its previous upload where it has one, else the initial weights),
     which FedeCouple's classifier phase runs on. ``download``: what the server sent (global
-    prototypes, a personalised head, ...). ``steps``: the local SGD steps in order."""
+    prototypes, a personalised head, ...). ``steps``: the local SGD steps in order. ``copies``: how
+    many times the client's image set appears among the replayed images (an attack on real local
+    training gives every epoch its own copy): a statistic that counts images divides by it."""
 
     before: Params
     kept: Params
@@ -56,6 +58,7 @@ class ReplayContext:
     steps: list[Step]
     num_classes: int
     notes: list[str] = field(default_factory=list)
+    copies: int = 1
 
     def phase(self, name: str) -> list[tuple[int, Step]]:
         """(position in ``steps``, step) for every step of one phase."""

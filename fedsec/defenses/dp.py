@@ -566,7 +566,11 @@ class DPMethod(Method):
         self.communicates = method.communicates
         self.plain_sgd = method.plain_sgd
         self.dp_per_sample, self.dp_statistics = method.dp_per_sample, method.dp_statistics
+        self.paper_preset = method.paper_preset
         self._manifest = None  # the inner method's manifest, once a model was seen (withheld counts)
+
+    def dp_uncovered(self) -> str | None:
+        return self.inner.dp_uncovered()
 
     def __getattr__(self, item):
         if item in ("inner", "__setstate__", "__getstate__"):

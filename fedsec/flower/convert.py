@@ -33,10 +33,6 @@ def array_to_tensor(array: Array) -> torch.Tensor:
     return torch.from_numpy(np.array(array.numpy(), copy=True))
 
 
-def arrays_to_tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    return {name: array_to_tensor(array) for name, array in record.items()}
-
-
 def _value_tensor(value) -> torch.Tensor:
     if isinstance(value, bytes):
         return torch.tensor(list(value), dtype=torch.uint8)
