@@ -4,6 +4,8 @@ from __future__ import annotations
 import io
 import math
 
+from .formatting import is_true
+
 
 def png_bytes(fig, dpi: int) -> bytes:
     """A matplotlib ``Figure`` (object API, no pyplot) as PNG bytes, with no software tag, so the
@@ -54,17 +56,27 @@ def reconstruction_grid(panels: list[tuple], title: str) -> bytes:
 
 def leakage_by_round(results, psnr_cap_db: float) -> bytes:
     """Mean PSNR above the prior per attacked round, one line per method and image attack (results:
-    the report's per-image rows: method, attack, round, psnr, prior_psnr)."""
+    the report's per-image rows: method, attack, round, psnr, prior_psnr, mis_specified); rounds where
+    the attack was mis-specified on some target are crossed out."""
     import numpy as np
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.add_subplot(1, 1, 1)
     rows = results.dropna(subset=["psnr", "prior_psnr"])
+    flagged_label = "mis-specified (the attack's forward model was wrong)"
     for (method, attack), group in rows.groupby(["method", "attack"], sort=False):
         gain = np.minimum(group["psnr"].astype(float), psnr_cap_db) - group["prior_psnr"].astype(float)
-        by_round = gain.groupby(group["round"].astype(int)).mean()
+        rounds = group["round"].astype(int)
+        by_round = gain.groupby(rounds).mean()
         ax.plot(by_round.index, by_round.values, marker="o", label=f"{method} ({attack})")
+        if "mis_specified" in group:  # a point that says nothing about the method: crossed out
+            wrong = group["mis_specified"].map(is_true).groupby(rounds).any()
+            wrong = wrong[wrong].index
+            if len(wrong):
+                ax.scatter(wrong, by_round.loc[wrong].values, marker="x", s=80, color="black", zorder=4,
+                           label=flagged_label)
+                flagged_label = None
     ax.axhline(0.0, color="black", linestyle="--", linewidth=1)
     ax.set_xlabel("attacked round")
     ax.set_ylabel("mean PSNR above the prior (dB)")

@@ -382,3 +382,13 @@ def test_preset_audit_on_the_command_line_prints_an_estimate_and_writes_both_set
     cells = by_round[by_round["attack"] == "ig@textbook"].set_index("round")
     assert list(cells.index) == [0, 1] and (cells["n_images"] == 2).all()
     assert (cells["mean_psnr_ci_low"] <= cells["mean_psnr"]).all() and (cells["mean_psnr"] <= cells["mean_psnr_ci_high"]).all()
+
+
+def test_leakage_by_round_crosses_out_the_rounds_an_attack_was_mis_specified():
+    from reports.figures import leakage_by_round
+
+    rows = pd.DataFrame([{"method": "m", "attack": "ig@real", "round": r, "psnr": 20.0, "prior_psnr": 10.0,
+                          "mis_specified": False} for r in (0, 19)])
+    plain = leakage_by_round(rows, 100.0)
+    assert plain[:4] == b"\x89PNG" and plain == leakage_by_round(rows, 100.0)  # the same figure, the same bytes
+    assert leakage_by_round(rows.assign(mis_specified=[False, True]), 100.0) != plain
