@@ -24,6 +24,8 @@ DEFAULT_ROUND_SECONDS = 0.15
 STEP_SECONDS = {"textbook": {"fedecouple": 0.0108, "fedpac": 0.0107, "fedper": 0.0014, None: 0.008},
                 "real": {"fedecouple": 0.0057, "fedpac": 0.0028, "fedper": 0.00094, None: 0.003},
                 "image": {"fedpac": 0.0195, "fedproto": 0.0316, None: 0.025}}
+# an L-BFGS step (DLG, iDLG) runs up to 20 evaluations: ≈ 6 Adam steps in the default report's run
+STEP_FACTOR = {"dlg": 6.0, "idlg": 6.0}
 # seconds per target beyond its optimiser steps (observation, forward-model check, scoring), per image
 TARGET_SECONDS_PER_IMAGE = 0.006
 TARGET_SECONDS = 0.1
@@ -42,6 +44,7 @@ class StageWork:
     targets: int = 0  # attacked clients over all attacked rounds
     steps: int = 0  # optimiser steps x starts per target
     images: float = 0.0  # images per target the step cost scales with
+    attack: str | None = None
 
 
 def seconds(work: StageWork) -> float:
@@ -52,7 +55,8 @@ def seconds(work: StageWork) -> float:
         rates = STEP_SECONDS["image" if work.attack_kind == "image" else work.setting or "textbook"]
         images = work.images if work.attack_kind == "gradient" else 1.0
         total += work.targets * (TARGET_SECONDS + TARGET_SECONDS_PER_IMAGE * images
-                                 + work.steps * images * rates.get(work.method, rates[None]))
+                                 + work.steps * images * rates.get(work.method, rates[None])
+                                 * STEP_FACTOR.get(work.attack or "", 1.0))
     elif work.attack_kind is not None:
         total += work.targets * TARGET_SECONDS
     return total
@@ -70,7 +74,7 @@ def attack_work(method: str, clients: int, images_per_client: float, settings, t
     return StageWork(method, clients, train_rounds, images_per_client, attack_kind=settings.spec.kind,
                      setting="real" if real else "textbook", targets=settings.targets * len(settings.rounds),
                      steps=settings.iterations * settings.restarts,
-                     images=images_per_client if real else settings.victim_batch)
+                     images=images_per_client if real else settings.victim_batch, attack=settings.attack)
 
 
 def training_images(prep) -> float:
