@@ -286,8 +286,11 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
                               iterations=iterations, restarts=restarts, images=images, victim_batch=victim_batch,
                               victim_steps=victim_steps, seed=attack_seed, train_rounds=train_rounds, **threat)
     out = out or default_out(attack, config.method)
-    click.echo(f"estimated time: {attack_estimate(config, settings)} (fedsec.estimate)", err=True)
-    summary = run_attack(config, settings, out=out)
+    from .compare import shared_datasets
+
+    with shared_datasets():  # the estimate and the attack read the data set once
+        click.echo(f"estimated time: {attack_estimate(config, settings)} (fedsec.estimate)", err=True)
+        summary = run_attack(config, settings, out=out)
     click.echo(attack_headline(summary, out))
     for note in summary["notes"][:3]:
         click.echo(f"  note: {note}")
