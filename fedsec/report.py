@@ -60,7 +60,7 @@ import attacks
 from fedecouple.errors import UserError
 
 from . import estimate, io, runner
-from attacks.metrics import PSNR_CAP_DB, SUCCESS_RULE
+from attacks.metrics import PSNR_CAP_DB, SUCCESS_RULE, summarize_scores
 from .attack import (IMAGE_COLUMNS, LABEL_COLUMNS, AttackSettings, TrainingCache, check_applicable, parse_attacks,
                      parse_rounds, recording_federation, run_attack, training_key)
 from .audit import LEAK_GAP_DB, at_chance, psnr_gap, run_audit
@@ -68,7 +68,7 @@ from .compare import method_config, parse_list, parse_methods, run_status, share
 from .runner import RunConfig
 from .versions import package_versions
 from reports.audit import SEVERITIES
-from reports.formatting import is_true
+from reports.formatting import is_lower_bound, is_true
 
 DEFAULT_METHODS = ("fedecouple", "fedper", "fedpac", "fedproto")
 DEFAULT_ATTACKS = ("dlg", "ig", "proto", "labels")
@@ -551,12 +551,12 @@ def _paired_sentence(results: pd.DataFrame, a: str, m1: str, m2: str, rnd: int |
 
 
 def _stopped_short(rows: list[dict]) -> bool:
-    """At or below the prior on average while the optimiser stopped short of the truth on some target
-    (``reports.comparison.stopped_short``, for a set of per-image rows)."""
-    if not rows or not any(is_true(r.get("not_converged")) for r in rows):
+    """``reports.formatting.is_lower_bound`` for a set of per-image rows."""
+    if not rows:
         return False
-    psnr = [min(float(r["psnr"]), PSNR_CAP_DB) for r in rows]
-    return sum(psnr) <= sum(float(r["prior_psnr"]) for r in rows)
+    scores = summarize_scores(rows)
+    return is_lower_bound(scores["mean_psnr"], scores["mean_prior_psnr"],
+                          any(is_true(r.get("not_converged")) for r in rows))
 
 
 def leakage_by_round(results: pd.DataFrame, methods: list[str], cells: list[str], seed: int = 0) -> pd.DataFrame:

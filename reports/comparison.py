@@ -41,7 +41,7 @@ import pandas as pd
 
 from .audit import SEVERITIES
 from .figures import png_bytes
-from .formatting import finite_or_none, is_true
+from .formatting import finite_or_none, is_lower_bound, is_true
 
 PLOT_PSNR = "psnr_by_method.png"
 PLOT_SCATTER = "accuracy_vs_leakage.png"
@@ -95,9 +95,8 @@ def stopped_short(row: Mapping, attack: str) -> bool:
     """Whether the attack ended below the prior on images whose truth its own objective prefers
     (``not_converged`` on some target): a lower bound set by the attack's budget, not a measure of
     the method's privacy."""
-    short = finite_or_none(row.get(f"{attack}_not_converged_targets"))
-    mean, prior = finite_or_none(row.get(f"{attack}_mean_psnr")), finite_or_none(row.get(f"{attack}_prior_psnr"))
-    return bool(short) and mean is not None and prior is not None and mean <= prior
+    return is_lower_bound(row.get(f"{attack}_mean_psnr"), row.get(f"{attack}_prior_psnr"),
+                          finite_or_none(row.get(f"{attack}_not_converged_targets")))
 
 
 def psnr_cell(row: Mapping, attack: str) -> str:
