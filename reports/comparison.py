@@ -53,7 +53,12 @@ PLOT_BY_ROUND = "leakage_by_round.png"
 # ----------------------------------------------------------------------------------------------
 def headline_note(meta: Mapping) -> str:
     """The legend under the headline table (Markdown and HTML)."""
-    return HEADLINE_NOTE.format(rule=meta.get("success_rule") or "see summary.json")
+    return HEADLINE_NOTE.format(rule=success_rule(meta))
+
+
+def success_rule(meta: Mapping) -> str:
+    """When an image counts as recovered, in words (from the attacks' own constant, via ``meta``)."""
+    return meta.get("success_rule") or "see summary.json"
 
 
 HEADLINE_NOTE = (
@@ -325,7 +330,7 @@ COMPARISON_NOTE = ("Paired over the images both methods' attacks scored (same pa
                    "clients), over all attacked rounds and per round: the mean difference of PSNR above the prior with "
                    "a 95 % interval that resamples the attacked clients. A difference is called only when the "
                    "interval excludes zero; a mis-specified attack, or one that stopped short of the truth below "
-                   "the prior (a lower bound), is compared with nothing. \"Recovered\": PSNR at least 6 dB above the prior.")
+                   "the prior (a lower bound), is compared with nothing. \"Recovered\": {rule}.")
 MIA_NOTE = ("Membership inference (`fedsec mia`): can a model tell a client's training records from its own "
             "held-out records? LiRA (online, global variance) on each client's personal model, the global model and "
             "the uploads, with shadow federations of the same method as references; [95 % intervals that resample "
@@ -404,7 +409,7 @@ def render_markdown(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mappin
         out += ["## Leakage by round", "", BY_ROUND_NOTE, "", md_table(*by_round_rows(meta)), "",
                 f"![Leakage by round]({PLOT_BY_ROUND})", ""]
     if meta.get("comparisons"):
-        out += ["## Which method leaks more", "", COMPARISON_NOTE, ""] + [f"* {_md_cell(c)}" for c in meta["comparisons"]] + [""]
+        out += ["## Which method leaks more", "", COMPARISON_NOTE.format(rule=success_rule(meta)), ""] + [f"* {_md_cell(c)}" for c in meta["comparisons"]] + [""]
     out += _mia_markdown(meta)
     out += ["## PSNR definition", "", str(meta.get("psnr_definition", "")).strip(), ""]
     out += ["## Configuration", "", "Shared run configuration (every method: the same partition and seeds; only "
@@ -506,7 +511,7 @@ def render_html(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, m
               html_table(*by_round_rows(meta), numeric_from=2),
               f'<figure><img src="{data_uri(plots[PLOT_BY_ROUND])}" alt="Leakage by round"><figcaption>Mean PSNR above the prior per attacked round</figcaption></figure>']
     if meta.get("comparisons"):
-        h += ["<h2>Which method leaks more</h2>", f'<p class="muted">{e(COMPARISON_NOTE)}</p>',
+        h += ["<h2>Which method leaks more</h2>", f'<p class="muted">{e(COMPARISON_NOTE.format(rule=success_rule(meta)))}</p>',
               "<ul>" + "".join(f"<li>{e(c)}</li>" for c in meta["comparisons"]) + "</ul>"]
     h += _mia_html(meta)
     h += ["<h2>PSNR definition</h2>", f"<pre>{e(str(meta.get('psnr_definition', '')).strip())}</pre>",
