@@ -306,6 +306,7 @@ def test_victim_settings_are_cells_and_share_one_recorded_training(tmp_path, mon
     instead of retraining it, with the same numbers as an attack that trains on its own."""
     from fedecouple.engine import Federation
     from fedsec.attack import run_attack
+    from fedsec.compare import method_config
 
     rounds = []
     real_round = Federation.run_round
@@ -331,18 +332,12 @@ def test_victim_settings_are_cells_and_share_one_recorded_training(tmp_path, mon
         assert col in summary.columns
     results = pd.read_csv(tmp_path / "r" / "results.csv")
     assert set(results["attack"]) == {"dlg@textbook", "dlg@real", "labels"}
-    alone = run_attack(method_config_for(base, "fedpac"), settings.for_attack("dlg@real"), out=tmp_path / "alone",
-                       progress=False)
+    alone = run_attack(method_config(base, "fedpac", base.federation.seed), settings.for_attack("dlg@real"),
+                       out=tmp_path / "alone", progress=False)
     shared = json.loads((tmp_path / "r" / "fedpac" / "attack-dlg@real" / "summary.json").read_text())
     assert shared["training_shared"] and alone["mean_psnr"] == shared["mean_psnr"]
     assert pd.read_csv(tmp_path / "alone" / "attack.csv")["psnr"].tolist() == \
         pd.read_csv(tmp_path / "r" / "fedpac" / "attack-dlg@real" / "attack.csv")["psnr"].tolist()
-
-
-def method_config_for(base, method):
-    from fedsec.compare import method_config
-
-    return method_config(base, method, base.federation.seed)
 
 
 def test_the_audit_preset_plans_at_least_32_images_per_image_cell():
