@@ -191,27 +191,51 @@ def _rate_interval(hits: np.ndarray, clusters: np.ndarray, seed: int) -> tuple[f
     return low, high
 
 
-def leakage_statistics(rows: list[dict], seed: int = 0) -> dict:
-    """For the scored images of one attack: how many, the mean PSNR with a 95 % bootstrap interval
-    (a studentized bootstrap over targets, i.e. (round, client), when there are several — the
-    mean of the per-target means; a percentile bootstrap over images otherwise), and the success
-    rates under two stated rules with their intervals."""
+MIN_INTERVAL_TARGETS = 3  # fewer attacked clients: Student's t on 2 client means spans ±12.7 standard errors
+MIN_INTERVAL_IMAGES = 8  # with 1-2 targets, an interval over their images (conditional on those clients) needs this many
+TOO_FEW_FOR_INTERVAL = "too few targets for an interval"
+
+
+def mean_interval(values: np.ndarray, clusters: np.ndarray, seed: int = 0,
+                  bounds: tuple[float, float] = (0.0, PSNR_CAP_DB)) -> tuple[list[float] | None, str]:
+    """95 % interval for a mean of per-image values grouped by target, and what it resamples.
+
+    At least ``MIN_INTERVAL_TARGETS`` targets: a studentized bootstrap over targets (images of one
+    client are not independent). One or two targets with at least ``MIN_INTERVAL_IMAGES`` images: a
+    percentile bootstrap over the images, an interval conditional on those clients. Fewer: no interval
+    (None, ``TOO_FEW_FOR_INTERVAL``). The interval is intersected with ``bounds``, the metric's range
+    (PSNR in [0, cap] for images in [0, 1]): the mean lies there, so coverage is kept."""
     from .statistics import bootstrap_mean, cluster_mean_interval
 
+    k = len(np.unique(clusters))
+    if k >= MIN_INTERVAL_TARGETS:
+        (low, high), resamples = cluster_mean_interval(values, clusters, seed=seed), "targets"
+    elif len(values) >= MIN_INTERVAL_IMAGES:
+        (low, high), resamples = bootstrap_mean(values, seed=seed), f"images (conditional on the {k} attacked targets)"
+    else:
+        return None, TOO_FEW_FOR_INTERVAL
+    if not (np.isfinite(low) and np.isfinite(high)):
+        return None, TOO_FEW_FOR_INTERVAL
+    return [float(np.clip(low, *bounds)), float(np.clip(high, *bounds))], resamples
+
+
+def leakage_statistics(rows: list[dict], seed: int = 0) -> dict:
+    """For the scored images of one attack: how many, the mean PSNR with a 95 % interval inside
+    [0, ``PSNR_CAP_DB``] (``mean_interval``: over targets when there are enough, else none, saying
+    so in ``interval_resamples``), and the success rates under two stated rules with their intervals."""
     if not rows:
-        return {"n_images": 0, "n_targets": 0, "mean_psnr_ci": None, "success_rate": None, "success_rate_ci": None,
-                "success_rule": SUCCESS_RULE, "success_rate_ssim": None, "success_rate_ssim_ci": None,
-                "success_rule_ssim": SUCCESS_RULE_SSIM}
+        return {"n_images": 0, "n_targets": 0, "mean_psnr_ci": None, "interval_resamples": TOO_FEW_FOR_INTERVAL,
+                "success_rate": None, "success_rate_ci": None, "success_rule": SUCCESS_RULE,
+                "success_rate_ssim": None, "success_rate_ssim_ci": None, "success_rule_ssim": SUCCESS_RULE_SSIM}
     psnr = np.array([min(float(r["psnr"]), PSNR_CAP_DB) for r in rows])
     gain = psnr - np.array([float(r["prior_psnr"]) for r in rows])
     ssim_ = np.array([float(r["ssim"]) for r in rows])
     clusters = np.array([f"{r['round']}/{r['client']}" for r in rows])
-    several = len(np.unique(clusters)) >= 2
-    interval = cluster_mean_interval(psnr, clusters, seed=seed) if several else bootstrap_mean(psnr, seed=seed)
+    interval, resamples = mean_interval(psnr, clusters, seed=seed)
     hits, hits_ssim = gain >= SUCCESS_MARGIN_DB, ssim_ >= SUCCESS_SSIM
     return {"n_images": len(rows), "n_targets": int(len(np.unique(clusters))),
-            "interval_resamples": "targets" if several else "images",
-            "mean_psnr_ci": list(interval), "success_rate": float(hits.mean()),
+            "interval_resamples": resamples,
+            "mean_psnr_ci": interval, "success_rate": float(hits.mean()),
             "success_rate_ci": list(_rate_interval(hits, clusters, seed)), "success_rule": SUCCESS_RULE,
             "success_rate_ssim": float(hits_ssim.mean()),
             "success_rate_ssim_ci": list(_rate_interval(hits_ssim, clusters, seed)),
@@ -223,8 +247,6 @@ def paired_difference(rows_a: list[dict], rows_b: list[dict], seed: int = 0) -> 
     image: methods compared on the same partition, seed and targets): the mean difference of PSNR
     above the prior with a 95 % interval that resamples targets, and a verdict that calls a
     difference only when the interval excludes zero."""
-    from .statistics import bootstrap_mean, cluster_mean_interval
-
     key = lambda r: (int(r["round"]), int(r["client"]), int(r["image"]))  # noqa: E731
     gain = lambda r: min(float(r["psnr"]), PSNR_CAP_DB) - float(r["prior_psnr"])  # noqa: E731
     b = {key(r): gain(r) for r in rows_b}
@@ -233,9 +255,8 @@ def paired_difference(rows_a: list[dict], rows_b: list[dict], seed: int = 0) -> 
         return {"n_pairs": 0, "mean_difference": None, "ci": None, "verdict": "no image scored by both"}
     diff = np.array([d for _, d in pairs])
     clusters = np.array([f"{k[0]}/{k[1]}" for k, _ in pairs])
-    several = len(np.unique(clusters)) >= 2
-    low, high = cluster_mean_interval(diff, clusters, seed=seed) if several else bootstrap_mean(diff, seed=seed)
-    verdict = ("A leaks more" if low > 0 else "B leaks more" if high < 0 else
-               "not distinguishable at this sample size")
+    ci, _ = mean_interval(diff, clusters, seed=seed, bounds=(-PSNR_CAP_DB, PSNR_CAP_DB))
+    verdict = (f"not distinguishable: {TOO_FEW_FOR_INTERVAL}" if ci is None else "A leaks more" if ci[0] > 0 else
+               "B leaks more" if ci[1] < 0 else "not distinguishable at this sample size")
     return {"n_pairs": len(pairs), "n_targets": int(len(np.unique(clusters))), "mean_difference": float(diff.mean()),
-            "ci": [low, high], "verdict": verdict}
+            "ci": ci, "verdict": verdict}

@@ -60,7 +60,7 @@ from reports.figures import reconstruction_grid
 from . import io
 from .recorded import RecordedRun
 from .runner import Prepared, RunConfig, build_federation, prepare
-from .versions import package_versions
+from .versions import provenance
 
 IMAGE_COLUMNS = ["method", "attack", "mode", "round", "client", "image", "psnr", "ssim", "prior_psnr",
                  "class_prior_psnr", "label_true", "label_pred", "mis_specified", "not_converged", "replay_cosine",
@@ -110,7 +110,9 @@ class AttackSettings:
 
     @property
     def images_per_target(self) -> int:
-        return self.images or (self.victim_batch if self.victim_batch else 1)
+        if self.images is not None:  # 0 is a value to refuse (validate), not "the default"
+            return self.images
+        return self.victim_batch if self.victim_batch else 1
 
     def budget(self) -> Budget:
         return Budget(iterations=self.iterations, restarts=self.restarts, batch=self.images_per_target,
@@ -601,7 +603,7 @@ def _summary(run: RecordedRun, settings: AttackSettings, targets: dict, scored: 
                         "seconds": round(float(j.result.trace.get("seconds", float("nan"))), 3),
                         "batched_with": int(j.result.trace.get("batched_with", 1)), **j.check} for j in scored],
         **_check_summary([j.check for j in scored if j.check]),
-        "settings": asdict(settings), **context, "versions": package_versions(), "notes": notes,
+        "settings": asdict(settings), **context, **provenance(), "notes": notes,
     }
     if label_scores:
         summary["label_scores"] = label_scores

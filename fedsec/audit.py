@@ -41,7 +41,7 @@ from reports.audit import SEVERITIES, audit_markdown
 from . import io
 from .recorded import RecordedRun
 from .runner import RunConfig, build_federation, prepare
-from .versions import package_versions
+from .versions import provenance
 
 AUDIT_COLUMNS = ["method", "round", "client", "field", "kind", "shape", "dtype", "bytes"]
 KIB = 1024.0
@@ -217,7 +217,7 @@ def audit_recorded(run: RecordedRun, out: str | Path, rounds: int, evidence: dic
     findings.sort(key=lambda f: SEVERITIES.index(f["severity"]))
     summary = {"method": run.method.name, "run": run.label, "rounds": rounds, **traffic,
                "findings_by_severity": {s: sum(f["severity"] == s for f in findings) for s in SEVERITIES},
-               **(context or {}), "seconds": round(time.perf_counter() - start, 2), "versions": package_versions()}
+               **(context or {}), "seconds": round(time.perf_counter() - start, 2), **provenance()}
     io.write_csv(out / "audit.csv", frame)
     io.write_json(out / "findings.json", findings)
     io.write_text(out / "audit.md", audit_markdown(summary, findings))

@@ -11,9 +11,11 @@ from fedecouple.data import DATASETS, SCHEMES
 from fedecouple.errors import UserError
 from fedecouple.methods import METHODS
 from fedecouple.models import ARCHITECTURES
+from reports.formatting import forward_check_verdict, interval_text
 from reports.tradeoff import VALUE_MEANING
 
-from .options import LiveChoice, pop_threat_model, restarts_option, threat_model_options
+from .options import (COUNT, NON_NEGATIVE, POSITIVE, SEED, LiveChoice, Number, pop_threat_model, restarts_option,
+                      threat_model_options)
 from .runner import AUDIT_FEDERATION, PAPER_FEDERATION, RunConfig
 
 HYPERPARAMETER_FLAGS = ("lam", "mu", "tau", "teacher", "center_reduction")
@@ -53,21 +55,21 @@ def train_options(func):
                      help="Let torchvision download the data set into --data-dir (needs network; never the default)."),
         click.option("--partition", type=click.Choice(SCHEMES), default="pathological", show_default=True,
                      help="Label skew: iid, pathological (K classes per client), weak (paper's s %), dirichlet (beta)."),
-        click.option("--classes-per-client", type=int, default=3, show_default=True,
+        click.option("--classes-per-client", type=COUNT, default=3, show_default=True,
                      help="K for pathological; number of dominant classes for weak."),
-        click.option("--s", "s", type=float, default=20.0, show_default=True,
+        click.option("--s", "s", type=Number(float, 0, 100), default=20.0, show_default=True,
                      help="weak: percent of each client's data drawn uniformly over all classes (0-100)."),
-        click.option("--samples-per-client", type=int, default=None,
+        click.option("--samples-per-client", type=COUNT, default=None,
                      help="weak: samples per client, train+test [default: min(600, 80% of an equal share)]."),
-        click.option("--beta", type=float, default=0.1, show_default=True, help="dirichlet: concentration (> 0)."),
-        click.option("--clients", type=int, default=10, show_default=True, help="Number of clients N."),
-        click.option("--rounds", type=int, default=3, show_default=True, help="Communication rounds."),
-        click.option("--local-epochs", type=int, default=1, show_default=True,
+        click.option("--beta", type=POSITIVE, default=0.1, show_default=True, help="dirichlet: concentration (> 0)."),
+        click.option("--clients", type=COUNT, default=10, show_default=True, help="Number of clients N."),
+        click.option("--rounds", type=COUNT, default=3, show_default=True, help="Communication rounds."),
+        click.option("--local-epochs", type=COUNT, default=1, show_default=True,
                      help="Local epochs (FedeCouple: E_cl = E_fe, its GLF epoch on top; FedRep/FedPAC: base epochs)."),
-        click.option("--join-ratio", type=float, default=1.0, show_default=True, help="Fraction rho of clients per round."),
-        click.option("--lr", type=float, default=0.05, show_default=True, help="SGD learning rate (the paper gives none)."),
-        click.option("--batch-size", type=int, default=10, show_default=True, help="Mini-batch size."),
-        click.option("--seed", type=int, default=0, show_default=True, help="Seed for partition, init and training."),
+        click.option("--join-ratio", type=Number(float, 0, 1, low_open=True), default=1.0, show_default=True, help="Fraction rho of clients per round."),
+        click.option("--lr", type=POSITIVE, default=0.05, show_default=True, help="SGD learning rate (the paper gives none)."),
+        click.option("--batch-size", type=COUNT, default=10, show_default=True, help="Mini-batch size."),
+        click.option("--seed", type=SEED, default=0, show_default=True, help="Seed for partition, init and training."),
         click.option("--arch", default=None, help=f"Model: {', '.join(ARCHITECTURES)} [default: by image size]."),
         click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: torch's; fedsec attack: 1]."),
         click.option("--backend", type=click.Choice(["sequential", "ray"]), default="sequential", show_default=True,
@@ -80,10 +82,10 @@ def train_options(func):
                      help="paper: 20 clients, 5 local epochs, 200 rounds, lambda 0.8, mu 2, tau 2. audit: 20 clients, "
                           "20 rounds; report and attack add the audit's attack plan (see their --help). Explicit "
                           "flags win."),
-        click.option("--lam", type=float, default=None,
+        click.option("--lam", type=NON_NEGATIVE, default=None,
                      help="lambda: FedeCouple KD weight [0.8]; FedPAC/FedProto prototype weight [their papers' 1.0]."),
-        click.option("--mu", type=float, default=None, help="FedeCouple centre-loss weight mu [2.0]."),
-        click.option("--tau", type=float, default=None, help="FedeCouple distillation temperature tau [2.0]."),
+        click.option("--mu", type=NON_NEGATIVE, default=None, help="FedeCouple centre-loss weight mu [2.0]."),
+        click.option("--tau", type=POSITIVE, default=None, help="FedeCouple distillation temperature tau [2.0]."),
         click.option("--teacher", type=click.Choice(["adapted", "fixed"]), default=None,
                      help="FedeCouple teacher classifier: adapted locally (the method) or fixed."),
         click.option("--center-reduction", type=click.Choice(["mean", "sum"]), default=None,
@@ -113,10 +115,10 @@ def _parse_value(text: str):
 def statistics_dp_options(func):
     """The DP statistics mechanism's flags, shared by ``defend --defense dp`` and ``mia --dp``."""
     for option in reversed([
-        click.option("--stat-noise-multiplier", type=float, default=None,
+        click.option("--stat-noise-multiplier", type=NON_NEGATIVE, default=None,
                      help="dp: noise multiplier of the mechanism for whole-data statistics (anchors, prototypes, h, "
                           "V, class counts) [the DP-SGD noise multiplier]."),
-        click.option("--stat-clip", type=float, default=None,
+        click.option("--stat-clip", type=POSITIVE, default=None,
                      help="dp: bound on each sample's feature norm in those statistics [--max-grad-norm]."),
         click.option("--counts", type=click.Choice(["noised", "withheld"]), default="noised", show_default=True,
                      help="dp: class counts in the upload: noised, or withheld (the server weights prototypes "
@@ -236,19 +238,20 @@ def compare(ctx, methods, seeds, out, **opts):
 @click.option("--attack-rounds", default="0", show_default=True,
               help="Comma-separated rounds whose uploads are attacked (0 = the first round, at the initial weights). "
                    "Training stops after the last one unless --rounds is given.")
-@click.option("--targets", type=int, default=2, show_default=True, help="Clients attacked per attacked round (seeded choice).")
-@click.option("--iterations", type=int, default=None,
+@click.option("--targets", type=COUNT, default=8, show_default=True,
+              help="Clients attacked per attacked round (seeded choice); 8 one-image targets give an interval.")
+@click.option("--iterations", type=COUNT, default=None,
               help=f"Optimiser steps per reconstruction [each attack's default: {attack_defaults()}; dlg/idlg count "
                    f"L-BFGS steps of up to 20 evaluations, ig Adam steps].")
 @restarts_option
-@click.option("--victim-batch", type=int, default=None,
+@click.option("--victim-batch", type=Number(int, 0), default=None,
               help="B: attacked clients train on B of their images in the attacked round, and B images are rebuilt "
                    "[1 for the gradient attacks; 0 (= the method's real local training) for the others].")
-@click.option("--victim-steps", type=int, default=1, show_default=True, help="T: local steps per phase in the victim setting.")
-@click.option("--images", type=int, default=None,
+@click.option("--victim-steps", type=COUNT, default=1, show_default=True, help="T: local steps per phase in the victim setting.")
+@click.option("--images", type=COUNT, default=None,
               help="Images rebuilt per target [--victim-batch; 1 with --victim-batch 0]; e.g. 2 for a method that "
                    "trains on each image and an augmented copy.")
-@click.option("--attack-seed", type=int, default=None, help="Seed for target choice and attack starts [--seed].")
+@click.option("--attack-seed", type=SEED, default=None, help="Seed for target choice and attack starts [--seed].")
 @threat_model_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder: attack.csv, summary.json, reconstructions.png [runs/attack-<attack>-<method>].")
@@ -321,15 +324,15 @@ def attack_headline(summary: dict, out) -> str:
     if attacks.get(summary["attack"]).scoring == "labels":
         return f"{where}: class-presence accuracy {fmt(summary['class_presence_accuracy'])}  → {out}"
     modes = ",".join(summary["threat_model"]["modes_used"]) or "n/a"
-    ci, rate, rate_ci = summary.get("mean_psnr_ci"), summary.get("success_rate"), summary.get("success_rate_ci")
-    interval = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci and None not in ci else ""
-    recovered = (f", recovered {100 * rate:.0f} % [{100 * rate_ci[0]:.0f}, {100 * rate_ci[1]:.0f}]"
-                 if rate is not None and rate_ci and None not in rate_ci else "")
-    flag = " — MIS-SPECIFIED: the attack's forward model was wrong" if summary.get("mis_specified") else ""
-    return (f"{where} ({modes}): mean PSNR {fmt(summary['mean_psnr'], ' dB')}{interval} "
+    ci, rate, rate_ci = summary.get("mean_psnr_ci") or (None, None), summary.get("success_rate"), summary.get("success_rate_ci")
+    recovered = (f", recovered {100 * rate:.0f} %{interval_text(*rate_ci, digits=0, scale=100)}"
+                 if rate is not None and rate_ci else "")
+    verdict = forward_check_verdict(summary.get("mis_specified_targets"), summary.get("not_converged_targets"),
+                                    len(summary.get("per_target") or []))
+    return (f"{where} ({modes}): mean PSNR {fmt(summary['mean_psnr'], ' dB')}{interval_text(*ci)} "
             f"(prior {fmt(summary['mean_prior_psnr'], ' dB')}, max {fmt(summary['max_psnr'], ' dB')}), "
-            f"label accuracy {fmt(summary['label_accuracy'])}, {summary['images_scored']} images{recovered}"
-            f"{flag}  → {out}")
+            f"label accuracy {fmt(summary['label_accuracy'])}, n = {summary['images_scored']} images over "
+            f"{summary.get('n_targets', 0)} targets{recovered}  → {out}{' — ' + verdict if verdict else ''}")
 
 
 @cli.command()
@@ -339,7 +342,7 @@ def attack_headline(summary: dict, out) -> str:
 @click.option("--evidence/--no-evidence", default=True, show_default=True,
               help="Measure each finding's evidence with the matching attack (the first registered gradient, image "
                    "and label attack that applies: DLG, proto, labels) on the same config.")
-@click.option("--evidence-iterations", type=int, default=300, show_default=True,
+@click.option("--evidence-iterations", type=COUNT, default=300, show_default=True,
               help="Optimisation steps for each evidence attack, and for inverting the uploads towards a private "
                    "value (e.g. FedeCouple's anchors).")
 @click.pass_context
@@ -371,7 +374,7 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
                    "recorded as not applicable.")
 @click.option("--attack-rounds", default="0", show_default=True,
               help="Rounds whose uploads are attacked (0 = the first, at the initial weights).")
-@click.option("--targets", type=int, default=2, show_default=True, help="Clients attacked per attacked round.")
+@click.option("--targets", type=COUNT, default=2, show_default=True, help="Clients attacked per attacked round.")
 @click.option("--iterations", default=None, metavar="N|ATTACK=N,...",
               help=f"Optimiser steps per reconstruction, for every attack (N) or per attack (dlg=300,ig=1000) "
                    f"[each attack's default: {attack_defaults()}].")
@@ -462,17 +465,17 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
                    "models with two shadow federations; --defense dp only).")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also run the method without any defense (the first row).")
-@click.option("--max-grad-norm", type=float, default=1.0, show_default=True, help="dp: per-sample clipping bound C.")
-@click.option("--delta", type=float, default=1e-5, show_default=True, help="dp: delta of the reported epsilon.")
+@click.option("--max-grad-norm", type=POSITIVE, default=1.0, show_default=True, help="dp: per-sample clipping bound C.")
+@click.option("--delta", type=Number(float, 0, 1, low_open=True, high_open=True), default=1e-5, show_default=True, help="dp: delta of the reported epsilon.")
 @click.option("--accountant", type=click.Choice(["rdp", "prv"]), default="rdp", show_default=True,
               help="dp: Opacus accountant (one per client, kept across rounds).")
 @statistics_dp_options
-@click.option("--targets", type=int, default=2, show_default=True, help="Clients attacked in round 0.")
-@click.option("--iterations", type=int, default=None, help="Optimiser steps per reconstruction [each attack's default].")
-@click.option("--victim-batch", type=int, default=1, show_default=True,
+@click.option("--targets", type=COUNT, default=2, show_default=True, help="Clients attacked in round 0.")
+@click.option("--iterations", type=COUNT, default=None, help="Optimiser steps per reconstruction [each attack's default].")
+@click.option("--victim-batch", type=Number(int, 0), default=1, show_default=True,
               help="DLG/IG: images each attacked client trains on in round 0 (and that are rebuilt).")
-@click.option("--victim-steps", type=int, default=1, show_default=True, help="DLG/IG: local steps of the attacked clients.")
-@click.option("--attack-seed", type=int, default=None, help="Seed for target choice and attack starts [--seed].")
+@click.option("--victim-steps", type=COUNT, default=1, show_default=True, help="DLG/IG: local steps of the attacked clients.")
+@click.option("--attack-seed", type=SEED, default=None, help="Seed for target choice and attack starts [--seed].")
 @click.option("--out", type=click.Path(file_okay=False), required=True,
               help="Folder: one subfolder per value (done.json when complete), tradeoff.csv, tradeoff.png, "
                    "tradeoff.md; rerun to resume.")
@@ -510,21 +513,21 @@ def defend(ctx, defense, values, attack_list, baseline, max_grad_norm, delta, ac
 @click.option("--reference-runs", type=int, default=4, show_default=True,
               help="Shadow federations, in complementary pairs (even, >= 2): each client trains on a seeded half of "
                    "its records in one run of a pair and on the other half in the other.")
-@click.option("--gamma", type=float, default=2.0, show_default=True, help="rmia: likelihood-ratio threshold gamma.")
-@click.option("--temperature", type=float, default=2.0, show_default=True, help="rmia: softmax temperature.")
+@click.option("--gamma", type=POSITIVE, default=2.0, show_default=True, help="rmia: likelihood-ratio threshold gamma.")
+@click.option("--temperature", type=POSITIVE, default=2.0, show_default=True, help="rmia: softmax temperature.")
 @click.option("--offline-a", default="tune", show_default=True,
               help="rmia: offline a in [0, 1], or 'tune' (on reference pair 0; needs --reference-runs >= 4, "
                    "else 0.3).")
-@click.option("--dp", "dp_noise", type=float, default=None,
+@click.option("--dp", "dp_noise", type=NON_NEGATIVE, default=None,
               help="Train target and reference runs with DP at this noise multiplier (DP-SGD, and for methods that "
                    "release statistics the statistics mechanism at --stat-noise-multiplier, by default the same); "
                    "the summary then shows the accountant's epsilon next to the empirical lower bound.")
-@click.option("--max-grad-norm", type=float, default=1.0, show_default=True, help="--dp: per-sample clipping bound C.")
+@click.option("--max-grad-norm", type=POSITIVE, default=1.0, show_default=True, help="--dp: per-sample clipping bound C.")
 @statistics_dp_options
-@click.option("--delta", type=float, default=1e-5, show_default=True,
+@click.option("--delta", type=Number(float, 0, 1, low_open=True, high_open=True), default=1e-5, show_default=True,
               help="delta of the accounted and of the empirical epsilon.")
 @click.option("--bootstrap", type=int, default=1000, show_default=True, help="Client-bootstrap resamples per interval.")
-@click.option("--exposed", type=int, default=16, show_default=True, help="Most exposed member records to list and show.")
+@click.option("--exposed", type=Number(int, 0), default=16, show_default=True, help="Most exposed member records to list and show.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder [runs/mia-<method>]: mia.csv, summary.json, mia.md, per_client_auc.csv, roc.png, "
                    "histograms.png, exposed.csv, exposed.png, runs/<run>/ (rerun to resume).")
@@ -587,8 +590,9 @@ def main(argv=None) -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(1)
-    except click.exceptions.ClickException as exc:
-        exc.show()
+    except click.exceptions.ClickException as exc:  # a bad flag or choice: one line too, no usage block
+        where = f" (see '{exc.ctx.command_path} --help')" if getattr(exc, "ctx", None) is not None else ""
+        click.echo(f"error: {exc.format_message()}{where}", err=True)
         sys.exit(2)
     except UserError as exc:
         click.echo(f"error: {exc}", err=True)

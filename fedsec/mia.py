@@ -64,7 +64,7 @@ from . import io
 from .defenses.dp import DPConfig, DPMethod
 from .mia_runs import KINDS, RunSpec, done_record, load_signals, run_one
 from .runner import Prepared, RunConfig, prepare, run_record
-from .versions import package_versions
+from .versions import provenance
 
 # the attacks on a model's outputs are registered (attacks.MEMBERSHIP); "update" is the server's test on
 # the uploads (attacks.mia_update), scored from another signal
@@ -510,7 +510,7 @@ def build_summary(config: RunConfig, method, settings: MiaSettings, records: Aud
     record = run_record(config, method)
     summary = {"method": config.method, "dataset": config.data.dataset, "seed": config.federation.seed, "command": command,
                "config": record["config"], "method_hyperparameters": record["method_hyperparameters"],
-               "torch_threads": record["torch_threads"], "versions": package_versions(),
+               "torch_threads": record["torch_threads"], **provenance(),
                "settings": {**asdict(settings), "attacks": list(settings.attacks)},
                "records": {"members": int(records.member.sum()), "nonmembers": int((~records.member).sum()),
                            "clients": int(len(np.unique(records.owner)))},

@@ -71,5 +71,44 @@ def restarts_option(func):
     """``--restarts``, shared by ``fedsec attack`` and ``fedsec flower attack``; its help lists each
     registered attack's declared default."""
     defaults = ", ".join(f"{name} {spec.default_restarts}" for name, spec in attacks.ATTACKS.items())
-    return click.option("--restarts", type=int, default=None,
+    return click.option("--restarts", type=COUNT, default=None,
                         help=f"Independent starts; the lowest objective is kept [each attack's default: {defaults}].")(func)
+
+
+class Number(click.ParamType):
+    """An int or float option with a range, checked as it is parsed: a value out of range (or NaN) is
+    the one-line ``UserError`` "--flag must be at least 1, got 0" (exit 2, before anything runs)."""
+
+    def __init__(self, kind: type = int, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False):
+        self.kind, self.low, self.high, self.low_open, self.high_open = kind, low, high, low_open, high_open
+        self.name = "integer" if kind is int else "number"
+
+    def describe(self) -> str:
+        if self.low == 0 and self.low_open and self.high is None:
+            return "positive"
+        if self.high is None:
+            return f"{'greater than' if self.low_open else 'at least'} {self.low:g}"
+        if self.low is None:
+            return f"{'less than' if self.high_open else 'at most'} {self.high:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+    def convert(self, value, param, ctx):
+        from fedecouple.errors import UserError
+
+        flag = param.opts[0] if param is not None else "value"
+        try:
+            number = self.kind(value)
+        except (TypeError, ValueError):
+            raise UserError(f"{flag} expects {'an integer' if self.kind is int else 'a number'}, got {value!r}") from None
+        low_bad = self.low is not None and (number <= self.low if self.low_open else number < self.low)
+        high_bad = self.high is not None and (number >= self.high if self.high_open else number > self.high)
+        if number != number or low_bad or high_bad:
+            raise UserError(f"{flag} must be {self.describe()}, got {value}")
+        return number
+
+
+COUNT = Number(int, 1)  # how many of something: at least 1
+SEED = Number(int, 0)  # numpy's generators take seeds >= 0
+POSITIVE = Number(float, 0, low_open=True)
+NON_NEGATIVE = Number(float, 0)

@@ -66,7 +66,7 @@ from .attack import (IMAGE_COLUMNS, LABEL_COLUMNS, AttackSettings, TrainingCache
 from .audit import LEAK_GAP_DB, at_chance, psnr_gap, run_audit
 from .compare import method_config, parse_list, parse_methods, run_status, shared_datasets, unused_hyperparameters
 from .runner import RunConfig
-from .versions import package_versions
+from .versions import provenance
 from reports.audit import SEVERITIES
 from reports.formatting import is_lower_bound, is_true
 
@@ -300,7 +300,7 @@ def copy_stage(source: Path, stage: Stage) -> None:
 # ----------------------------------------------------------------------------------------------
 def _finish(stage: Stage, status: str, seconds: float, reason: str | None = None) -> None:
     io.write_json(stage.path / DONE, {"identity": stage.identity, "status": status, "reason": reason,
-                                      "seconds": round(seconds, 2), "versions": package_versions(),
+                                      "seconds": round(seconds, 2), **provenance(),
                                       "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
@@ -545,9 +545,9 @@ def _paired_sentence(results: pd.DataFrame, a: str, m1: str, m2: str, rnd: int |
     if not d["n_pairs"]:
         return None
     verdict = {"A leaks more": f"{m1} leaks more", "B leaks more": f"{m2} leaks more"}.get(d["verdict"], d["verdict"])
+    interval = "" if d["ci"] is None else f" [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}]"
     return (f"{where}: {m1} vs {m2}: {verdict} (PSNR above the prior, {m1} minus {m2}: "
-            f"{d['mean_difference']:+.1f} dB [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}], "
-            f"{d['n_pairs']} images over {d['n_targets']} targets)")
+            f"{d['mean_difference']:+.1f} dB{interval}, {d['n_pairs']} images over {d['n_targets']} targets)")
 
 
 def _stopped_short(rows: list[dict]) -> bool:
@@ -582,7 +582,7 @@ def leakage_by_round(results: pd.DataFrame, methods: list[str], cells: list[str]
                 flag = lambda c: int(targets[c].map(is_true).sum()) if c in targets else 0  # noqa: E731
                 out.append({"method": m, "attack": a, "round": int(rnd), "n_images": stats["n_images"],
                             "n_targets": stats["n_targets"], "mean_psnr": float(group["psnr"].clip(upper=PSNR_CAP_DB).mean()),
-                            "mean_psnr_ci_low": stats["mean_psnr_ci"][0], "mean_psnr_ci_high": stats["mean_psnr_ci"][1],
+                            **dict(zip(("mean_psnr_ci_low", "mean_psnr_ci_high"), stats["mean_psnr_ci"] or (None, None))),
                             "prior_psnr": float(group["prior_psnr"].mean()), "success_rate": stats["success_rate"],
                             "success_rate_ci_low": stats["success_rate_ci"][0],
                             "success_rate_ci_high": stats["success_rate_ci"][1],
@@ -778,7 +778,7 @@ def _report_meta(base: RunConfig, methods: list[str], attack_names: list[str], s
         "attack_settings": {a: asdict(settings.for_attack(a)) for a in attack_names},
         "mia": list(mia_summaries),
         "comparisons": comparisons,
-        "versions": package_versions(), "psnr_definition": psnr_definition(), "stages": records, "notes": notes,
+        **provenance(), "psnr_definition": psnr_definition(), "stages": records, "notes": notes,
         "findings_note": ("Findings come from `fedsec audit` (without its own evidence attacks); where this report "
                           "measured the matching attack, its numbers are shown and the severity follows the audit's "
                           f"rule (leakage within {LEAK_GAP_DB:.0f} dB of the prior, or class-presence accuracy "

@@ -28,7 +28,7 @@ from fedecouple.methods.base import Method, TrainConfig
 from fedecouple.models import check_architecture
 
 from . import io
-from .versions import package_versions
+from .versions import provenance
 
 # ``--preset paper``: the paper's federation (Section V); each method adds its own ``paper_preset``
 PAPER_FEDERATION = {"clients": 20, "local_epochs": 5, "rounds": 200, "join_ratio": 1.0}
@@ -178,7 +178,7 @@ def build_federation(prep: Prepared, channel: ServerChannel | None = None, groun
 def run_record(config: RunConfig, method: Method) -> dict:
     """What goes into config.json: the resolved config, the method's hyperparameters, versions."""
     return {"config": config.to_dict(), "method_hyperparameters": method.hyperparameters(),
-            "torch_threads": torch.get_num_threads(), "versions": package_versions()}
+            "torch_threads": torch.get_num_threads(), **provenance()}
 
 
 def write_metrics(out: Path, fed: Federation, config: RunConfig, seconds: float) -> dict:

@@ -41,7 +41,7 @@ import pandas as pd
 
 from .audit import SEVERITIES
 from .figures import png_bytes
-from .formatting import finite_or_none, is_lower_bound, is_true
+from .formatting import finite_or_none, interval_text, is_lower_bound, is_true
 
 PLOT_PSNR = "psnr_by_method.png"
 PLOT_SCATTER = "accuracy_vs_leakage.png"
@@ -109,8 +109,7 @@ def psnr_cell(row: Mapping, attack: str) -> str:
     if status != "done":
         return "n/a"
     flag = " MIS-SPECIFIED" if mis_specified(row, attack) else (" LOWER BOUND" if stopped_short(row, attack) else "")
-    low, high = finite_or_none(row.get(f"{attack}_mean_psnr_ci_low")), finite_or_none(row.get(f"{attack}_mean_psnr_ci_high"))
-    interval = f" [{low:.1f}, {high:.1f}]" if low is not None and high is not None else ""
+    interval = interval_text(row.get(f"{attack}_mean_psnr_ci_low"), row.get(f"{attack}_mean_psnr_ci_high"), digits=1)
     rate = finite_or_none(row.get(f"{attack}_success_rate"))
     success = "" if rate is None else f", {100 * rate:.0f} % recovered"
     n = finite_or_none(row.get(f"{attack}_n_images"))
@@ -351,7 +350,7 @@ def by_round_rows(meta: Mapping) -> tuple[list[str], list[list[str]]]:
     for r in meta.get("by_round") or []:
         rate = finite_or_none(r.get("success_rate"))
         rows.append([str(r["method"]), str(r["attack"]), str(r["round"]), f"{r['n_images']} ({r['n_targets']})",
-                     f"{fmt(r.get('mean_psnr'))} [{fmt(r.get('mean_psnr_ci_low'))}, {fmt(r.get('mean_psnr_ci_high'))}]",
+                     f"{fmt(r.get('mean_psnr'))}{interval_text(r.get('mean_psnr_ci_low'), r.get('mean_psnr_ci_high'), digits=1)}",
                      fmt(r.get("prior_psnr")),
                      "n/a" if rate is None else f"{100 * rate:.0f} [{100 * (finite_or_none(r.get('success_rate_ci_low')) or 0):.0f}, "
                                                f"{100 * (finite_or_none(r.get('success_rate_ci_high')) or 0):.0f}]",

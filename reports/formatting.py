@@ -25,3 +25,27 @@ def is_lower_bound(mean_psnr: Any, prior_psnr: Any, stopped_short: Any) -> bool:
     method."""
     mean, prior = finite_or_none(mean_psnr), finite_or_none(prior_psnr)
     return bool(stopped_short) and mean is not None and prior is not None and mean <= prior
+
+
+NO_INTERVAL = "too few targets for an interval"
+
+
+def interval_text(low: Any, high: Any, digits: int = 2, scale: float = 1.0) -> str:
+    """" [low, high]" for a finite interval, else the sentence that says why there is none (an
+    interval over one or two attacked clients is too wide to mean anything: ``attacks.metrics``)."""
+    lo, hi = finite_or_none(low), finite_or_none(high)
+    if lo is None or hi is None:
+        return f" ({NO_INTERVAL})"
+    return f" [{scale * lo:.{digits}f}, {scale * hi:.{digits}f}]"
+
+
+def forward_check_verdict(mis_specified_targets: Any, not_converged_targets: Any, n_targets: Any) -> str:
+    """The forward-model check in words, for the end of a result line: empty when clean."""
+    n = int(finite_or_none(n_targets) or 0)
+    wrong, short = int(finite_or_none(mis_specified_targets) or 0), int(finite_or_none(not_converged_targets) or 0)
+    if wrong:
+        return (f"MIS-SPECIFIED on {wrong} of {n} targets: the attack's forward model does not reproduce their uploads, "
+                f"so these numbers say nothing about the method")
+    if short:
+        return f"the optimiser stopped short of the truth on {short} of {n} targets: a lower bound"
+    return ""

@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-torch.set_num_threads(1)
+from helpers import TEST_THREADS
+
+torch.set_num_threads(TEST_THREADS)
 
 
 @pytest.fixture(scope="session")

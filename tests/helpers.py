@@ -1,9 +1,15 @@
 """Small builders shared by tests."""
+import os
+
 from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.data import make_partition
 from fedecouple.engine import Federation, FederationConfig, GroundTruth
 from fedecouple.methods import make_method
 from fedecouple.methods.base import TrainConfig
+
+# torch threads for the whole suite (conftest) and for every test that pins them: 1 by default;
+# FEDSEC_TEST_THREADS=2 provokes other float rounding on the same machine, which no test may depend on
+TEST_THREADS = int(os.environ.get("FEDSEC_TEST_THREADS", "1"))
 
 
 def tiny_federation(dataset, method="fedecouple", clients=3, rounds=1, interceptors=(), seed=0, hp=None,

@@ -24,6 +24,7 @@ from fedecouple.methods import make_method
 from fedecouple.models import build_model, get_params
 
 from helpers import tiny_federation
+from helpers import TEST_THREADS
 
 
 # ------------------------------------------------------------------------------------------------
@@ -117,11 +118,13 @@ def test_the_true_batch_reproduces_the_observed_update(digits, mode, steps):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-# fixed small cases (image, seed): DLG is bimodal (it converges or stalls), other seeds may stall
+# DLG is bimodal: a start converges or stalls, and which one is decided by float rounding (another
+# CPU, another thread count). Four starts, the lowest objective kept, make "beats the prior" a
+# property of the attack rather than of one machine's rounding.
 @pytest.mark.parametrize("name,image,seed,iterations", [("dlg", 40, 1, 40), ("idlg", 11, 0, 40), ("ig", 40, 1, 150)])
 def test_each_attack_beats_the_prior(digits, name, image, seed, iterations):
     obs, x, y = synthetic_observation(digits, [image])
-    result = ATTACKS[name].attack_one(obs, Budget(iterations=iterations, restarts=1, batch=1), seed)
+    result = ATTACKS[name].attack_one(obs, Budget(iterations=iterations, restarts=4, batch=1), seed)
     (row,) = score_reconstructions(result.images, x, digits.images.mean(0))
     assert result.images.shape == (1, 1, 8, 8) and 0 <= float(result.images.min()) <= float(result.images.max()) <= 1
     assert row["psnr"] > row["prior_psnr"] + 5, (name, row)
@@ -296,7 +299,8 @@ def test_issue_acceptance_dlg_rebuilds_mnist_digits_from_the_padded_cnn():
     from fedsec.attack import AttackSettings, run_attack
     from fedsec.runner import RunConfig
 
-    summary = run_attack(RunConfig.of(method="fedavg", dataset="mnist5k", arch="cnn28-same", seed=0, threads=1),
-                         AttackSettings("dlg", targets=2), progress=False)
+    # two starts per target, the lower objective kept: one start can stall on another CPU's rounding
+    summary = run_attack(RunConfig.of(method="fedavg", dataset="mnist5k", arch="cnn28-same", seed=0, threads=TEST_THREADS),
+                         AttackSettings("dlg", targets=2, restarts=2), progress=False)
     assert summary["images_scored"] == 2 and summary["label_accuracy"] == 1.0
     assert summary["mean_psnr"] > 25.0 and summary["mean_psnr"] > summary["mean_prior_psnr"] + 15, summary["mean_psnr"]

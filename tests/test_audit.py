@@ -11,8 +11,9 @@ from fedecouple.methods.base import FieldSpec, make_upload
 from fedecouple.methods.fedecouple import FedeCouple
 from fedsec.audit import anchor_check, classify_field, run_audit
 from fedsec.runner import RunConfig
+from helpers import TEST_THREADS
 
-TINY = dict(dataset="digits", clients=3, rounds=1, threads=1)
+TINY = dict(dataset="digits", clients=3, rounds=1, threads=TEST_THREADS)
 
 
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "local"])

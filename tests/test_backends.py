@@ -15,6 +15,7 @@ from fedsec.attack import AttackSettings, run_attack
 from fedsec.runner import RunConfig, prepare, train
 
 from helpers import tiny_federation
+from helpers import TEST_THREADS
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (pip install 'fedsec[ray]'; CI installs it)")
@@ -50,7 +51,7 @@ class Log(Interceptor):
 
 
 def _run(digits, method, backend, rounds=2, interceptors=()):
-    torch.set_num_threads(1)
+    torch.set_num_threads(TEST_THREADS)
     fed = tiny_federation(digits, method=method, clients=3, rounds=rounds, interceptors=interceptors, backend=backend)
     fed.run()
     return fed
@@ -124,7 +125,7 @@ def test_dropped_download_skips_the_client_under_ray(digits, ray_local):
 @needs_ray
 @pytest.mark.timeout(300)
 def test_train_writes_the_same_metrics_csv_under_both_backends(tmp_path, ray_local):
-    fast = dict(method="fedecouple", dataset="digits", clients=3, rounds=2, seed=0, threads=1)
+    fast = dict(method="fedecouple", dataset="digits", clients=3, rounds=2, seed=0, threads=TEST_THREADS)
     train(RunConfig.of(**fast), tmp_path / "seq")
     train(RunConfig.of(**fast, backend="ray"), tmp_path / "ray")
     assert ray_local.is_initialized()
@@ -136,7 +137,7 @@ def test_train_writes_the_same_metrics_csv_under_both_backends(tmp_path, ray_loc
 @pytest.mark.parametrize("batched", [True, False])
 def test_attack_writes_the_same_attack_csv_under_both_backends(tmp_path, ray_local, batched):
     """Attacks fan out as Ray tasks (one per batch of targets sharing a model, or one per target)."""
-    fast = dict(method="fedavg", dataset="digits", clients=4, seed=0, threads=1)
+    fast = dict(method="fedavg", dataset="digits", clients=4, seed=0, threads=TEST_THREADS)
     for backend in ("sequential", "ray"):
         run_attack(RunConfig.of(**fast, backend=backend), AttackSettings("dlg", targets=3, iterations=8, batched=batched),
                    out=tmp_path / backend, progress=False)

@@ -21,6 +21,7 @@ from fedsec.defenses import (DPConfig, DPMethod, Exclude, FilterChain, GaussianN
 from fedsec.defenses.dp import ACCOUNT_KEY, DPSession, history_rows
 
 from helpers import dp_federation, tiny_federation
+from helpers import TEST_THREADS
 
 
 # ------------------------------------------------------------------------------------------------
@@ -346,7 +347,7 @@ def test_defend_sweep_writes_outputs_and_resumes(tmp_path):
     from fedsec.defend import DefendSettings, defend
     from fedsec.runner import RunConfig
 
-    config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=1)
+    config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=TEST_THREADS)
     noisy = defend(config, DefendSettings(defense="noise", values="0.01", attacks="dlg", iterations=2, targets=1,
                                           baseline=False), tmp_path / "noise", progress=False)
     assert list(noisy["value"]) == [0.01] and noisy["mean_psnr_dlg"].notna().all()
@@ -370,7 +371,7 @@ def test_defend_measures_membership_inference_next_to_epsilon(tmp_path):
     from fedsec.defend import DefendSettings, defend
     from fedsec.runner import RunConfig
 
-    config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=1)
+    config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=TEST_THREADS)
     frame = defend(config, DefendSettings(defense="dp", values="1", attacks="mia"), tmp_path / "m", progress=False)
     assert list(frame["value"].astype(str)) == ["none", "1.0"]
     assert frame["mia_auc"].between(0, 1).all()
@@ -387,7 +388,7 @@ def test_dp_sweep_numbers_move_the_right_way(tmp_path):
     from fedsec.defend import DefendSettings, defend
     from fedsec.runner import RunConfig
 
-    config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=1)
+    config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=TEST_THREADS)
     settings = DefendSettings(defense="dp", values="0.5,2", attacks="ig,labels", iterations=20, targets=1)
     defend(config, settings, tmp_path / "dp", progress=False)
     frame = pd.read_csv(tmp_path / "dp" / "tradeoff.csv")

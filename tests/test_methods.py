@@ -18,6 +18,7 @@ from fedecouple.errors import UserError
 from fedecouple.methods import METHODS, make_method
 from fedecouple.methods.base import TrainConfig, train_head
 from fedecouple.methods.fedpac import head_weight_matrix, solve_simplex_qp
+from helpers import TEST_THREADS
 
 ALL = list(METHODS)
 COMMUNICATING = [m for m in ALL if METHODS[m].communicates]
@@ -340,7 +341,7 @@ def test_compare_on_digits(tmp_path, monkeypatch, capsys):
     from fedsec.cli import main
     from fedsec.runner import RunConfig
 
-    base = RunConfig.of(dataset="digits", clients=3, rounds=1, threads=1)
+    base = RunConfig.of(dataset="digits", clients=3, rounds=1, threads=TEST_THREADS)
     frame = cmp.compare(base, ["fedavg", "fedproto"], [0, 1], tmp_path, progress=False)
     table = pd.read_csv(tmp_path / "accuracy.csv")
     assert list(table.columns) == ["method", "seed", "mean_accuracy", "std_accuracy"]

@@ -380,7 +380,7 @@ def test_dp_statistics_flags_reach_every_run(tmp_path):
     (["--temperature", "-1"], "--temperature"),
     (["--offline-a", "2"], "--offline-a"),
     (["--offline-a", "tune", "--reference-runs", "2"], "--offline-a tune needs --reference-runs >= 4"),
-    (["--dp", "-1"], "noise multiplier must be a finite number >= 0"),
+    (["--dp", "-1"], "--dp must be at least 0"),
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--bootstrap", "5"], "--bootstrap"),
 ])

@@ -22,6 +22,7 @@ from fedecouple.methods.base import FieldSpec
 from fedecouple.models import build_model, get_params, set_params
 
 from helpers import tiny_federation
+from helpers import TEST_THREADS
 
 
 def _model(ds, seed=0):
@@ -87,7 +88,7 @@ def test_per_class_pattern_reads_the_manifest_naming():
 def test_inversion_recovers_class_typical_images_above_the_prior(digits):
     """A briefly trained extractor; prototypes = mean feature of 60 images of each of 3 classes.
     The inverted image must beat the data-set mean image on those classes' images."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(TEST_THREADS)
     ds = digits
     model = _model(ds)
     initial = copy.deepcopy(model)

@@ -7,6 +7,7 @@ import pytest
 
 import toy_attack
 from fedsec.cli import main
+from helpers import TEST_THREADS
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def test_the_toy_attack_runs_in_the_report_as_a_stage_with_its_columns(toy, tmp_
     from fedsec import report as rep
     from fedsec.runner import RunConfig
 
-    base = RunConfig.of(dataset="digits", clients=3, rounds=1, threads=1)
+    base = RunConfig.of(dataset="digits", clients=3, rounds=1, threads=TEST_THREADS)
     out = tmp_path / "r"
     result = rep.build_report(base, ["fedavg", "fedproto"], out, attacks=["toy"], progress=False,
                               settings=rep.ReportSettings(targets=1))
@@ -54,7 +55,7 @@ def test_the_toy_attack_runs_in_defend(toy, tmp_path):
     from fedsec.defend import DefendSettings, defend
     from fedsec.runner import RunConfig
 
-    config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=1)
+    config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=TEST_THREADS)
     frame = defend(config, DefendSettings(defense="clip", values="1", attacks="toy", targets=1), tmp_path / "d",
                    progress=False)
     assert frame["mean_psnr_toy"].notna().all()

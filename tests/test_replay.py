@@ -19,6 +19,7 @@ from fedecouple.methods.replay import Step
 from fedecouple.models import set_params
 
 from helpers import tiny_federation
+from helpers import TEST_THREADS
 
 WITH_WEIGHTS = ["fedavg", "ft-fedavg", "fedper", "fedrep", "fedpac", "fedecouple"]
 # methods whose every before-state the server knows after round 0 (no private head)
@@ -62,7 +63,7 @@ def _agreement(simulated, obs, target) -> tuple[float, float]:
 @pytest.mark.parametrize("victim", [True, False], ids=["victim", "real-training"])
 @pytest.mark.parametrize("method", WITH_WEIGHTS)
 def test_the_replay_on_the_true_batches_reproduces_the_upload(digits, method, victim):
-    torch.set_num_threads(1)
+    torch.set_num_threads(TEST_THREADS)
     rounds = 2 if method in KNOWN_START else 1
     fed, make_model = _run(digits, method, victim, rounds)
     for r in range(rounds):
@@ -217,15 +218,33 @@ def test_the_bootstrap_interval_covers_a_known_mean_at_its_nominal_rate():
     assert covered >= 180, covered
 
 
-def test_two_targets_give_a_wide_interval_not_a_zero_width_one():
-    """With two attacked clients every usable bootstrap draw is the pair itself; the interval falls
-    back to Student's t on the two client means (t(1) = 12.71, standard error 5): 15 ± 63.5."""
-    from attacks.metrics import leakage_statistics
+def test_two_targets_give_no_interval_but_say_why():
+    """Two attacked clients: Student's t on two means spans ±12.7 standard errors (15 ± 63.5 dB here,
+    below 0 dB, which no PSNR of images in [0, 1] can be): no interval, and the reason instead."""
+    from attacks.metrics import MIN_INTERVAL_IMAGES, TOO_FEW_FOR_INTERVAL, leakage_statistics
 
     rows = [{"round": 0, "client": c, "image": 0, "psnr": p, "prior_psnr": 10.0, "ssim": 0.5}
             for c, p in enumerate([10.0, 20.0])]
-    low, high = leakage_statistics(rows)["mean_psnr_ci"]
-    assert low == pytest.approx(15 - 12.706 * 5, abs=0.01) and high == pytest.approx(15 + 12.706 * 5, abs=0.01)
+    stats = leakage_statistics(rows)
+    assert stats["mean_psnr_ci"] is None and stats["interval_resamples"] == TOO_FEW_FOR_INTERVAL
+    # enough images of those two clients: an interval over their images, said to be conditional on them
+    many = [dict(r, image=i, psnr=r["psnr"] + 0.1 * i) for r in rows for i in range(MIN_INTERVAL_IMAGES // 2)]
+    stats = leakage_statistics(many)
+    low, high = stats["mean_psnr_ci"]
+    assert 10.0 <= low < high <= 21.0 and stats["interval_resamples"].startswith("images (conditional")
+
+
+def test_intervals_stay_inside_the_psnr_range():
+    """Three targets near 0 dB and three near the cap: the bootstrap-t interval would leave [0, 100];
+    the mean lies inside, so the interval is cut to it."""
+    from attacks.metrics import PSNR_CAP_DB, leakage_statistics
+
+    for values, cut in (([0.5, 3.0, 0.2], 0), ([99.0, 100.0, 96.0], 1)):  # Student's t: 1.23 ± 3.8, 98.3 ± 5.2
+        rows = [{"round": 0, "client": c, "image": 0, "psnr": p, "prior_psnr": 10.0, "ssim": 0.5}
+                for c, p in enumerate(values)]
+        interval = leakage_statistics(rows)["mean_psnr_ci"]
+        assert 0.0 <= interval[0] <= sum(values) / 3 <= interval[1] <= PSNR_CAP_DB
+        assert interval[cut] == [0.0, PSNR_CAP_DB][cut]
 
 
 def test_the_success_rule_on_hand_made_pairs():
@@ -255,7 +274,7 @@ def test_fedpac_on_real_local_training_counts_each_image_once():
     from fedsec.attack import AttackSettings, run_attack
     from fedsec.runner import RunConfig
 
-    summary = run_attack(RunConfig.of(method="fedpac", dataset="digits", clients=4, rounds=1, threads=1),
+    summary = run_attack(RunConfig.of(method="fedpac", dataset="digits", clients=4, rounds=1, threads=TEST_THREADS),
                          AttackSettings(attack="ig", victim_batch=0, targets=1, iterations=2, restarts=1),
                          progress=False)
     (target,) = summary["per_target"]

@@ -17,6 +17,7 @@ import pytest
 from fedsec import report as rep
 from fedsec.cli import main
 from fedsec.runner import RunConfig
+from helpers import TEST_THREADS
 
 METHODS = ["fedper", "fedproto"]
 ATTACKS = ["dlg", "proto", "labels"]
@@ -219,7 +220,7 @@ def test_reuse_copies_matching_stages(built, tmp_path, monkeypatch):
 
 def _cli(args, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["report", "--dataset", "digits", "--threads", "1", *args])
+        main(["report", "--dataset", "digits", "--threads", str(TEST_THREADS), *args])
     return exc.value.code, capsys.readouterr().err.strip()
 
 
@@ -363,7 +364,7 @@ def test_preset_audit_on_the_command_line_prints_an_estimate_and_writes_both_set
     out = tmp_path / "audit"
     main(["report", "--preset", "audit", "--dataset", "digits", "--clients", "4", "--rounds", "2",
           "--attack-rounds", "0,1", "--targets", "1", "--iterations", "3", "--methods", "fedpac",
-          "--threads", "1", "--out", str(out)])  # returns (exit 0); a failure exits non-zero
+          "--threads", str(TEST_THREADS), "--out", str(out)])  # returns (exit 0); a failure exits non-zero
     captured = capsys.readouterr()
     assert re.search(r"\d+ of \d+ stages to compute: about \d+ (s|min)", captured.err)
     assert "ig@textbook" in captured.out and "ig@real" in captured.out

@@ -7,9 +7,10 @@ import pandas as pd
 import pytest
 
 from fedsec.runner import RunConfig, train
+from helpers import TEST_THREADS
 
 FAST = dict(method="fedecouple", dataset="digits", partition="pathological", clients=3, local_epochs=1, seed=0,
-            threads=1)  # bit-identical floats need the same torch thread count
+            threads=TEST_THREADS)  # bit-identical floats need the same torch thread count
 
 
 def fedsec(*args, cwd=None):
@@ -81,7 +82,7 @@ def test_issue_acceptance_fedecouple_mnist5k_pathological(tmp_path):
     """The issue's acceptance command: 10 clients, 3 rounds, 1 local epoch reaches >= 0.80."""
     result = fedsec("train", "--method", "fedecouple", "--dataset", "mnist5k", "--partition", "pathological",
                     "--classes-per-client", "3", "--clients", "10", "--rounds", "3", "--local-epochs", "1",
-                    "--seed", "0", "--threads", "1", "--out", str(tmp_path / "acc"))
+                    "--seed", "0", "--threads", str(TEST_THREADS), "--out", str(tmp_path / "acc"))
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "acc" / "summary.json").read_text())
     assert summary["mean_accuracy"] >= 0.80

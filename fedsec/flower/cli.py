@@ -10,14 +10,14 @@ import click
 import attacks
 from fedecouple.errors import UserError
 
-from ..options import LiveChoice, restarts_option, threat_model_options
+from ..options import COUNT, SEED, LiveChoice, Number, restarts_option, threat_model_options
 
 
 def app_options(func):
     """Flags shared by the commands that run a Flower app."""
     options = [
         click.argument("app_dir", type=click.Path(file_okay=False)),
-        click.option("--nodes", type=int, default=None,
+        click.option("--nodes", type=COUNT, default=None,
                      help="Simulated nodes [the app's default federation: options.num-supernodes]."),
         click.option("--run-config", "run_config", multiple=True, metavar="'KEY=VALUE ...'",
                      help="Overrides of the app's [tool.flwr.app.config], as for `flwr run --run-config` "
@@ -52,17 +52,17 @@ def flower():
 @click.option("--attack-rounds", default="0", show_default=True,
               help="Comma-separated rounds whose uploads are attacked (0 = Flower's round 1, at the initial weights). "
                    "The app stops after the last one unless --rounds is given.")
-@click.option("--rounds", type=int, default=None,
+@click.option("--rounds", type=COUNT, default=None,
               help="Flower rounds to run (set through the app's declared rounds-key).")
-@click.option("--targets", type=int, default=2, show_default=True, help="Clients attacked per attacked round (seeded choice).")
-@click.option("--iterations", type=int, default=None, help="Optimiser steps per reconstruction [the attack's default].")
+@click.option("--targets", type=COUNT, default=2, show_default=True, help="Clients attacked per attacked round (seeded choice).")
+@click.option("--iterations", type=COUNT, default=None, help="Optimiser steps per reconstruction [the attack's default].")
 @restarts_option
-@click.option("--victim-batch", type=int, default=None,
+@click.option("--victim-batch", type=Number(int, 0), default=None,
               help="B: in the attacked rounds every node trains on B of its images, through the app's declared "
                    "victim-keys [1 for the gradient attacks; 0 (= the app's real local training) for labels].")
-@click.option("--victim-steps", type=int, default=1, show_default=True, help="T: local steps in the victim setting.")
-@click.option("--images", type=int, default=None, help="Images rebuilt per target [--victim-batch, or 1].")
-@click.option("--attack-seed", type=int, default=0, show_default=True, help="Seed for target choice and attack starts.")
+@click.option("--victim-steps", type=COUNT, default=1, show_default=True, help="T: local steps in the victim setting.")
+@click.option("--images", type=COUNT, default=None, help="Images rebuilt per target [--victim-batch, or 1].")
+@click.option("--attack-seed", type=SEED, default=0, show_default=True, help="Seed for target choice and attack starts.")
 @threat_model_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder: attack.csv, summary.json, reconstructions.png [runs/flower-attack-<attack>-<app>].")
@@ -96,11 +96,11 @@ def attack(app_dir, nodes, run_config, ray_cpus, threads, flower_log, attack_nam
 
 @flower.command()
 @app_options
-@click.option("--rounds", type=int, default=None, help="Flower rounds to run (through the declared rounds-key) [the app's].")
+@click.option("--rounds", type=COUNT, default=None, help="Flower rounds to run (through the declared rounds-key) [the app's].")
 @click.option("--evidence/--no-evidence", default=True, show_default=True,
               help="Measure the findings' evidence with the matching attacks, as `fedsec audit` does: each in "
                    "its own simulation (the gradient attack in the textbook setting, through the app's victim-keys).")
-@click.option("--evidence-iterations", type=int, default=300, show_default=True,
+@click.option("--evidence-iterations", type=COUNT, default=300, show_default=True,
               help="Optimisation steps for each evidence attack.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder: audit.csv, findings.json, summary.json, audit.md [runs/flower-audit-<app>].")
