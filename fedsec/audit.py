@@ -37,6 +37,7 @@ from fedecouple.errors import UserError
 from fedecouple.methods.base import FieldSpec
 from fedecouple.models import group_of, set_params
 from reports.audit import SEVERITIES, audit_markdown
+from reports.formatting import forward_check_verdict, interval_text
 
 from . import io
 from .recorded import RecordedRun
@@ -114,11 +115,19 @@ def psnr_gap(summary: dict | None) -> float | None:
 
 def at_chance(summary: dict | None) -> bool | None:
     """Whether an attack's measured leakage is at chance level (within LEAK_GAP_DB of the prior). Never
-    for a mis-specified attack (its forward model was wrong): that is no evidence of low leakage."""
+    for a mis-specified attack (its forward model was wrong) nor for one whose optimiser stopped short of
+    the truth (a lower bound): neither is evidence of low leakage."""
     gap = psnr_gap(summary)
-    if gap is None or (summary or {}).get("mis_specified"):
+    if gap is None or (summary or {}).get("mis_specified") or (summary or {}).get("not_converged_targets"):
         return None
     return gap < LEAK_GAP_DB
+
+
+def _measured(summary: dict) -> str:
+    """The measurement behind a finding: mean PSNR with its interval (or why there is none), n, prior."""
+    ci = summary.get("mean_psnr_ci") or (None, None)
+    return (f"measured mean PSNR {summary['mean_psnr']:.1f} dB{interval_text(*ci, digits=1)} over "
+            f"{summary.get('n_images', '?')} images vs prior {summary['mean_prior_psnr']:.1f} dB")
 
 
 def _leak_severity(summary: dict | None, base: str) -> tuple[str, str]:
@@ -126,14 +135,13 @@ def _leak_severity(summary: dict | None, base: str) -> tuple[str, str]:
     gap = psnr_gap(summary)
     if gap is None:
         return base, "not measured"
-    if summary.get("mis_specified"):
-        return base, (f"measured mean PSNR {summary['mean_psnr']:.1f} dB vs prior {summary['mean_prior_psnr']:.1f} dB, "
-                      f"but the attack's forward model was wrong (the truth matched the upload worse than the "
-                      f"reconstruction): no evidence either way")
+    verdict = forward_check_verdict(summary.get("mis_specified_targets"), summary.get("not_converged_targets"),
+                                    len(summary.get("per_target") or []))
+    if summary.get("mis_specified") or (verdict and gap < LEAK_GAP_DB):
+        return base, f"{_measured(summary)}; {verdict}: no evidence either way"
     if at_chance(summary):
-        return "low", (f"measured mean PSNR {summary['mean_psnr']:.1f} dB is within {LEAK_GAP_DB:.0f} dB of the prior "
-                       f"({summary['mean_prior_psnr']:.1f} dB)")
-    return base, f"measured mean PSNR {summary['mean_psnr']:.1f} dB vs prior {summary['mean_prior_psnr']:.1f} dB (+{gap:.1f} dB)"
+        return "low", f"{_measured(summary)}: within {LEAK_GAP_DB:.0f} dB of the prior"
+    return base, f"{_measured(summary)} (+{gap:.1f} dB){'; ' + verdict if verdict else ''}"
 
 
 def evidence_attacks(method_name: str, kinds: set[str]) -> dict[str, str]:

@@ -260,7 +260,7 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
            out, **opts):
     """Train, intercept what the server sees, attack it, and score the result against what the client trained on.
 
-    Example: fedsec attack dlg --method fedecouple   (round 0, 2 clients, one image each, one local step)
+    Example: fedsec attack dlg --method fedecouple   (round 0, 8 clients, one image each, one local step)
 
     Training runs up to the last attacked round (max of --attack-rounds, + 1) unless --rounds is given;
     torch runs one thread unless --threads is given.

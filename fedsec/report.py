@@ -68,7 +68,7 @@ from .compare import method_config, parse_list, parse_methods, run_status, share
 from .runner import RunConfig
 from .versions import provenance
 from reports.audit import SEVERITIES
-from reports.formatting import is_lower_bound, is_true
+from reports.formatting import forward_check_verdict, interval_text, is_lower_bound, is_true
 
 DEFAULT_METHODS = ("fedecouple", "fedper", "fedpac", "fedproto")
 DEFAULT_ATTACKS = ("dlg", "ig", "proto", "labels")
@@ -384,9 +384,11 @@ def _measured(code: str, measured: dict[str, dict]) -> tuple[str, str | None]:
             s = measured.get(name) or {}
             gap = psnr_gap(s)
             if gap is not None:
-                text = (f"{name}: mean PSNR {s['mean_psnr']:.1f} dB vs prior {s['mean_prior_psnr']:.1f} dB "
-                        f"({gap:+.1f} dB), max {s['max_psnr']:.1f} dB"
-                        + (" — mis-specified (the attack's forward model was wrong)" if s.get("mis_specified") else ""))
+                verdict = forward_check_verdict(s.get("mis_specified_targets"), s.get("not_converged_targets"),
+                                                len(s.get("per_target") or []))
+                text = (f"{name}: mean PSNR {s['mean_psnr']:.1f} dB{interval_text(*(s.get('mean_psnr_ci') or (None, None)), digits=1)} "
+                        f"vs prior {s['mean_prior_psnr']:.1f} dB ({gap:+.1f} dB), max {s['max_psnr']:.1f} dB"
+                        + (f" — {verdict}" if verdict else ""))
                 return text, ("low" if at_chance(s) else None)
         return "", None
 

@@ -248,7 +248,7 @@ def test_cli_attack_preset_audit_attacks_real_local_training_at_round_0_and_the_
     assert summary["config"]["clients"] == 4 and len(summary["mean_psnr_ci"]) == 2
 
 
-def test_cli_attack_dlg_fedecouple_writes_the_three_files(tmp_path):
+def test_cli_attack_dlg_fedecouple_writes_the_three_files(tmp_path, capsys):
     from fedsec.cli import main
 
     out = tmp_path / "atk"
@@ -269,6 +269,14 @@ def test_cli_attack_dlg_fedecouple_writes_the_three_files(tmp_path):
         assert key in summary
     assert summary["config"]["rounds"] == 1
     assert any("no previous upload of the personal classifier" in n for n in summary["notes"])
+    # what the numbers' rounding came from, and what repeats
+    assert {"cpu", "blas", "torch_threads", "reproducibility"} <= set(summary["machine"])
+    # two targets: the line says n and that two are too few for an interval, and ends with the check's verdict
+    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("dlg on fedecouple")][0]
+    assert "n = 2 images over 2 targets" in line and "(too few targets for an interval)" in line
+    assert summary["mean_psnr_ci"] is None
+    if summary["not_converged_targets"]:
+        assert line.endswith(f"stopped short of the truth on {summary['not_converged_targets']} of 2 targets: a lower bound")
     assert (out / "reconstructions.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
