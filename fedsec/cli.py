@@ -58,7 +58,8 @@ def train_options(func):
         click.option("--s", "s", type=float, default=20.0, show_default=True,
                      help="weak: percent of each client's data drawn uniformly over all classes (0-100)."),
         click.option("--samples-per-client", type=int, default=None,
-                     help="weak: samples per client, train+test [default: min(600, 80% of an equal share)]."),
+                     help="weak: samples per client, train+test [default: min(600, 80% of an equal share)]; other "
+                          "partitions: each client's training images capped at this many (seeded sample) [all]."),
         click.option("--beta", type=float, default=0.1, show_default=True, help="dirichlet: concentration (> 0)."),
         click.option("--clients", type=int, default=10, show_default=True, help="Number of clients N."),
         click.option("--rounds", type=int, default=3, show_default=True, help="Communication rounds."),
@@ -249,12 +250,16 @@ def compare(ctx, methods, seeds, out, **opts):
               help="Images rebuilt per target [--victim-batch; 1 with --victim-batch 0]; e.g. 2 for a method that "
                    "trains on each image and an augmented copy.")
 @click.option("--attack-seed", type=int, default=None, help="Seed for target choice and attack starts [--seed].")
+@click.option("--craft", default=None,
+              help="Malicious-server attacks (trap, binning): the download the server crafts for the attacked clients: "
+                   "binning (every row of the first linear layer one direction, biases at public quantiles; exact "
+                   "inputs) or plain (trap: Boenisch et al.'s random trap rows) [the attack's first: binning].")
 @threat_model_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder: attack.csv, summary.json, reconstructions.png [runs/attack-<attack>-<method>].")
 @click.pass_context
 def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_batch, victim_steps, images, attack_seed,
-           out, **opts):
+           craft, out, **opts):
     """Train, intercept what the server sees, attack it, and score the result against what the client trained on.
 
     Example: fedsec attack dlg --method fedecouple   (round 0, 2 clients, one image each, one local step)
@@ -284,7 +289,8 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     config = config_from_options(ctx, **opts)
     settings = AttackSettings(attack=attack, rounds=tuple(parse_rounds(attack_rounds)), targets=targets,
                               iterations=iterations, restarts=restarts, images=images, victim_batch=victim_batch,
-                              victim_steps=victim_steps, seed=attack_seed, train_rounds=train_rounds, **threat)
+                              victim_steps=victim_steps, seed=attack_seed, train_rounds=train_rounds, craft=craft,
+                              **threat)
     out = out or default_out(attack, config.method)
     from .compare import shared_datasets
 

@@ -38,6 +38,9 @@ class RecordedRun:
     train: TrainConfig
     label: str
     backend: Backend = field(default_factory=SequentialBackend)
+    # a malicious server's records of the downloads it crafted, by (round, client)
+    # (``attacks.malicious.CraftRecord``); empty for an honest server
+    crafted: dict = field(default_factory=dict)
 
     def upload_kinds(self) -> set[str]:
         return self.method.upload_kinds(self.make_model())
