@@ -10,11 +10,12 @@ first layer of ``mlp``), leaving the layers before it as sent:
   w (the public inputs' first principal direction), scaled by ``alpha``; row i's bias is −alpha·q_i
   with q_0 < q_1 < … consecutive quantiles of w·a on the public images, so unit i is active for the
   inputs with w·a > q_i. The next layer (the classifier, where the method trains against the
-  downloaded one) gets equal columns up to a sign σ_i = (−1)^i: every row then receives the same
-  upstream gradient g_n of a sample (times σ_i), so σ_i·ΔW_i − σ_{i+1}·ΔW_{i+1} holds only the
-  inputs whose w·a falls in (q_i, q_{i+1}] and the LeakyReLU's leak, equal in both rows, cancels.
-  The alternating sign makes the rows' contributions to the logits cancel pairwise, so the layers
-  before the crafted one receive almost no gradient and barely drift over the client's steps.
+  downloaded one) gets equal columns: every row then receives the same upstream gradient g_n of a
+  sample, so ΔW_i − ΔW_{i+1} holds only the inputs whose w·a falls in (q_i, q_{i+1}] and the
+  LeakyReLU's leak, equal in both rows, cancels. Over several local steps the rows stay one
+  direction up to what earlier steps' bins added; the columns' scale keeps one sample's step at
+  ``DRIFT`` of a bin's width (for lr/batch = ``REFERENCE_STEP``), so later samples still fall into
+  one bin each, while the update stays far above float32 rounding.
 * ``plain`` (Boenisch et al., "When the Curious Abandon Honesty", EuroS&P 2023): random rows, each
   bias at the public (1 − 1/32) quantile of its row's w_i·a, so each row fires for few inputs; the
   classifier is left as sent. Under LeakyReLU the inactive inputs leak in at 1 %: the ratio
@@ -33,6 +34,12 @@ PLAIN_FIRING = 1.0 / 32
 # binning: the lowest and highest thresholds sit at these public quantiles (inputs below the lowest
 # fire no row; above the highest only the top row, whose leak has no neighbour to cancel against)
 BIN_EDGES = (0.002, 0.998)
+# binning: one sample's SGD step may move a row's pre-activation of another input by this share of a
+# bin's width, at a step size lr/batch of REFERENCE_STEP (the defaults 0.05/10)
+DRIFT = 0.01
+REFERENCE_STEP = 0.005
+# ... but never so small that a bias update (≈ lr/batch·s) drowns in float32 rounding of the O(1) biases
+PRECISION = 1e-4
 
 
 @dataclass
@@ -133,7 +140,7 @@ def _binning_rows(inputs: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
     # rows scaled so that a unit's pre-activation stays O(1) over the public range
     alpha = 1.0 / float((thresholds[-1] - thresholds[0]).clamp_min(1e-12))
     weight = alpha * direction.expand(rows, -1).clone()
-    signs = torch.tensor([(-1.0) ** i for i in range(rows)], dtype=torch.float64)
+    signs = torch.ones(rows, dtype=torch.float64)
     return weight, -alpha * thresholds, alpha * thresholds, signs
 
 
@@ -147,10 +154,14 @@ def _plain_rows(inputs: torch.Tensor, rows: int, generator: torch.Generator) -> 
 def _equal_columns(following: nn.Linear, name: str, signs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                    inputs: torch.Tensor) -> dict[str, torch.Tensor]:
     """The next layer for binning: column i = σ_i·v with v_j = s·(−1)^j (for the classifier: every
-    class's sample gets an upstream gradient of the same size), zero bias, its outputs kept O(1)."""
+    class's sample gets an upstream gradient of the same size), zero bias; s keeps its outputs O(1)
+    and one sample's step at ``DRIFT`` of a bin (module docstring)."""
     outputs = following.out_features
     hidden = torch.nn.functional.leaky_relu(inputs @ weight.T + bias, 0.01) @ signs
-    scale = 1.0 / float(hidden.abs().max().clamp_min(1.0))
+    bin_width = float((bias[:-1] - bias[1:]).abs().median())
+    squared_norm = float((inputs ** 2).sum(1).median())
+    scale = max(min(1.0 / float(hidden.abs().max().clamp_min(1.0)),
+                    DRIFT * bin_width / (REFERENCE_STEP * squared_norm)), PRECISION / REFERENCE_STEP)
     v = scale * torch.tensor([(-1.0) ** j for j in range(outputs)], dtype=torch.float64)
     columns = v[:, None] * signs[None, :]
     return {f"{name}.weight": columns.float(), f"{name}.bias": torch.zeros(outputs)}
