@@ -102,6 +102,7 @@ class AttackSettings:
     train_rounds: int | None = None  # default: max(rounds) + 1
     threads: int | None = None  # default: the run's, else ATTACK_THREADS
     craft: str | None = None  # a malicious-server attack's crafted download (default: the attack's first)
+    download_check: bool = False  # clients test every download and refuse a crafted one (fedsec.defenses)
 
     @property
     def spec(self) -> AttackSpec:
@@ -351,6 +352,12 @@ def recording_federation(prep: Prepared, settings: AttackSettings | None = None,
                       prep.config.federation.train, prep.config.method, fed.backend)
     if settings is not None and settings.spec.malicious:
         run.crafted = _malicious_server(prep, settings, targets, fed, run).records
+    if settings is not None and settings.download_check:
+        from .defenses.download_check import DownloadCheck
+
+        run.download_check = DownloadCheck(lambda c: prep.dataset.images[torch.from_numpy(prep.partition.train[c])],
+                                           run.make_model)
+        fed.channel.interceptors.append(run.download_check)  # last: it sees what reaches the client
     return fed, run, targets
 
 
@@ -636,6 +643,11 @@ def _summary(run: RecordedRun, settings: AttackSettings, targets: dict, scored: 
         from .malicious import input_statistics
 
         statistics.update(input_statistics(rows, settings.seed))
+    if run.download_check is not None:
+        from .defenses.download_check import detection_summary
+
+        attacked = set(run.crafted) if spec.malicious else set()
+        statistics["download_check"] = detection_summary(run.download_check.decisions, attacked)
     summary = {
         "method": run.method.name, "attack": spec.name, "dataset": run.dataset.name, "run": run.label,
         **{k: scores[k] for k in SUMMARY_KEYS},

@@ -254,12 +254,16 @@ def compare(ctx, methods, seeds, out, **opts):
               help="Malicious-server attacks (trap, binning): the download the server crafts for the attacked clients: "
                    "binning (every row of the first linear layer one direction, biases at public quantiles; exact "
                    "inputs) or plain (trap: Boenisch et al.'s random trap rows) [the attack's first: binning].")
+@click.option("--download-check", is_flag=True, default=False,
+              help="Every client tests each download before training and refuses one that looks crafted "
+                   "(fedsec.defenses.download_check); summary.json's download_check gives detections on the attacked "
+                   "downloads and false alarms on all others.")
 @threat_model_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder: attack.csv, summary.json, reconstructions.png [runs/attack-<attack>-<method>].")
 @click.pass_context
 def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_batch, victim_steps, images, attack_seed,
-           craft, out, **opts):
+           craft, download_check, out, **opts):
     """Train, intercept what the server sees, attack it, and score the result against what the client trained on.
 
     Example: fedsec attack dlg --method fedecouple   (round 0, 2 clients, one image each, one local step)
@@ -290,7 +294,7 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     settings = AttackSettings(attack=attack, rounds=tuple(parse_rounds(attack_rounds)), targets=targets,
                               iterations=iterations, restarts=restarts, images=images, victim_batch=victim_batch,
                               victim_steps=victim_steps, seed=attack_seed, train_rounds=train_rounds, craft=craft,
-                              **threat)
+                              download_check=download_check, **threat)
     out = out or default_out(attack, config.method)
     from .compare import shared_datasets
 
