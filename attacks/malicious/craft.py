@@ -4,21 +4,25 @@ Pure functions of tensors: the honest download, a model of the federation's arch
 shapes and the layers before the crafted one) and public images the server holds.
 
 Both crafts rewrite the first linear layer of the extractor (``extractor.fc`` of the CNNs, the
-first layer of ``mlp``), leaving the layers before it as sent:
+first layer of ``mlp``):
 
 * ``binning`` (Fowl et al., "Robbing the Fed", ICLR 2022, weights only): every row is one direction
-  w (the public inputs' first principal direction), scaled by ``alpha``; row i's bias is −alpha·q_i
-  with q_0 < q_1 < … consecutive quantiles of w·a on the public images, so unit i is active for the
-  inputs with w·a > q_i. The next layer (the classifier, where the method trains against the
-  downloaded one) gets equal columns: every row then receives the same upstream gradient g_n of a
-  sample, so ΔW_i − ΔW_{i+1} holds only the inputs whose w·a falls in (q_i, q_{i+1}] and the
-  LeakyReLU's leak, equal in both rows, cancels. Over several local steps the rows stay one
-  direction up to what earlier steps' bins added; the columns' scale keeps one sample's step at
-  ``DRIFT`` of a bin's width (for lr/batch = ``REFERENCE_STEP``), so later samples still fall into
-  one bin each, while the update stays far above float32 rounding.
+  w (the public inputs' first principal direction, made orthogonal to their mean so that the
+  biases stay small), scaled by alpha; row i's bias is −alpha·q_i with q_0 < q_1 < … consecutive
+  quantiles of w·a on the public images, so unit i is active for the inputs with w·a > q_i. The next
+  layer (the classifier, where the method trains against the downloaded one) gets equal columns
+  up to a sign σ_i = (−1)^i. Rows of one sign then receive the same upstream gradient g_n of a
+  sample, so the difference of two neighbouring rows of one sign (i and i + 2) holds only the
+  inputs whose w·a fell between their thresholds, and the LeakyReLU's leak, equal in both,
+  cancels. The alternating sign makes the rows' contributions to the next layer cancel pairwise:
+  the layers before the crafted one receive almost no gradient and barely drift over the client's
+  steps, and each sign's rows drift together. The columns' scale puts one sample's bias update
+  ``BIAS_ULPS`` float32 steps above the biases' rounding; the layer before the crafted one (a
+  convolution) is scaled down by γ (exact: LeakyReLU and max-pooling are positively homogeneous) so
+  that one sample's step moves another input's pre-activation by a fraction of a bin.
 * ``plain`` (Boenisch et al., "When the Curious Abandon Honesty", EuroS&P 2023): random rows, each
   bias at the public (1 − 1/32) quantile of its row's w_i·a, so each row fires for few inputs; the
-  classifier is left as sent. Under LeakyReLU the inactive inputs leak in at 1 %: the ratio
+  rest is left as sent. Under LeakyReLU the inactive inputs leak in at 1 %: the ratio
   ΔW_i / Δb_i is approximately, not exactly, one input.
 """
 from __future__ import annotations
@@ -34,12 +38,19 @@ PLAIN_FIRING = 1.0 / 32
 # binning: the lowest and highest thresholds sit at these public quantiles (inputs below the lowest
 # fire no row; above the highest only the top row, whose leak has no neighbour to cancel against)
 BIN_EDGES = (0.002, 0.998)
-# binning: one sample's SGD step may move a row's pre-activation of another input by this share of a
-# bin's width, at a step size lr/batch of REFERENCE_STEP (the defaults 0.05/10)
-DRIFT = 0.01
+# binning: a sample's bias update is this many float32 rounding steps of the largest bias, at a
+# step size lr/batch of REFERENCE_STEP (the defaults 0.05/10), within BIAS_ULPS, as far as one
+# sample's step then moves another input's pre-activation by at most BIN_SHIFT of a bin ...
+BIAS_ULPS = (1e3, 1e5)
+BIN_SHIFT = 0.1
 REFERENCE_STEP = 0.005
-# ... but never so small that a bias update (≈ lr/batch·s) drowns in float32 rounding of the O(1) biases
-PRECISION = 1e-4
+# ... the layer before is scaled so that the inputs' median ‖a‖² is at most this: one sample's step
+# then moves another input's pre-activation by well under a bin ...
+INPUT_SQUARED_NORM = 0.1
+# ... and the rows' pre-activations span this much over the public range: the layers before the
+# crafted one get a gradient (and drift) that shrinks with its square, while the rounding of the
+# bias updates and the bins' distortion do not depend on it
+PRE_ACTIVATION_SPAN = 1e-5
 
 
 @dataclass
@@ -109,6 +120,9 @@ def craft(kind: str, download: dict[str, torch.Tensor], model: nn.Module, public
         raise ValueError(f"unknown craft {kind!r}; one of {CRAFTS}")
     model = load(model, download)
     layer = first_linear(model)
+    sent = {k: v.detach().clone() for k, v in download.items()}
+    if kind == "binning":
+        sent.update(_shrink_inputs(model, layer, public))
     inputs = layer_inputs(model, layer, public).double()
     generator = torch.Generator().manual_seed(int(seed))
     if kind == "binning":
@@ -116,7 +130,6 @@ def craft(kind: str, download: dict[str, torch.Tensor], model: nn.Module, public
     else:
         weight, bias, thresholds = _plain_rows(inputs, layer_module(model, layer).out_features, generator)
         signs = torch.ones(len(bias), dtype=torch.float64)
-    sent = {k: v.detach().clone() for k, v in download.items()}
     sent[f"{layer}.weight"], sent[f"{layer}.bias"] = weight.float(), bias.float()
     following = next_linear(model, layer)
     equalised = kind == "binning" and following.split(".", 1)[0] in reached
@@ -129,18 +142,42 @@ def craft(kind: str, download: dict[str, torch.Tensor], model: nn.Module, public
     return {k: v.clone() for k, v in sent.items()}, record
 
 
+def _shrink_inputs(model: nn.Module, layer: str, public: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Scale the parametrised layer just before ``layer`` (weight and bias, in ``model`` too) by γ so
+    that the median ‖a‖² ≤ ``INPUT_SQUARED_NORM``; {} when none comes before it (``mlp``)."""
+    before = None
+    for name, module in model.extractor.named_children():
+        if f"extractor.{name}" == layer:
+            break
+        if any(True for _ in module.parameters(recurse=False)):
+            before = (f"extractor.{name}", module)
+    if before is None:
+        return {}
+    inputs = layer_inputs(model, layer, public).double()
+    gamma = min(1.0, (INPUT_SQUARED_NORM / float((inputs ** 2).sum(1).median().clamp_min(1e-12))) ** 0.5)
+    name, module = before
+    with torch.no_grad():
+        for param in module.parameters(recurse=False):
+            param.mul_(gamma)
+    return {f"{name}.{k}": p.detach().clone() for k, p in module.named_parameters(recurse=False)}
+
+
+def _direction(inputs: torch.Tensor) -> torch.Tensor:
+    """The inputs' first principal direction, made orthogonal to their mean (so w·a is centred)."""
+    mean = inputs.mean(0)
+    direction = torch.linalg.svd(inputs - mean, full_matrices=False).Vh[0]
+    direction = direction - (direction @ mean) / (mean @ mean).clamp_min(1e-12) * mean
+    return direction / direction.norm().clamp_min(1e-12)
+
+
 def _binning_rows(inputs: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
-    centred = inputs - inputs.mean(0)
-    direction = torch.linalg.svd(centred, full_matrices=False).Vh[0]
+    direction = _direction(inputs)
     projections = inputs @ direction
-    if projections.mean() < 0:  # orient it so that larger projections are the common case's tail
-        direction, projections = -direction, -projections
     levels = torch.linspace(BIN_EDGES[0], BIN_EDGES[1], rows, dtype=torch.float64)
     thresholds = torch.quantile(projections, levels)
-    # rows scaled so that a unit's pre-activation stays O(1) over the public range
-    alpha = 1.0 / float((thresholds[-1] - thresholds[0]).clamp_min(1e-12))
+    alpha = PRE_ACTIVATION_SPAN / float((thresholds[-1] - thresholds[0]).clamp_min(1e-12))
     weight = alpha * direction.expand(rows, -1).clone()
-    signs = torch.ones(rows, dtype=torch.float64)
+    signs = torch.tensor([(-1.0) ** i for i in range(rows)], dtype=torch.float64)
     return weight, -alpha * thresholds, alpha * thresholds, signs
 
 
@@ -154,14 +191,15 @@ def _plain_rows(inputs: torch.Tensor, rows: int, generator: torch.Generator) -> 
 def _equal_columns(following: nn.Linear, name: str, signs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                    inputs: torch.Tensor) -> dict[str, torch.Tensor]:
     """The next layer for binning: column i = σ_i·v with v_j = s·(−1)^j (for the classifier: every
-    class's sample gets an upstream gradient of the same size), zero bias; s keeps its outputs O(1)
-    and one sample's step at ``DRIFT`` of a bin (module docstring)."""
+    class's sample gets an upstream gradient of the same size), zero bias; s puts a sample's bias
+    update ``BIAS_ULPS`` float32 steps above the largest bias (module docstring), its outputs O(1)."""
     outputs = following.out_features
     hidden = torch.nn.functional.leaky_relu(inputs @ weight.T + bias, 0.01) @ signs
     bin_width = float((bias[:-1] - bias[1:]).abs().median())
-    squared_norm = float((inputs ** 2).sum(1).median())
-    scale = max(min(1.0 / float(hidden.abs().max().clamp_min(1.0)),
-                    DRIFT * bin_width / (REFERENCE_STEP * squared_norm)), PRECISION / REFERENCE_STEP)
+    shift_per_ulp = 2.0 ** -23 * float(bias.abs().max()) * float((inputs ** 2).sum(1).median()) / bin_width
+    ulps = min(max(BIN_SHIFT / shift_per_ulp, BIAS_ULPS[0]), BIAS_ULPS[1])
+    scale = ulps * 2.0 ** -23 * float(bias.abs().max()) / REFERENCE_STEP
+    scale = min(scale, 1.0 / float(hidden.abs().max().clamp_min(1e-12)))
     v = scale * torch.tensor([(-1.0) ** j for j in range(outputs)], dtype=torch.float64)
     columns = v[:, None] * signs[None, :]
     return {f"{name}.weight": columns.float(), f"{name}.bias": torch.zeros(outputs)}

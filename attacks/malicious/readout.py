@@ -4,9 +4,9 @@ Pure functions of tensors: the server's ``CraftRecord`` (what it sent) and the c
 
 A linear layer z = W a + b trained by SGD from what was sent changes by ΔW_i = −η Σ_n δ_{n,i} a_nᵀ,
 Δb_i = −η Σ_n δ_{n,i} (summed over the client's steps). Binning: with σ_i·δ_{n,i} equal across
-rows for every input active in both, D_i = σ_iΔW_i − σ_{i+1}ΔW_{i+1} holds only the inputs whose
-projection fell in bin i, so D_i / d_i (the same difference of the biases) is that input exactly
-when it was alone in its bin. Plain trap: ΔW_i / Δb_i per row (a weighted mean of the inputs that
+rows for every input active in both, D = σ_iΔW_i − σ_jΔW_j for neighbouring rows i < j of one sign
+holds only the inputs whose projection fell between their thresholds, so D / d (the same difference
+of the biases) is that input exactly when it was alone there. Plain trap: ΔW_i / Δb_i per row (a weighted mean of the inputs that
 row saw, mostly one, plus the 1 % leak of the others).
 """
 from __future__ import annotations
@@ -27,8 +27,10 @@ def recover_inputs(record: CraftRecord, upload: dict[str, torch.Tensor]) -> torc
     weight, bias = f"{record.layer}.weight", f"{record.layer}.bias"
     dw = (upload[weight].double() - record.sent[weight].double()) * record.signs.double()[:, None]
     db = (upload[bias].double() - record.sent[bias].double()) * record.signs.double()
-    if record.craft == "binning":
-        dw, db = dw[:-1] - dw[1:], db[:-1] - db[1:]
+    if record.craft == "binning":  # neighbouring rows of one sign (module docstring of craft)
+        groups = [torch.nonzero(record.signs == sign).flatten() for sign in (1.0, -1.0)]
+        dw = torch.cat([dw[g[:-1]] - dw[g[1:]] for g in groups if len(g) > 1])
+        db = torch.cat([db[g[:-1]] - db[g[1:]] for g in groups if len(g) > 1])
     keep = db.abs() > ACTIVE_SHARE * float(db.abs().max().clamp_min(1e-30))
     candidates = dw[keep] / db[keep, None]
     return _distinct(candidates).float()
