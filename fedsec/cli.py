@@ -460,12 +460,13 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
 @train_options
 @click.option("--defense", type=click.Choice(list(VALUE_MEANING)), required=True,
               help="dp: DP-SGD (Opacus) in every client's local training and a Gaussian mechanism for its "
-                   "whole-data statistics; the others filter each upload's update before it leaves the client.")
+                   "whole-data statistics; download-check: every client tests each download and refuses a crafted "
+                   "one (use --attacks trap); the others filter each upload's update before it leaves the client.")
 @click.option("--values", required=True,
               help="Comma-separated values, one sweep point each. dp: noise multiplier; noise: variance of the noise "
                    "on the gradient -delta/lr (DLG paper's unit); clip: L2 bound on the update; prune: percent of the "
                    "update zeroed; quantize: bits; exclude: a field kind (prototype, class_counts, statistic, ...) or "
-                   "a field-name pattern (prototype.*).")
+                   "a field-name pattern (prototype.*); download-check: on.")
 @click.option("--attacks", "attack_list", default="dlg,ig,labels", show_default=True, cls=ListedOption,
               listed=lambda: attacks.names() + ["mia"],
               help="Comma-separated attacks run against each value (mia: membership inference on the personal "

@@ -109,3 +109,16 @@ def test_samples_per_client_caps_every_clients_training_set_outside_weak():
     assert all(len(t) == 10 for t in part.train)
     whole = make_partition(labels, 5, "pathological", num_classes=10, classes_per_client=2)
     assert all(len(t) > 10 for t in whole.train)
+
+
+def test_defend_download_check_reports_detections_and_false_alarms(tmp_path):
+    from fedsec.defend import DefendSettings, defend
+    from fedsec.runner import RunConfig
+
+    config = RunConfig.of(method="fedavg", dataset="digits", clients=4, rounds=2, samples_per_client=10, threads=1)
+    settings = DefendSettings(defense="download-check", values=["on"], attacks=["trap"], targets=2, iterations=2)
+    frame = defend(config, settings, tmp_path, progress=False)
+    on = frame[frame["value"] == "on"].iloc[0]
+    assert on["detection_rate_trap"] == 1.0
+    assert on["false_alarm_rate"] == 0.0
+    assert "false alarms" in (tmp_path / "tradeoff.md").read_text(encoding="utf-8")
