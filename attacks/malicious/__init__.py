@@ -36,8 +36,8 @@ def not_reachable(method, model) -> str | None:
     if layer.split(".", 1)[0] in reached:
         return None
     if not reached:
-        return (f"{method.name} trains nothing the server sends (it downloads no weights it trains from): "
-                f"a crafted download cannot reach its update")
+        return (f"{method.name} trains nothing the server sends (its download holds no weights it trains from or "
+                f"against): a crafted download cannot reach its update")
     return (f"{method.name} trains only {', '.join(sorted(reached))} as sent, not {layer}: a crafted download "
             f"cannot reach that layer")
 
