@@ -25,7 +25,7 @@ from .readout import match_inputs, rebuild_images, recover_inputs, relative_erro
 
 # a recovered input counts as exact at or below this relative error
 EXACT = 1e-3
-INVERSION_STEPS = 200
+INVERSION_STEPS = 300
 
 
 def not_reachable(method, model) -> str | None:

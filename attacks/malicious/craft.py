@@ -56,8 +56,9 @@ PRE_ACTIVATION_SPAN = 1e-5
 @dataclass
 class CraftRecord:
     """What the server crafted and sent one client: the craft, the crafted layer's parameter name
-    (``extractor.fc``), the download as sent (``sent``), per row the sign σ_i of its classifier
-    column (binning) and the thresholds in units of the row's projection."""
+    (``extractor.fc``), the download as sent (``sent``), per row the sign σ_i of its next-layer
+    column (binning) and its threshold (in pre-activation units), whether the next layer was
+    equalised, and the mean public image."""
 
     craft: str
     layer: str
@@ -65,6 +66,7 @@ class CraftRecord:
     signs: torch.Tensor
     thresholds: torch.Tensor
     next_equalised: bool = False
+    public_mean: torch.Tensor | None = None  # the mean of the server's public images (where a rebuild starts)
     notes: list[str] = field(default_factory=list)
 
 
@@ -135,7 +137,7 @@ def craft(kind: str, download: dict[str, torch.Tensor], model: nn.Module, public
     equalised = kind == "binning" and following.split(".", 1)[0] in reached
     if equalised:
         sent.update(_equal_columns(layer_module(model, following), following, signs, weight, bias, inputs))
-    record = CraftRecord(kind, layer, sent, signs.float(), thresholds.float(), equalised)
+    record = CraftRecord(kind, layer, sent, signs.float(), thresholds.float(), equalised, public.mean(0))
     if kind == "binning" and not equalised:
         record.notes.append(f"the client trains against its own {following}: the rows' upstream gradients differ, "
                             f"so the leak of the inputs outside a bin does not cancel exactly")

@@ -19,6 +19,8 @@ from .craft import CraftRecord, layer_inputs, load
 
 # a bin (or row) counts as holding an input when its bias change is above this share of the largest
 ACTIVE_SHARE = 1e-4
+# the total-variation weight of the image rebuild through convolutions (``rebuild_images``)
+TV_WEIGHT = 3e-4
 
 
 def recover_inputs(record: CraftRecord, upload: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -77,26 +79,33 @@ def first_layer_sees_pixels(model: torch.nn.Module, layer: str) -> bool:
 def rebuild_images(model: torch.nn.Module, record: CraftRecord, inputs: torch.Tensor,
                    image_shape: tuple[int, int, int], iterations: int, seed: int) -> torch.Tensor:
     """(m, C, H, W) images in [0, 1] whose crafted-layer inputs are ``inputs``: in closed form when
-    the layer sees the pixels (undo the normalisation), else by a short Adam inversion of the layers
-    before it (as sent) from the exact input, with a small total-variation prior."""
+    the layer sees the pixels (undo the normalisation), else by inverting the layers before it (as
+    sent) from the exact input: L-BFGS (``iterations`` steps) on the images' logits from the public
+    mean image, squared relative error of the input plus ``TV_WEIGHT`` × total variation. (The
+    weight was chosen on the data set's first 8 images through the default CNN: 19.5 dB against the
+    mean image's 10.4 dB, where Adam with the same budget reached 11-13 dB.)"""
     model = load(model, record.sent)
     if len(inputs) == 0:
         return torch.zeros(0, *image_shape)
     if first_layer_sees_pixels(model, record.layer):
         x = inputs.reshape(-1, *image_shape) * model.normalize.std + model.normalize.mean
         return x.clamp(0, 1).detach()
-    generator = torch.Generator().manual_seed(int(seed))
-    logits = (0.1 * torch.randn(len(inputs), *image_shape, generator=generator)).requires_grad_(True)
-    optimiser = torch.optim.Adam([logits], lr=0.1)
+    start = record.public_mean if record.public_mean is not None else torch.full(image_shape, 0.5)
+    logits = torch.logit(start.clamp(0.02, 0.98)).expand(len(inputs), *image_shape).clone().requires_grad_(True)
+    optimiser = torch.optim.LBFGS([logits], lr=1, max_iter=iterations, history_size=50,
+                                  line_search_fn="strong_wolfe")
     target = inputs.detach()
     scale = target.norm(dim=1).clamp_min(1e-12)
-    for _ in range(iterations):
+
+    def objective():
+        optimiser.zero_grad()
         x = torch.sigmoid(logits)
         got = layer_inputs_differentiable(model, record.layer, x)
-        loss = (((got - target).norm(dim=1) / scale) ** 2).sum() + 1e-3 * total_variation(x)
-        optimiser.zero_grad()
+        loss = (((got - target).norm(dim=1) / scale) ** 2).sum() + TV_WEIGHT * total_variation(x)
         loss.backward()
-        optimiser.step()
+        return loss
+
+    optimiser.step(objective)
     return torch.sigmoid(logits).detach()
 
 
