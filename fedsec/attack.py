@@ -25,7 +25,8 @@ federation recorded elsewhere (a Flower app) goes straight to ``attack_recorded`
 Outputs in ``out``: ``attack.csv`` (one row per reconstructed image: ``IMAGE_COLUMNS``, i.e. method,
 attack, mode, round, client, image, psnr, ssim, prior_psnr, class_prior_psnr, label_true, label_pred
 and the target's forward-model check: mis_specified, not_converged, replay_cosine, objective_truth,
-objective_reconstruction; for a label attack one row per
+objective_reconstruction; input_error: for a malicious-server attack, the relative error of the image's
+recovered first-linear-layer input; for a label attack one row per
 class: method, attack, mode, round, client, class, true_count, true_proportion,
 predicted_proportion), ``summary.json`` and ``reconstructions.png`` (ground truth above
 reconstruction, PSNR under each; not for label attacks), all written atomically.
