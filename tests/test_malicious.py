@@ -122,3 +122,26 @@ def test_defend_download_check_reports_detections_and_false_alarms(tmp_path):
     assert on["detection_rate_trap"] == 1.0
     assert on["false_alarm_rate"] == 0.0
     assert "false alarms" in (tmp_path / "tradeoff.md").read_text(encoding="utf-8")
+
+
+def test_fedsec_attack_trap_recovers_the_inputs_of_real_local_training_and_keeps_the_honest_record(tmp_path):
+    import pandas as pd
+
+    from fedsec.attack import AttackSettings, recording_federation, run_attack
+    from fedsec.runner import RunConfig, prepare
+
+    config = RunConfig.of(method="fedavg", dataset="digits", clients=4, rounds=1, samples_per_client=6, threads=1)
+    settings = AttackSettings(attack="trap", targets=2, iterations=3)
+    summary = run_attack(config, settings, out=tmp_path, progress=False)
+    rows = pd.read_csv(tmp_path / "attack.csv")
+    assert len(rows) == 12 and "input_error" in rows  # every image of both clients, one step each
+    assert summary["inputs_exact_share"] >= 0.5
+    assert summary["threat_model"]["server"].startswith("malicious")
+    # the recorder keeps what an honest server sends; the attacked clients got the crafted weights
+    fed, run, targets = recording_federation(prepare(config.updated(rounds=1)), settings.resolved(0, 1))
+    fed.run(1)
+    for c in targets[0]:
+        honest = run.recorder.get(0, c).download.tensors["extractor.fc.weight"]
+        assert torch.equal(honest, fed.initial_params["extractor.fc.weight"])
+        assert not torch.equal(run.crafted[(0, c)].sent["extractor.fc.weight"], honest)
+    fed.close()
