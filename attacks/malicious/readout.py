@@ -29,13 +29,41 @@ def recover_inputs(record: CraftRecord, upload: dict[str, torch.Tensor]) -> torc
     weight, bias = f"{record.layer}.weight", f"{record.layer}.bias"
     dw = (upload[weight].double() - record.sent[weight].double()) * record.signs.double()[:, None]
     db = (upload[bias].double() - record.sent[bias].double()) * record.signs.double()
-    if record.craft == "binning":  # neighbouring rows of one sign (module docstring of craft)
-        groups = [torch.nonzero(record.signs == sign).flatten() for sign in (1.0, -1.0)]
-        dw = torch.cat([dw[g[:-1]] - dw[g[1:]] for g in groups if len(g) > 1])
-        db = torch.cat([db[g[:-1]] - db[g[1:]] for g in groups if len(g) > 1])
-    keep = db.abs() > ACTIVE_SHARE * float(db.abs().max().clamp_min(1e-30))
-    candidates = dw[keep] / db[keep, None]
+    rows = torch.cat([dw, db[:, None]], dim=1)
+    if record.craft == "binning":  # rows i and i + 2 share a sign (module docstring of craft)
+        bins = rows[:-2] - rows[2:]
+        rows = torch.cat([bins, _cells(bins)])
+    keep = rows[:, -1].abs() > ACTIVE_SHARE * float(rows[:, -1].abs().max().clamp_min(1e-30))
+    candidates = rows[keep, :-1] / rows[keep, -1:]
     return _distinct(candidates).float()
+
+
+def _cells(bins: torch.Tensor) -> torch.Tensor:
+    """The contents of the cells between consecutive thresholds, from the bins: bin m (rows m and
+    m + 2, one sign) holds cells m and m + 1, so a chain B_m = c_m + c_{m+1}. An empty bin pins both
+    its cells at zero; every other cell follows from its nearest pinned neighbour along the chain
+    (an input alone in its cell, half a bin, is then exact too). Unreached cells are left out."""
+    count = len(bins) + 1
+    scale = ACTIVE_SHARE * float(bins[:, -1].abs().max().clamp_min(1e-30))
+    empty = (bins[:, -1].abs() <= scale) & (bins[:, :-1].norm(dim=1) <= ACTIVE_SHARE * float(
+        bins[:, :-1].norm(dim=1).max().clamp_min(1e-30)))
+    cells: list[torch.Tensor | None] = [None] * count
+    frontier = []
+    for m in torch.nonzero(empty).flatten().tolist():
+        for k in (m, m + 1):
+            if cells[k] is None:
+                cells[k] = torch.zeros_like(bins[0])
+                frontier.append(k)
+    while frontier:  # breadth first: each cell from its nearest pinned cell
+        following = []
+        for k in frontier:
+            for m, other in ((k, k + 1), (k - 1, k - 1)):
+                if 0 <= m < len(bins) and 0 <= other < count and cells[other] is None:
+                    cells[other] = bins[m] - cells[k]
+                    following.append(other)
+        frontier = following
+    found = [c for c in cells if c is not None]
+    return torch.stack(found) if found else bins[:0]
 
 
 def _distinct(candidates: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor:
