@@ -65,6 +65,9 @@ class Observation:
     # it aggregated from every upload of this round: the auxiliary-data threat model of ``proto``
     auxiliary: tuple[torch.Tensor, torch.Tensor] | None = None
     round_prototypes: dict[int, torch.Tensor] | None = None
+    # a malicious server's record of the download it crafted for this client
+    # (``attacks.malicious.CraftRecord``: the weights as sent); None: an honest server
+    crafted: object | None = None
 
     def manifest(self) -> list[FieldSpec]:
         """The fields the method declares it uploads (``Method.manifest``)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 # what an attack rebuilds, and so how its result is scored (``attacks.metrics.score_result``)
-KINDS = ("gradient", "image", "labels")
+KINDS = ("gradient", "image", "labels", "malicious")
 SCORINGS = ("images", "class-images", "labels")
 WEIGHT_KINDS = frozenset({"extractor", "classifier"})
 _UPLOAD_WORDS = {"prototype": "class prototypes", "class_counts": "class counts", "statistic": "statistics",
@@ -45,12 +45,19 @@ class AttackSpec:
     hint: str = ""  # what to do instead, with {method} and {attack} placeholders
     matching: str | None = None  # its data-matching term ("l2", "cosine"): the forward-model check
     default_restarts: int = 1  # independent starts, the lowest objective kept
+    # a malicious-server attack: the downloads it can craft (``attacks.malicious``; the first is the
+    # default); empty: the attack reads an honest server's record
+    crafts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"attack {self.name}: unknown kind {self.kind!r}; one of {KINDS}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"attack {self.name}: unknown scoring {self.scoring!r}; one of {SCORINGS}")
+
+    @property
+    def malicious(self) -> bool:
+        return bool(self.crafts)
 
     @property
     def rebuilds_images(self) -> bool:

@@ -25,7 +25,7 @@ from torch import nn
 from .errors import UserError
 
 GROUPS = ("extractor", "classifier")
-ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits")
+ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits", "mlp")
 
 
 class Normalize(nn.Module):
@@ -109,9 +109,19 @@ def _digits(channels: int) -> nn.Sequential:
     ]))
 
 
+def _mlp(channels: int) -> nn.Sequential:
+    """Fully connected, for 28x28 images: FC 784 → 256 → 128, each LeakyReLU. Its first layer sees
+    the (normalised) pixels, so a malicious server that reads that layer's inputs has the image."""
+    act = lambda: nn.LeakyReLU(0.01)  # noqa: E731
+    return nn.Sequential(OrderedDict([
+        ("flatten", nn.Flatten()), ("fc", nn.Linear(channels * 28 * 28, 256)), ("act1", act()),
+        ("fc2", nn.Linear(256, 128)), ("act2", act()),
+    ]))
+
+
 # the first entry of each image size is that size's default
 _BUILDERS = {"cnn32": (_cnn32, 32, 128), "cnn28": (_cnn28, 28, 128), "cnn28-same": (_cnn28_same, 28, 128),
-             "pfllib-cnn": (_pfllib_cnn, 28, 512), "digits": (_digits, 8, 64)}
+             "pfllib-cnn": (_pfllib_cnn, 28, 512), "digits": (_digits, 8, 64), "mlp": (_mlp, 28, 128)}
 
 
 def default_architecture(channels: int, image_size: int) -> str:

@@ -25,7 +25,8 @@ federation recorded elsewhere (a Flower app) goes straight to ``attack_recorded`
 Outputs in ``out``: ``attack.csv`` (one row per reconstructed image: ``IMAGE_COLUMNS``, i.e. method,
 attack, mode, round, client, image, psnr, ssim, prior_psnr, class_prior_psnr, label_true, label_pred
 and the target's forward-model check: mis_specified, not_converged, replay_cosine, objective_truth,
-objective_reconstruction; for a label attack one row per
+objective_reconstruction; input_error: for a malicious-server attack, the relative error of the image's
+recovered first-linear-layer input; for a label attack one row per
 class: method, attack, mode, round, client, class, true_count, true_proportion,
 predicted_proportion), ``summary.json`` and ``reconstructions.png`` (ground truth above
 reconstruction, PSNR under each; not for label attacks), all written atomically.
@@ -45,7 +46,7 @@ import torch
 
 import attacks
 from attacks.base import AttackResult, Budget, KnownSchedule, LocalHyperparameters, NotApplicable
-from attacks.metrics import (SUMMARY_KEYS, leakage_statistics, prediction_accuracy, score_images,
+from attacks.metrics import (SUMMARY_KEYS, leakage_statistics, prediction_accuracy, psnr, score_images,
                              score_label_distribution, summarize_scores)
 from attacks.observation import AUGMENTATION_MODELS, MODES, observe
 from attacks.registry import AttackSpec
@@ -64,7 +65,7 @@ from .versions import provenance
 
 IMAGE_COLUMNS = ["method", "attack", "mode", "round", "client", "image", "psnr", "ssim", "prior_psnr",
                  "class_prior_psnr", "label_true", "label_pred", "mis_specified", "not_converged", "replay_cosine",
-                 "objective_truth", "objective_reconstruction"]
+                 "objective_truth", "objective_reconstruction", "input_error"]
 CHECK_KEYS = ("mis_specified", "not_converged", "replay_cosine", "replay_relative_error", "objective_truth", "objective_reconstruction")
 LABEL_COLUMNS = ["method", "attack", "mode", "round", "client", "class", "true_count", "true_proportion",
                  "predicted_proportion"]
@@ -101,6 +102,8 @@ class AttackSettings:
     batched: bool = True
     train_rounds: int | None = None  # default: max(rounds) + 1
     threads: int | None = None  # default: the run's, else ATTACK_THREADS
+    craft: str | None = None  # a malicious-server attack's crafted download (default: the attack's first)
+    download_check: bool = False  # clients test every download and refuse a crafted one (fedsec.defenses)
 
     @property
     def spec(self) -> AttackSpec:
@@ -127,11 +130,15 @@ class AttackSettings:
                       restarts=spec.default_restarts if self.restarts is None else int(self.restarts),
                       victim_batch=spec.default_victim_batch if self.victim_batch is None else int(self.victim_batch),
                       seed=int(seed) if self.seed is None else int(self.seed),
-                      threads=int(self.threads or threads or ATTACK_THREADS))
+                      threads=int(self.threads or threads or ATTACK_THREADS),
+                      craft=self.craft if self.craft is not None or not spec.malicious else spec.crafts[0])
         out.validate()
         return out
 
     def validate(self) -> None:
+        if self.craft is not None and self.craft not in self.spec.crafts:
+            raise UserError(f"--craft {self.craft}: {self.attack} crafts " +
+                            (", ".join(self.spec.crafts) if self.spec.malicious else "no download (an honest server)"))
         if self.mode not in MODES:
             raise UserError(f"unknown --mode {self.mode!r}; choose one of: {', '.join(MODES)}")
         if self.mode in ("replay", "method") and not self.hyperparameters_known:
@@ -203,7 +210,12 @@ def pick_targets(participants: list[int], k: int, seed: int, round: int) -> list
 
 def check_applicable(spec: AttackSpec, prep: Prepared) -> None:
     """A one-line UserError, before anything trains, when the method uploads nothing the attack uses."""
-    reason = spec.not_applicable(prep.method.name, prep.method.upload_kinds(model_for(prep)))
+    reason = None
+    if spec.malicious and prep.method.communicates:  # first what a crafted download can reach
+        from attacks.malicious import not_reachable
+
+        reason = not_reachable(prep.method, model_for(prep))
+    reason = reason or spec.not_applicable(prep.method.name, prep.method.upload_kinds(model_for(prep)))
     if reason is not None:
         raise UserError(reason)
 
@@ -234,7 +246,8 @@ def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | No
     settings = settings.resolved(config.federation.seed, config.execution.threads)
     config = config.updated(rounds=settings.rounds_to_train, threads=settings.threads)
     previous_threads = torch.get_num_threads()
-    key = training_key(config, settings) if trainings is not None and dp is None and not interceptors else None
+    key = (training_key(config, settings) if trainings is not None and dp is None and not interceptors
+           and not settings.spec.malicious else None)
     try:
         prep = prepare(config)
         if dp is not None:
@@ -341,7 +354,33 @@ def recording_federation(prep: Prepared, settings: AttackSettings | None = None,
                                    targets={(r, c) for r in settings.rounds for c in targets[r]})
     run = RecordedRun(recorder, ground_truth, prep.dataset, prep.method, lambda: copy.deepcopy(initial_model),
                       prep.config.federation.train, prep.config.method, fed.backend)
+    if settings is not None and settings.spec.malicious:
+        run.crafted = _malicious_server(prep, settings, targets, fed, run).records
+    if settings is not None and settings.download_check:
+        from .defenses.download_check import DownloadCheck
+
+        run.download_check = DownloadCheck(lambda c: prep.dataset.images[torch.from_numpy(prep.partition.train[c])],
+                                           run.make_model)
+        fed.channel.interceptors.append(run.download_check)  # last: it sees what reaches the client
     return fed, run, targets
+
+
+def _malicious_server(prep: Prepared, settings: AttackSettings, targets: dict, fed, run: RecordedRun):
+    """The crafting interceptor for the attacked (round, client) pairs, last in the channel; it crafts
+    from public images: ``--aux-data``, else the pooled data without the attacked clients' own."""
+    from .malicious import MaliciousServer, public_images
+
+    attacked = [prep.partition.train[c] for r in targets for c in targets[r]]
+    exclude = np.concatenate(attacked) if attacked else np.zeros(0, dtype=np.int64)
+    if settings.aux_data is not None:
+        pool = auxiliary_data(settings.aux_data, prep.dataset, exclude)[0]
+        public = public_images(pool, np.zeros(0, dtype=np.int64), settings.seed)
+    else:
+        public = public_images(prep.dataset.images, exclude, settings.seed)
+    server = MaliciousServer(settings.craft, {(r, c) for r in targets for c in targets[r]}, run.make_model, public,
+                             prep.method.download_reaches, settings.seed)
+    fed.channel.interceptors.append(server)
+    return server
 
 
 # ----------------------------------------------------------------------------------------------
@@ -469,6 +508,7 @@ def _observe_targets(run: RecordedRun, settings: AttackSettings, targets: dict[i
                 obs.copies = settings.augmentations
             if auxiliary is not None:
                 obs.auxiliary, obs.round_prototypes = auxiliary, round_prototypes(run, r)
+            obs.crafted = run.crafted.get((r, c))
             jobs.append(_Target(r, c, obs))
     return jobs
 
@@ -523,6 +563,8 @@ def _score_target(run: RecordedRun, spec: AttackSpec, job: _Target, prior: torch
         job.check = _forward_check(run, spec, job)
     idx = torch.from_numpy(run.ground_truth.samples(job.round, job.client))
     truths, truth_labels = dataset.images[idx], dataset.labels[idx]
+    if spec.malicious:
+        return _score_malicious(run, job, base, truths, truth_labels, prior, panels, auxiliary)
     if len(truths) > len(result.images) or spec.scoring == "class-images":
         note = ("each reconstruction is scored against its best match among the images the client trained "
                 "on in that round (for proto: among the images of its class); the prior against the same image")
@@ -539,6 +581,25 @@ def _score_target(run: RecordedRun, spec: AttackSpec, job: _Target, prior: torch
                      **{k: job.check.get(k) for k in IMAGE_COLUMNS if k in CHECK_KEYS}})
         if len(panels) < MAX_PANELS:
             panels.append((truths[j], result.images[i], row["psnr"], f"r{job.round} c{job.client}"))
+    return rows
+
+
+def _score_malicious(run: RecordedRun, job: _Target, base: dict, truths, truth_labels, prior, panels: list,
+                     auxiliary) -> list[dict]:
+    """Every image the client trained on: its recovered input's relative error and the image rebuilt
+    from it (``fedsec.malicious.score_recovered``)."""
+    from .malicious import score_recovered
+
+    class_priors = _class_priors(run, job, auxiliary)
+    rows = []
+    for row in score_recovered(run.make_model, run.crafted[(job.round, job.client)], job.result, truths, prior):
+        j = row["truth_index"]
+        rows.append({**base, "image": j, "psnr": row["psnr"], "ssim": row["ssim"], "prior_psnr": row["prior_psnr"],
+                     "class_prior_psnr": float(psnr(class_priors[int(truth_labels[j])], truths[j])),
+                     "label_true": int(truth_labels[j]), "label_pred": -1, "input_error": row["input_error"]})
+        if len(panels) < MAX_PANELS and row["reconstruction"] >= 0:
+            panels.append((truths[j], job.result.images[row["reconstruction"]], row["psnr"],
+                           f"r{job.round} c{job.client}"))
     return rows
 
 
@@ -582,6 +643,15 @@ def _summary(run: RecordedRun, settings: AttackSettings, targets: dict, scored: 
             notes = notes + [f"{spec.name} images are labelled by the prototype's class: label_accuracy does not apply"]
     presence = [s["class_presence_accuracy"] for s in label_scores]
     statistics = leakage_statistics(rows, seed=settings.seed) if spec.rebuilds_images else {}
+    if spec.malicious:
+        from .malicious import input_statistics
+
+        statistics.update(input_statistics(rows, settings.seed))
+    if run.download_check is not None:
+        from .defenses.download_check import detection_summary
+
+        attacked = set(run.crafted) if spec.malicious else set()
+        statistics["download_check"] = detection_summary(run.download_check.decisions, attacked)
     summary = {
         "method": run.method.name, "attack": spec.name, "dataset": run.dataset.name, "run": run.label,
         **{k: scores[k] for k in SUMMARY_KEYS},
@@ -597,7 +667,9 @@ def _summary(run: RecordedRun, settings: AttackSettings, targets: dict, scored: 
                          "mode_requested": settings.mode,
                          "modes_used": sorted({str(j.result.trace.get("mode", "n/a")) for j in scored}),
                          "server_sees": "download as sent, upload as received, the client's previous upload, "
-                                        "the initial model"},
+                                        "the initial model",
+                         **({"server": f"malicious: sends the attacked clients a crafted download ({settings.craft})"}
+                            if spec.malicious else {})},
         "per_target": [{"round": j.round, "client": j.client, "mode": str(j.result.trace.get("mode", "n/a")),
                         "objective": float(j.result.trace.get("objective", float("nan"))),
                         "seconds": round(float(j.result.trace.get("seconds", float("nan"))), 3),

@@ -60,7 +60,8 @@ def train_options(func):
         click.option("--s", "s", type=Number(float, 0, 100), default=20.0, show_default=True,
                      help="weak: percent of each client's data drawn uniformly over all classes (0-100)."),
         click.option("--samples-per-client", type=COUNT, default=None,
-                     help="weak: samples per client, train+test [default: min(600, 80% of an equal share)]."),
+                     help="weak: samples per client, train+test [default: min(600, 80% of an equal share)]; other "
+                          "partitions: each client's training images capped at this many (seeded sample) [all]."),
         click.option("--beta", type=POSITIVE, default=0.1, show_default=True, help="dirichlet: concentration (> 0)."),
         click.option("--clients", type=COUNT, default=10, show_default=True, help="Number of clients N."),
         click.option("--rounds", type=COUNT, default=3, show_default=True, help="Communication rounds."),
@@ -252,12 +253,20 @@ def compare(ctx, methods, seeds, out, **opts):
               help="Images rebuilt per target [--victim-batch; 1 with --victim-batch 0]; e.g. 2 for a method that "
                    "trains on each image and an augmented copy.")
 @click.option("--attack-seed", type=SEED, default=None, help="Seed for target choice and attack starts [--seed].")
+@click.option("--craft", default=None,
+              help="Malicious-server attacks (trap, binning): the download the server crafts for the attacked clients: "
+                   "binning (every row of the first linear layer one direction, biases at public quantiles; exact "
+                   "inputs) or plain (trap: Boenisch et al.'s random trap rows) [the attack's first: binning].")
+@click.option("--download-check", is_flag=True, default=False,
+              help="Every client tests each download before training and refuses one that looks crafted "
+                   "(fedsec.defenses.download_check); summary.json's download_check gives detections on the attacked "
+                   "downloads and false alarms on all others.")
 @threat_model_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder: attack.csv, summary.json, reconstructions.png [runs/attack-<attack>-<method>].")
 @click.pass_context
 def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_batch, victim_steps, images, attack_seed,
-           out, **opts):
+           craft, download_check, out, **opts):
     """Train, intercept what the server sees, attack it, and score the result against what the client trained on.
 
     Example: fedsec attack dlg --method fedecouple   (round 0, 8 clients, one image each, one local step)
@@ -287,7 +296,8 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     config = config_from_options(ctx, **opts)
     settings = AttackSettings(attack=attack, rounds=tuple(parse_rounds(attack_rounds)), targets=targets,
                               iterations=iterations, restarts=restarts, images=images, victim_batch=victim_batch,
-                              victim_steps=victim_steps, seed=attack_seed, train_rounds=train_rounds, **threat)
+                              victim_steps=victim_steps, seed=attack_seed, train_rounds=train_rounds, craft=craft,
+                              download_check=download_check, **threat)
     out = out or default_out(attack, config.method)
     from .compare import shared_datasets
 
@@ -453,12 +463,13 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
 @train_options
 @click.option("--defense", type=click.Choice(list(VALUE_MEANING)), required=True,
               help="dp: DP-SGD (Opacus) in every client's local training and a Gaussian mechanism for its "
-                   "whole-data statistics; the others filter each upload's update before it leaves the client.")
+                   "whole-data statistics; download-check: every client tests each download and refuses a crafted "
+                   "one (use --attacks trap); the others filter each upload's update before it leaves the client.")
 @click.option("--values", required=True,
               help="Comma-separated values, one sweep point each. dp: noise multiplier; noise: variance of the noise "
                    "on the gradient -delta/lr (DLG paper's unit); clip: L2 bound on the update; prune: percent of the "
                    "update zeroed; quantize: bits; exclude: a field kind (prototype, class_counts, statistic, ...) or "
-                   "a field-name pattern (prototype.*).")
+                   "a field-name pattern (prototype.*); download-check: on.")
 @click.option("--attacks", "attack_list", default="dlg,ig,labels", show_default=True, cls=ListedOption,
               listed=lambda: attacks.names() + ["mia"],
               help="Comma-separated attacks run against each value (mia: membership inference on the personal "

@@ -29,7 +29,11 @@ Defense values:
 * ``prune``: percentage p of the entries of Δ zeroed (smallest |Δ| first);
 * ``quantize``: bits k (2^k levels per tensor);
 * ``exclude``: a field kind (``prototype``, ``class_counts``, ``statistic``, ``classifier``, ...)
-  or an fnmatch pattern of field names (``prototype.*``) dropped from every upload.
+  or an fnmatch pattern of field names (``prototype.*``) dropped from every upload;
+* ``download-check``: the value ``on``. Every client tests each download before training and
+  refuses one that looks crafted (``fedsec.defenses.download_check``); the row's training (an
+  honest server) gives the false alarms (honest downloads refused), each malicious-server attack
+  (``trap``, ``binning``) the detection rate on the downloads it crafted.
 
 Filters act on model weights (kinds extractor/classifier); Δ as defined in
 ``fedsec.defenses.filters``. A filter gives no formal guarantee: its ε column is empty.
@@ -110,6 +114,10 @@ def parse_values(defense: str, text: str | list) -> list:
         raise UserError("--values needs at least one value (comma-separated)")
     if defense == "exclude":
         return list(dict.fromkeys(items))
+    if defense == "download-check":
+        if set(items) != {"on"}:
+            raise UserError(f"--values for download-check is 'on' (the check has no knob), got {','.join(items)}")
+        return ["on"]
     out = []
     for item in items:
         try:
@@ -188,6 +196,8 @@ def validate(config: RunConfig, settings: DefendSettings) -> Prepared:
     changed = [f"--{k.replace('_', '-')}" for k, v in STAT_DEFAULTS.items() if getattr(settings, k) != v]
     if changed:
         raise UserError(f"{', '.join(changed)} set the DP statistics mechanism: they apply to --defense dp only")
+    if settings.defense == "download-check":
+        return prep
     manifest = prep.method.manifest(model_for(prep))
     for v in settings.values:
         make_chain(settings.defense, v, prep)
@@ -220,7 +230,20 @@ def _defenses(settings: DefendSettings, value, prep: Prepared) -> tuple[list[Fil
         return [], None
     if settings.defense == "dp":
         return [], dp_config(settings, value)
+    if settings.defense == "download-check":
+        return [download_check(prep)], None
     return [make_chain(settings.defense, value, prep)], None
+
+
+def download_check(prep: Prepared):
+    """Every client's check of its downloads, on its own training images."""
+    import torch
+
+    from .attack import model_for
+    from .defenses.download_check import DownloadCheck
+
+    return DownloadCheck(lambda c: prep.dataset.images[torch.from_numpy(prep.partition.train[c])],
+                         lambda: model_for(prep))
 
 
 def train_defended(prep: Prepared, settings: DefendSettings, value, out: Path) -> dict:
@@ -247,6 +270,10 @@ def train_defended(prep: Prepared, settings: DefendSettings, value, out: Path) -
     summary = runner.write_metrics(out, fed, config, time.perf_counter() - start)
     if dp is not None:
         defense = {"kind": "dp", **privacy_report(fed.clients, dp)}
+    elif settings.defense == "download-check" and chains:
+        from .defenses.download_check import detection_summary
+
+        defense = {"kind": "download-check", **detection_summary(chains[0].decisions, set())}
     elif chains:
         defense = {"kind": "filter", "filters": chains[0].summary()}
     else:
@@ -261,7 +288,10 @@ def attack_defended(prep: Prepared, settings: DefendSettings, value, attack: str
     if (out / "summary.json").exists():
         return io.read_json(out / "summary.json")
     chains, dp = _defenses(settings, value, prep)
-    return run_attack(prep.config, settings.for_attack(attack), out=out, progress=False, interceptors=chains, dp=dp)
+    attack_settings = settings.for_attack(attack)
+    if settings.defense == "download-check":  # the attack's own check sits after a malicious server
+        attack_settings.download_check, chains = bool(chains), []
+    return run_attack(prep.config, attack_settings, out=out, progress=False, interceptors=chains, dp=dp)
 
 
 MIA = "mia"  # membership inference (``fedsec mia``): not a reconstruction attack, run by its own harness
@@ -326,6 +356,8 @@ def run_value(prep: Prepared, settings: DefendSettings, value, out: Path,
            "accuracy": _num(trained.get("mean_accuracy")), "accuracy_std": _num(trained.get("std_accuracy")),
            "epsilon": (math.inf if defense.get("epsilon_max") is None else float(defense["epsilon_max"]))
            if defense.get("kind") == "dp" else float("nan"), "epsilon_attacked": float("nan")}
+    if settings.defense == "download-check":
+        row["false_alarm_rate"] = _num(defense.get("false_alarm_rate"))
     notes = []
     for attack in settings.attacks:
         if on_part:
@@ -340,6 +372,8 @@ def run_value(prep: Prepared, settings: DefendSettings, value, out: Path,
             # each attack's own prior: the prototype attack scores against another one than DLG/IG
             row[f"prior_psnr_{attack}"] = _num(summary.get("mean_prior_psnr"))
             row[f"mis_specified_{attack}"] = bool(summary.get("mis_specified"))
+            if settings.defense == "download-check":
+                row[f"detection_rate_{attack}"] = _num((summary.get("download_check") or {}).get("detection_rate"))
             if not summary.get("images_scored"):
                 notes.extend(summary.get("notes", [])[:2])
         else:
@@ -361,7 +395,9 @@ def tradeoff_frame(rows: list[dict], settings: DefendSettings) -> pd.DataFrame:
     image = [a for a in settings.attacks if a != MIA and attacks.get(a).rebuilds_images]
     labels = [a for a in settings.attacks if a != MIA and not attacks.get(a).rebuilds_images]
     membership = ["mia_auc", "mia_tpr_1pct_fpr", "mia_epsilon_lower_bound"] if MIA in settings.attacks else []
-    columns = (COLUMNS + [f"mean_psnr_{a}" for a in image] + [f"prior_psnr_{a}" for a in image]
+    check = (["false_alarm_rate"] + [f"detection_rate_{a}" for a in image]) if settings.defense == "download-check" \
+        else []
+    columns = (COLUMNS + check + [f"mean_psnr_{a}" for a in image] + [f"prior_psnr_{a}" for a in image]
                + [f"mis_specified_{a}" for a in image] + [f"class_presence_{a}" for a in labels]
                + membership + [f"max_psnr_{a}" for a in image] + ["seconds"])
     frame = pd.DataFrame(rows, columns=columns)

@@ -38,6 +38,11 @@ class RecordedRun:
     train: TrainConfig
     label: str
     backend: Backend = field(default_factory=SequentialBackend)
+    # a malicious server's records of the downloads it crafted, by (round, client)
+    # (``attacks.malicious.CraftRecord``); empty for an honest server
+    crafted: dict = field(default_factory=dict)
+    # the clients' download check (``fedsec.defenses.download_check.DownloadCheck``), when one ran
+    download_check: object | None = None
 
     def upload_kinds(self) -> set[str]:
         return self.method.upload_kinds(self.make_model())

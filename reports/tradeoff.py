@@ -25,6 +25,7 @@ VALUE_MEANING = {
     "prune": "percent of the entries of Δ zeroed (smallest |Δ| first)",
     "quantize": "bits per entry of Δ (2^k levels per tensor)",
     "exclude": "field kind or name pattern dropped from every upload",
+    "download-check": "on: every client tests each download before training and refuses one that looks crafted",
 }
 
 
@@ -163,6 +164,9 @@ def _table(frame: pd.DataFrame, meta: Mapping) -> list[str]:
     head = ["value", "accuracy (%)"]
     if meta["defense"] == "dp":
         head += [f"ε train (δ={meta['delta']:g})", "ε attacked client"]
+    check = meta["defense"] == "download-check"
+    if check:
+        head += ["false alarms (honest downloads refused, %)"] + [f"{a} downloads detected (%)" for a in image]
     head += [f"{a.upper()} PSNR (dB) (prior)" for a in image]
     head += [f"{a} class presence" for a in labels]
     if meta.get("membership"):
@@ -172,6 +176,9 @@ def _table(frame: pd.DataFrame, meta: Mapping) -> list[str]:
         cells = [str(r["value"]), f"{_fmt(r['accuracy'], pct=True)} ± {_fmt(r['accuracy_std'], pct=True)}"]
         if meta["defense"] == "dp":
             cells += [_fmt_eps(r["epsilon"]), _fmt_eps(r["epsilon_attacked"])]
+        if check:
+            cells += [_fmt(r.get("false_alarm_rate"), pct=True)] + [_fmt(r.get(f"detection_rate_{a}"), pct=True)
+                                                                    for a in image]
         cells += [f"{_fmt(r[f'mean_psnr_{a}'])} ({_fmt(r.get(f'prior_psnr_{a}'))})"
                   + (" MIS-SPECIFIED" if is_true(r.get(f"mis_specified_{a}")) else "") for a in image]
         cells += [_fmt(r.get(f"class_presence_{a}")) for a in labels]
@@ -217,6 +224,12 @@ def tradeoff_markdown(frame: pd.DataFrame, meta: Mapping, command: str | None) -
                      f"'ε attacked client' is the victim run's (q = 1, {m['victim_steps']} step(s)). "
                      f"Per-sample terms of {m['method']}: {m['dp_per_sample']}")
         lines += ["", _statistics_sentence(m)]
+    elif m["defense"] == "download-check":
+        lines.append("Client-side download check: before training, each client tests the first linear layer it received "
+                     "(rows pointing one way, units its own images never fire, a jump from its previous download) and "
+                     "refuses the download, sitting the round out. False alarms: honest downloads refused in the row's "
+                     "training (an honest server); detected: the attack's crafted downloads refused (a refused client "
+                     "uploads nothing, so the attack has no image to score). No formal guarantee, so no ε.")
     else:
         lines.append("Channel filter on the client's update Δ (upload − download; for a kept personal classifier, "
                      "upload − the client's previous upload); no formal guarantee, so no ε.")

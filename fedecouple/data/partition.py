@@ -169,8 +169,11 @@ def make_partition(labels, num_clients: int, scheme: str, *, num_classes: int | 
                    beta: float = 0.1, test_fraction: float = 0.25, seed: int = 0) -> Partition:
     """Partition ``labels`` (array-like of class ids) into ``num_clients`` clients.
 
-    ``samples_per_client`` (weak only) counts train + test; its default is 600 (the paper's) capped
-    at 80 % of an equal share of the pool so that the draw without replacement can succeed.
+    ``samples_per_client``: for ``weak`` it counts train + test (the paper's setting); its default is
+    600 (the paper's) capped at 80 % of an equal share of the pool so that the draw without
+    replacement can succeed. For the other schemes it caps each client's *training* set at that many
+    images (a seeded sample of its split; the test split is kept), e.g. the small clients a
+    malicious-server attack is measured on; None keeps them whole.
     """
     labels = np.asarray(labels, dtype=np.int64)
     num_classes = int(num_classes if num_classes is not None else labels.max() + 1)
@@ -192,4 +195,14 @@ def make_partition(labels, num_clients: int, scheme: str, *, num_classes: int | 
     else:
         raise UserError(f"unknown partition {scheme!r}; choose one of: {', '.join(SCHEMES)}")
     train, test = zip(*(split_train_test(labels, p, test_fraction, rng) for p in parts))
-    return Partition(scheme, num_classes, list(train), list(test))
+    train = list(train)
+    if scheme != "weak" and samples_per_client is not None:
+        train = cap_training_sets(train, samples_per_client, rng)
+    return Partition(scheme, num_classes, train, list(test))
+
+
+def cap_training_sets(train: list[np.ndarray], cap: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Each client's training indices cut to at most ``cap`` (a seeded sample, kept sorted)."""
+    if cap < 1:
+        raise UserError(f"--samples-per-client must be at least 1, got {cap}")
+    return [np.sort(rng.permutation(t)[:cap]) if len(t) > cap else t for t in train]

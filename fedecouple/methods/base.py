@@ -324,7 +324,8 @@ class Method:
 
     Besides the protocol (the functions below), a method declares the facts the toolkit reads about
     it in one place, as class attributes: what it keeps on the client (``persistent_groups``),
-    whether it talks to the server at all (``communicates``), whether its local training is plain
+    whether it talks to the server at all (``communicates``), which downloaded groups its training takes
+    as sent (``download_reaches``), whether its local training is plain
     per-sample cross-entropy SGD (``plain_sgd``: then a replay of T SGD steps reproduces its update
     exactly), what the paper's preset changes (``paper_preset``) and what differential privacy
     covers of it: the loss terms DP-SGD clips per sample (``dp_per_sample``), the whole-data
@@ -340,6 +341,10 @@ class Method:
     persistent_groups: ClassVar[tuple[str, ...]] = ()
     # False: no download is sent and no upload leaves the client (the engine skips the channel)
     communicates: ClassVar[bool] = True
+    # parameter groups the client's local training takes exactly as downloaded: trained from (FedAvg's
+    # whole model, FedPer's base) or trained against (FedeCouple's global classifier in its GLF step).
+    # What a malicious server's crafted weights reach (``attacks.malicious``); () : nothing it trains
+    download_reaches: ClassVar[tuple[str, ...]] = ()
     # True: local training is T plain cross-entropy SGD steps on every trained parameter, one phase,
     # no augmentation, no extra loss; replaying those steps on the true batch gives the upload exactly
     plain_sgd: ClassVar[bool] = False

@@ -31,6 +31,7 @@ class FedAvg(Method):
     name = "fedavg"
     summary = "one global model: full-model upload, sample-weighted average"
     plain_sgd = True
+    download_reaches = ("extractor", "classifier")  # trains the whole download
     dp_per_sample = "cross-entropy only: per-sample."
 
     def manifest(self, model: SplitModel):

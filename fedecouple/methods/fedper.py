@@ -28,6 +28,7 @@ class FedPer(Method):
     name = "fedper"
     summary = "shared base averaged by sample count; personal head trained jointly, never uploaded"
     persistent_groups = ("classifier",)
+    download_reaches = ("extractor",)  # trains the downloaded base; its own head
     plain_sgd = True
     dp_per_sample = "cross-entropy on base and head jointly: per-sample."
 

@@ -564,6 +564,7 @@ class DPMethod(Method):
         self.summary = method.summary + " [DP]"
         self.persistent_groups = method.persistent_groups
         self.communicates = method.communicates
+        self.download_reaches = method.download_reaches
         self.plain_sgd = method.plain_sgd
         self.dp_per_sample, self.dp_statistics = method.dp_per_sample, method.dp_statistics
         self.paper_preset = method.paper_preset
