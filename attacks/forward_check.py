@@ -7,7 +7,8 @@ Two checks per target:
   client's true images, true batch order and true augmentation draws, against the update the
   server observed: cosine and relative error of Δ over the attacked weights. About 1 (and 0) when
   the replay is the client's computation; this measures the method's replay, not the attack's
-  guesses.
+  guesses. Where the attack used a head-free closed form (``attacks.closed_form``) instead of the
+  replay, that computation on the true image.
 * ``objective_truth`` / ``objective_reconstruction``: the attack's own data-matching term (DLG's
   distance, IG's 1 − cosine; the image prior is left out so that a smoothness prior cannot decide
   it) evaluated at the truth — the true images, the augmented copies the client really trained on
@@ -49,6 +50,18 @@ def replay_agreement(obs: Observation, images: torch.Tensor, labels: torch.Tenso
         simulated = obs.method.replay(obs.make_model(), context, images, labels, copies)
     a = torch.cat([(simulated[n] - target.before[n]).reshape(-1).double() for n in target.names])
     b = torch.cat([target.delta[n].reshape(-1).double() for n in target.names])
+    return {"replay_cosine": float(F.cosine_similarity(a, b, dim=0)),
+            "replay_relative_error": float((a - b).norm() / b.norm().clamp_min(1e-30))}
+
+
+def head_free_agreement(matcher: GradientMatcher, images: torch.Tensor) -> dict:
+    """``replay_agreement`` for a head-free closed form (``attacks.closed_form``): its update on the
+    client's true image (the signal read from the observed update) against the observed update."""
+    with torch.no_grad():
+        dummy = matcher.dummy(images, torch.zeros(len(images), dtype=torch.int64))
+    n = len(matcher.names)
+    a = torch.cat([d.reshape(-1).double() for d in dummy[:n]])
+    b = torch.cat([t.reshape(-1).double() for t in matcher.target[:n]])
     return {"replay_cosine": float(F.cosine_similarity(a, b, dim=0)),
             "replay_relative_error": float((a - b).norm() / b.norm().clamp_min(1e-30))}
 
@@ -120,6 +133,8 @@ def check(obs: Observation, mode: str, kind: str, result: AttackResult, images: 
         return {**out, "objective_truth": None, "objective_reconstruction": None, "mis_specified": None,
                 "not_converged": None}
     index = torch.tensor(where)
+    if matcher.labels_unused:  # the head-free closed form is the forward model the attack used
+        out = head_free_agreement(matcher, images[index])
     truth = matching_term(matcher, kind, images[index], F.one_hot(labels[index], obs.num_classes).to(torch.float32),
                           copies=true_copies(matcher, images, records, where))
     reconstruction = matching_term(matcher, kind, rebuilt, result.variables["labels"],

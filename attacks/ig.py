@@ -76,9 +76,13 @@ def _setup(observation: Observation, budget: Budget, mode: str, tv_weight: float
     notes = list(matcher.notes)
     trace: dict = {"mode": matcher.mode, "attacked_parameters": list(matcher.names), "optimizer": "Adam (signed)",
                    "lr": lr, "tv_weight": tv_weight}
+    trace["closed_form"] = matcher.closed.trace
     labels = None
     weight = matcher.classifier_weight_target()
-    if (matcher.originals or max(1, int(budget.batch))) == 1 and weight is not None:
+    if matcher.labels_unused:
+        labels = torch.zeros(matcher.originals or max(1, int(budget.batch)), dtype=torch.int64)
+        trace["label_source"] = "none (the head-free closed form does not depend on the label)"
+    elif (matcher.originals or max(1, int(budget.batch))) == 1 and weight is not None:
         labels, _ = idlg_labels(weight, 1)
         trace["label_source"] = "idlg-rule"
     else:
@@ -117,7 +121,7 @@ class _StackedIG:
 
         def objective(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, target: list[torch.Tensor]) -> torch.Tensor:
             soft = y if fixed else torch.softmax(y, dim=-1)
-            return (lead.matcher.cosine_objective(lead.matcher.dummy(x, soft, z), target)
+            return (lead.matcher.cosine_objective(lead.matcher.dummy(x, soft, z, target=target), target)
                     + tv_weight * total_variation(x))
 
         self.transform = vmap(grad_and_value(objective, argnums=(0, 2) if fixed else (0, 1, 2)))
@@ -205,7 +209,10 @@ class _StackedIG:
                 trace["batched_with"] = self.n
             best = self.best[i]
             rebuilt = setup.matcher.reconstructions(best["images"])
-            results.append(AttackResult(images=rebuilt.clamp(0, 1), labels=best["labels"].to(torch.int64)[:len(rebuilt)],
+            labels = best["labels"].to(torch.int64)[:len(rebuilt)]
+            if setup.matcher.labels_unused:  # no label was inferred
+                labels = torch.full_like(labels, -1)
+            results.append(AttackResult(images=rebuilt.clamp(0, 1), labels=labels,
                                         trace=trace, notes=self.notes[i],
                                         variables={"images": best["images"], "labels": best["probs"],
                                                    "copy_parameters": best["copy_parameters"]}))

@@ -140,6 +140,8 @@ class FedPAC(Method):
     min_weight: float = 1e-3
 
     name = "fedpac"
+    extractor_phases = ("extractor",)
+    closed_form = ("last-linear", "labels", "statistics")
     summary = "prototype feature alignment; per-client QP combines all heads; uploads base, head, prototypes, label stats"
     dp_per_sample = ("CE on the head, then CE + λ·prototype alignment on the base: per-sample (the targets are the "
                      "global prototypes and the client's own released class means).")

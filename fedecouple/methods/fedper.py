@@ -29,6 +29,7 @@ class FedPer(Method):
     summary = "shared base averaged by sample count; personal head trained jointly, never uploaded"
     persistent_groups = ("classifier",)
     plain_sgd = True
+    closed_form = ("last-linear",)  # the private head enters the base update only through δ
     dp_per_sample = "cross-entropy on base and head jointly: per-sample."
 
     def manifest(self, model: SplitModel):
