@@ -23,12 +23,31 @@ attack uses it through ``attacks.observation.GradientMatcher`` (recorded in the 
   features under both extractors against them (relative squared error each, weight
   ``STATISTICS_WEIGHT``; rows of classes the client does not hold are left out).
 
+* ``"classifier-row-space"`` — every loss FedeCouple's classifier phase minimises (CE and the
+  distillation KL) has the weight gradient Σᵢ eᵢ fᵢᵀ, so the rows of the classifier's weight update
+  lie in the span of the features fᵢ it was trained on (under the extractor the phase ran on: the
+  client's kept one): rank 1 per image, 2 with one augmented copy. The span's basis (the update's
+  leading right singular vectors, as many as images the phase trained on) is read from the update
+  and the dummy's features there are held to it: the term is the share of each dummy feature's
+  squared norm outside the span, weight ``ROW_SPACE_WEIGHT``. Only in the method mode, with the
+  victim's steps (``steps_per_phase``) and one classifier step.
+
+* ``"labels"`` (and every method whose upload holds the classifier's update or class counts) —
+  the per-class label counts of the images one step trained on (``label_counts``): from an
+  uploaded ``class_counts`` field where there is one (exact), else for one image iDLG's rule on the
+  classifier's weight update (``attacks.dlg.idlg_labels``), else, for one plain step of a
+  classifier sent in the download, from its bias update: Δb = −lr·(p̄ − n/B), so
+  n̂ = B·(p̂ + Δb/lr) with p̂ the downloaded model's mean prediction, estimated at the public pixel
+  mean image (exact after rounding whenever |p̂ − p̄| < 1/(2B)); rounded to B by largest
+  remainders. The attacks fix a batch's labels to these counts; attack.csv reports the count error.
+
 The check that the update really is one such step: ΔW must be the rank-1 product Δb·aᵀ to
 ``RANK1_TOLERANCE`` (relative, float32 rounding of the weights allowed for); the residual is in the trace and a larger one leaves the stage out
 with a note (e.g. a client that trained on several images).
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +65,9 @@ RANK1_TOLERANCE = 1e-3
 # weight of each class-mean feature term (FedPAC's h/p and prototypes). Chosen on the tuning
 # federation (seed 1, round 0, FedPAC; BENCHMARKS.md "Attack strength (issue 26)")
 STATISTICS_WEIGHT = 1.0
+# weight of the share of the dummy's features outside the classifier update's row space. Chosen on
+# the tuning federation (seed 1, round 0, FedeCouple; BENCHMARKS.md "Attack strength (issue 26)")
+ROW_SPACE_WEIGHT = 1.0
 
 
 @dataclass
@@ -75,6 +97,8 @@ class FeatureMeans:
 class ClosedForm:
     last_linear: LastLinear | None = None
     feature_means: list[FeatureMeans] = field(default_factory=list)
+    row_space_rank: int = 0  # > 0: the dummy's features are held to the classifier update's row space
+    label_counts: torch.Tensor | None = None  # (C,) int64 counts of the images one step trained on
     trace: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -160,6 +184,57 @@ def _feature_means(obs: Observation, num_features: int) -> list[FeatureMeans]:
     return out
 
 
+def row_space(delta_weight: torch.Tensor, rank: int) -> torch.Tensor:
+    """(d, rank) orthonormal basis of the leading right singular vectors of a (C, d) update."""
+    _, _, vh = torch.linalg.svd(delta_weight.double(), full_matrices=False)
+    return vh[:rank].T.to(torch.float32)
+
+
+def classifier_images(method, hp: LocalHyperparameters | None) -> int:
+    """How many images (augmented copies included) one classifier step of the victim setting trains
+    on, when the classifier phase is one step; else 0."""
+    if hp is None or hp.steps_per_phase is None or int(hp.steps_per_phase) != 1:
+        return 0
+    phases = [aug for p, _, aug in method.local_phases(hp.epochs) if p == "classifier"]
+    samples = int(hp.samples if hp.samples is not None else hp.batch_size)
+    return samples * (2 if phases[0] else 1) if len(phases) == 1 else 0
+
+
+def round_to_total(values: torch.Tensor, total: int) -> torch.Tensor:
+    """Non-negative integers summing to ``total``, by largest remainders of ``values`` clamped at 0."""
+    values = values.double().clamp_min(0.0)
+    if float(values.sum()) > 0:
+        values = values * total / values.sum()
+    counts = values.floor().to(torch.int64)
+    order = (values - counts).argsort(descending=True)
+    for k in order[:max(0, total - int(counts.sum()))].tolist():
+        counts[k] += 1
+    return counts
+
+
+def label_counts(obs: Observation, update, model) -> tuple[torch.Tensor | None, str]:
+    """(per-class label counts of the images one step trained on, how) or (None, why not)."""
+    hp = obs.known_hyperparameters
+    if hp is None or hp.steps_per_phase is None or int(hp.steps_per_phase) != 1:
+        return None, "needs one step of known hyperparameters"
+    b = int(hp.samples if hp.samples is not None else hp.batch_size)
+    counts = obs.upload.get("class_counts")
+    if counts is not None and counts.numel() == obs.num_classes:
+        return round_to_total(counts.to(torch.float64), b), "uploaded class counts"
+    if b == 1 and "classifier.weight" in update.names:  # iDLG's rule: the one row the step pushed up
+        label = int((-update.delta["classifier.weight"].double()).sum(dim=1).argmin())
+        return torch.nn.functional.one_hot(torch.tensor(label), obs.num_classes), "iDLG rule (one image)"
+    if "classifier.bias" not in update.names or "classifier.bias" not in obs.download or not obs.method.plain_sgd:
+        return None, "no plain step of a downloaded classifier with a bias"
+    model = copy.deepcopy(model)
+    model.load_state_dict({**model.state_dict(), **update.before}, strict=False)
+    with torch.no_grad():
+        mean_image = model.normalize.mean.reshape(1, -1, 1, 1).expand(1, *obs.image_shape)
+        predicted = torch.softmax(model(mean_image.to(torch.float32)), dim=-1)[0].double()
+    raw = b * (predicted + update.delta["classifier.bias"].double() / (hp.lr * int(hp.steps)))
+    return round_to_total(raw, b), "classifier bias update, mean prediction at the pixel-mean image"
+
+
 def derive(obs: Observation, update, model, mode: str) -> ClosedForm:
     """The closed-form facts ``obs.method`` declares (``Method.closed_form``) that this observation
     holds, from the observation alone (``update``: its ``attacks.observation.UpdateTarget``)."""
@@ -177,6 +252,16 @@ def derive(obs: Observation, update, model, mode: str) -> ClosedForm:
                              f"and matched" + ("; the head enters the base's update only through that layer's "
                                                "error signal, also read from the update: no head is needed"
                                                if ll.head_free else ""))
+    out.label_counts, how = label_counts(obs, update, model)
+    out.trace["label_counts"] = None if out.label_counts is None else out.label_counts.tolist()
+    out.trace["label_counts_source"] = how
+    rank = classifier_images(obs.method, obs.known_hyperparameters)
+    if "classifier-row-space" in declared and mode == "method" and "classifier.weight" in update.names \
+            and 0 < rank < min(update.delta["classifier.weight"].shape):
+        out.row_space_rank = rank
+        out.trace["row_space"] = {"rank": rank, "weight": ROW_SPACE_WEIGHT}
+        out.notes.append(f"closed form: the classifier's weight update spans the features it was trained on "
+                         f"(rank {rank}): the dummy's features under the client's kept extractor are held to it")
     if "statistics" in declared and mode == "method":
         out.feature_means = _feature_means(obs, model.feature_dim)
         if out.feature_means:

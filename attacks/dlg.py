@@ -90,6 +90,17 @@ def idlg_labels(weight_gradient: torch.Tensor, count: int = 1) -> tuple[torch.Te
     return labels, notes
 
 
+def counted_labels(matcher: GradientMatcher, budget: Budget) -> torch.Tensor | None:
+    """For a batch of several images, labels from the closed-form per-class counts
+    (``attacks.closed_form.label_counts``), class by class; None for one image (iDLG's rule) or
+    without counts."""
+    counts = matcher.closed.label_counts
+    b = matcher.originals or max(1, int(budget.batch))
+    if counts is None or b == 1 or int(counts.sum()) != b or matcher.epoch_copies != 1:
+        return None
+    return torch.repeat_interleave(torch.arange(len(counts)), counts)
+
+
 @dataclass
 class _Setup:
     """One target's attack, ready to optimise: the matcher, its observed target, the fixed labels
@@ -146,6 +157,9 @@ def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name
     if matcher.labels_unused:
         labels = torch.zeros(b, dtype=torch.int64)
         trace["label_source"] = "none (the head-free closed form does not depend on the label)"
+    elif fixed_labels and counted_labels(matcher, budget) is not None:
+        labels = counted_labels(matcher, budget)
+        trace["label_source"] = f"closed-form counts ({matcher.closed.trace['label_counts_source']})"
     elif fixed_labels:
         weight = matcher.classifier_weight_target()
         if weight is None:

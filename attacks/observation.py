@@ -58,7 +58,8 @@ from fedecouple.methods.replay import features as replay_features
 from fedecouple.models import SplitModel, group_of
 
 from .base import LocalHyperparameters, NotApplicable, Observation
-from .closed_form import LAST_LINEAR_WEIGHT, STATISTICS_WEIGHT
+from .closed_form import LAST_LINEAR_WEIGHT, ROW_SPACE_WEIGHT, STATISTICS_WEIGHT
+from .closed_form import row_space as closed_row_space
 from .closed_form import derive as derive_closed_form
 
 MODES = ("auto", "method", "replay", "scaled")
@@ -342,6 +343,7 @@ class GradientMatcher:
         self.copy_model = None
         self.augmented: list[bool] = []
         self.aux_names: list[str] = []
+        self.closed = derive_closed_form(self.observation, self.update, self.model, self.mode)
         if self.mode == "method":
             self._set_up_method()
         else:
@@ -356,7 +358,6 @@ class GradientMatcher:
         """The method's closed-form stage (``attacks.closed_form``): its exact facts become extra
         matching terms after the targets (``extra_weights``), and with a head-free last linear layer
         the dummy's update is computed with the layer's known error signal instead of a stand-in head."""
-        self.closed = derive_closed_form(self.observation, self.update, self.model, self.mode)
         self.notes += self.closed.notes
         self.extra_weights: list[float] = []
         last = self.closed.last_linear
@@ -368,6 +369,11 @@ class GradientMatcher:
         for means in self.closed.feature_means:
             self.target = list(self.target) + [means.means]
             self.extra_weights.append(STATISTICS_WEIGHT)
+        self.extra_values = len(self.extra_weights)  # the terms from here on are values, not (dummy, target) pairs
+        if self.closed.row_space_rank:
+            weight = self.target[self.names.index(CLASSIFIER_WEIGHT)]
+            self.target = list(self.target) + [closed_row_space(weight, self.closed.row_space_rank)]
+            self.extra_weights.append(ROW_SPACE_WEIGHT)
 
     def _note_plain_modes(self) -> None:
         hp, obs = self.hyperparameters, self.observation
@@ -415,6 +421,11 @@ class GradientMatcher:
         # float rounding outweighs what they carry
         statistics = [s for s in obs.manifest() if s.kind in ("prototype", "statistic", "class_counts") and s.shape]
         self.aux_names = sorted(n for n in obs.upload if any(s.pattern.match(n) for s in statistics))
+        if self.closed.feature_means:
+            # the closed form matches these statistics as features under the extractors they were computed
+            # on (the uploaded one for prototypes): better conditioned than through the replayed step, and
+            # of one shape for every target, so that targets of different classes share a model
+            self.aux_names = []
         self.target = [self.update.delta[n] for n in self.names] + [obs.upload[n].to(torch.float32)
                                                                       for n in self.aux_names]
         kinds = [group_of(n) for n in self.names] + [n.split(".")[0] for n in self.aux_names]
@@ -492,7 +503,17 @@ class GradientMatcher:
             out = [gradients[n] for n in self.names]
         if last is not None:
             out.append(self._linear_input(self.update.before, x)[0])
-        return out + self._feature_means(x, y, target)
+        return out + self._feature_means(x, y, target) + self._row_space_share(x, target)
+
+    def _row_space_share(self, x: torch.Tensor, target: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The mean share of the dummy images' squared feature norms (under the client's kept extractor,
+        which the classifier phase ran on) outside the classifier update's row space (``target[-1]``)."""
+        if not self.closed.row_space_rank:
+            return []
+        basis = target[-1]
+        feats = replay_features(self.model, self.context.kept, x)
+        outside = feats - (feats @ basis) @ basis.T
+        return [(outside.pow(2).sum(dim=1) / feats.pow(2).sum(dim=1).clamp_min(1e-12)).mean()]
 
     def _feature_means(self, x: torch.Tensor, y: torch.Tensor, target: list[torch.Tensor]) -> list[torch.Tensor]:
         """The dummy's class-mean features under the extractors the closed form names (the uploaded one
@@ -591,7 +612,8 @@ class GradientMatcher:
         """((the method's part of dummy, of target), the weighted closed-form terms: Σ w·‖a − b‖²/‖b‖²)."""
         k = len(self.extra_weights)
         n = len(dummy) - k
-        extra = sum(w * _relative_error(d, t) for w, d, t in zip(self.extra_weights, dummy[n:], target[n:]))
+        extra = sum(w * (_relative_error(d, t) if j < self.extra_values else d)
+                    for j, (w, d, t) in enumerate(zip(self.extra_weights, dummy[n:], target[n:])))
         return (dummy[:n], target[:n]), extra
 
     def cosine_objective(self, dummy: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
@@ -619,7 +641,8 @@ class GradientMatcher:
                    None if self.draws is None else (obs.round, obs.client_id)))
         last = self.closed.last_linear
         closed = (None if last is None else (last.weight, last.head_free),
-                  tuple(m.source for m in self.closed.feature_means), tuple(self.extra_weights))
+                  tuple(m.source for m in self.closed.feature_means), self.closed.row_space_rank,
+                  tuple(self.extra_weights))
         return (self.mode, tuple(self.names), None if hp is None else (hp.lr, hp.steps, hp.batch_size), method, closed,
                 self.scale_known, obs.image_shape, obs.num_classes,
                 type(self.model).__name__, str(self.model), getattr(self.model, "arch", None))

@@ -25,7 +25,8 @@ federation recorded elsewhere (a Flower app) goes straight to ``attack_recorded`
 Outputs in ``out``: ``attack.csv`` (one row per reconstructed image: ``IMAGE_COLUMNS``, i.e. method,
 attack, mode, round, client, image, psnr, ssim, prior_psnr, class_prior_psnr, label_true, label_pred
 and the target's forward-model check: mis_specified, not_converged, replay_cosine, objective_truth,
-objective_reconstruction; for a label attack one row per
+objective_reconstruction; label_count_error: Σ_k |n̂_k − n_k| of the closed-form label counts
+(``attacks.closed_form``) against the images the client trained on, empty without counts; for a label attack one row per
 class: method, attack, mode, round, client, class, true_count, true_proportion,
 predicted_proportion), ``summary.json`` and ``reconstructions.png`` (ground truth above
 reconstruction, PSNR under each; not for label attacks), all written atomically.
@@ -64,7 +65,7 @@ from .versions import package_versions
 
 IMAGE_COLUMNS = ["method", "attack", "mode", "round", "client", "image", "psnr", "ssim", "prior_psnr",
                  "class_prior_psnr", "label_true", "label_pred", "mis_specified", "not_converged", "replay_cosine",
-                 "objective_truth", "objective_reconstruction"]
+                 "objective_truth", "objective_reconstruction", "label_count_error"]
 CHECK_KEYS = ("mis_specified", "not_converged", "replay_cosine", "replay_relative_error", "objective_truth", "objective_reconstruction")
 LABEL_COLUMNS = ["method", "attack", "mode", "round", "client", "class", "true_count", "true_proportion",
                  "predicted_proportion"]
@@ -528,13 +529,16 @@ def _score_target(run: RecordedRun, spec: AttackSpec, job: _Target, prior: torch
             notes.append(note)
     rows = []
     class_priors = _class_priors(run, job, auxiliary)
+    counts = (result.trace.get("closed_form") or {}).get("label_counts")
+    count_error = (None if counts is None else
+                   int((torch.tensor(counts) - torch.bincount(truth_labels, minlength=len(counts))).abs().sum()))
     for i, j, row in score_images(spec.scoring, result.images, result.labels, truths, truth_labels, prior,
                                   class_priors):
         rows.append({**base, "image": i, "psnr": row["psnr"], "ssim": row["ssim"], "prior_psnr": row["prior_psnr"],
                      "class_prior_psnr": row["class_prior_psnr"],
                      "label_true": int(truth_labels[j]),
                      "label_pred": int(result.labels[i]) if i < len(result.labels) else -1,
-                     **{k: job.check.get(k) for k in IMAGE_COLUMNS if k in CHECK_KEYS}})
+                     **{k: job.check.get(k) for k in IMAGE_COLUMNS if k in CHECK_KEYS}, "label_count_error": count_error})
         if len(panels) < MAX_PANELS:
             panels.append((truths[j], result.images[i], row["psnr"], f"r{job.round} c{job.client}"))
     return rows

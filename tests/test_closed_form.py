@@ -104,3 +104,44 @@ def test_fedpac_statistics_are_the_one_image_features(digits):
         assert float(means[source].abs().sum()) == pytest.approx(float(means[source][k].abs().sum()))
     dummy = matcher.dummy(image, label)
     assert float(matcher.cosine_objective(dummy, matcher.target)) < 1e-4
+
+
+@pytest.mark.parametrize("da", [False, True])
+def test_fedecouple_features_lie_in_the_classifier_update_row_space(digits, da):
+    """The classifier phase's update spans the features it trained on (rank 1 per image, 2 with its
+    augmented copy): the true image's feature under the kept extractor is in that span; a noise
+    image's is not."""
+    victim = VictimSetting(batch=1, steps=1, targets={(0, 0)})
+    fed = tiny_federation(digits, "fedecouple", clients=3, rounds=1, victim=victim, hp={"da": da})
+    model = copy.deepcopy(fed.model)
+    fed.run(1)
+    obs = observe(fed.channel.recorder, 0, 0, method=fed.method, make_model=lambda: copy.deepcopy(model),
+                  image_shape=(1, 8, 8), num_classes=10, known_hyperparameters=ONE_IMAGE)
+    image = digits.images[torch.from_numpy(fed.ground_truth.samples(0, 0))]
+    matcher = GradientMatcher(obs, "auto")
+    assert matcher.closed.row_space_rank == (2 if da else 1)
+    (share,) = matcher._row_space_share(image, matcher.target)
+    assert float(share) < 1e-5
+    (noise,) = matcher._row_space_share(torch.rand(1, 1, 8, 8, generator=torch.Generator().manual_seed(0)),
+                                        matcher.target)
+    assert float(noise) > 100 * float(share) and float(noise) > 1e-3
+
+
+@pytest.mark.parametrize("method,batch", [("fedavg", 4), ("fedavg", 8), ("fedpac", 4)])
+def test_label_counts_of_a_round_0_batch_are_exact(digits, method, batch):
+    """FedAvg: from the classifier's bias update and the initial model's mean prediction; FedPAC: from
+    its uploaded class counts. IG then fixes the batch's labels to them."""
+    victim = VictimSetting(batch=batch, steps=1, targets={(0, 1)})
+    fed = tiny_federation(digits, method, clients=3, rounds=1, victim=victim, partition="iid")
+    model = copy.deepcopy(fed.model)
+    fed.run(1)
+    hp = LocalHyperparameters(lr=0.05, steps=1, batch_size=batch, epochs=1, samples=batch, steps_per_phase=1)
+    obs = observe(fed.channel.recorder, 0, 1, method=fed.method, make_model=lambda: copy.deepcopy(model),
+                  image_shape=(1, 8, 8), num_classes=10, known_hyperparameters=hp)
+    truth = digits.labels[torch.from_numpy(fed.ground_truth.samples(0, 1))]
+    assert len(set(truth.tolist())) > 1
+    matcher = GradientMatcher(obs, "auto")
+    assert matcher.closed.label_counts.tolist() == torch.bincount(truth, minlength=10).tolist()
+    result = ATTACKS["ig"].attack_one(obs, Budget(iterations=2, restarts=1, batch=batch), 0)
+    assert result.trace["label_source"].startswith("closed-form counts")
+    assert sorted(result.labels.tolist()) == sorted(truth.tolist())
