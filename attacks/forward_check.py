@@ -142,3 +142,32 @@ def check(obs: Observation, mode: str, kind: str, result: AttackResult, images: 
     return {**out, "objective_truth": truth, "objective_reconstruction": reconstruction,
             "mis_specified": bool(truth > reconstruction and truth > OBJECTIVE_FLOOR),
             "not_converged": bool(reconstruction > truth and reconstruction > OBJECTIVE_FLOOR)}
+
+
+def prototype_check(obs: Observation, result: AttackResult, images: torch.Tensor, labels: torch.Tensor) -> dict:
+    """The forward check of prototype inversion (``attacks.proto``): per inverted class, its data term
+    (the objective without TV) at the client's true images of that class (their mean feature is the
+    prototype when the extractor is the one that computed it) against the kept set's; summed over
+    the classes. ``mis_specified``: the truth matches worse than the reconstruction (the inverted
+    extractor did not compute the prototypes, e.g. FedProto's initial model); ``not_converged``: the
+    optimiser stopped short of the truth. None with a surrogate extractor (trained per attack)."""
+    from .proto import choose_extractor, set_objective, uploaded_prototypes
+
+    empty = {"replay_cosine": None, "replay_relative_error": None, "objective_truth": None,
+             "objective_reconstruction": None, "mis_specified": None, "not_converged": None}
+    reconstruction = result.trace.get("data_term_per_class")
+    if reconstruction is None or result.trace.get("extractor_source") == "surrogate":
+        return empty
+    model, _, _ = choose_extractor(obs)
+    protos = uploaded_prototypes(obs)
+    truth = 0.0
+    with torch.no_grad():
+        for c in result.trace["classes"]:
+            own = images[labels == int(c)]
+            if len(own) == 0:
+                return empty
+            truth += float(set_objective(model.eval(), own, protos[c].float().flatten(), 0.0))
+    rebuilt = float(sum(reconstruction))
+    return {**empty, "objective_truth": truth, "objective_reconstruction": rebuilt,
+            "mis_specified": bool(truth > rebuilt and truth > OBJECTIVE_FLOOR),
+            "not_converged": bool(rebuilt > truth and rebuilt > OBJECTIVE_FLOOR)}

@@ -518,7 +518,7 @@ def _score_target(run: RecordedRun, spec: AttackSpec, job: _Target, prior: torch
         total = max(int(true_counts.sum()), 1)
         return [{**base, "class": k, "true_count": int(true_counts[k]), "true_proportion": float(true_counts[k]) / total,
                  "predicted_proportion": float(predicted[k])} for k in range(dataset.num_classes)]
-    if spec.matching is not None:
+    if spec.matching is not None or spec.scoring == "class-images":
         job.check = _forward_check(run, spec, job)
     idx = torch.from_numpy(run.ground_truth.samples(job.round, job.client))
     truths, truth_labels = dataset.images[idx], dataset.labels[idx]
@@ -545,11 +545,13 @@ def _score_target(run: RecordedRun, spec: AttackSpec, job: _Target, prior: torch
 
 
 def _forward_check(run: RecordedRun, spec: AttackSpec, job: _Target) -> dict:
-    """``attacks.forward_check.check`` with the target's ground truth (its training set in order, its
-    batches): read here, after the attack returned."""
-    from attacks.forward_check import check
+    """``attacks.forward_check.check`` (prototype inversion: ``prototype_check``) with the target's ground
+    truth (its training set in order, its batches): read here, after the attack returned."""
+    from attacks.forward_check import check, prototype_check
 
     idx = torch.from_numpy(run.ground_truth.training_set(job.round, job.client))
+    if spec.matching is None:  # prototype inversion: the client's true class images against the inverted sets
+        return prototype_check(job.observation, job.result, run.dataset.images[idx], run.dataset.labels[idx])
     mode = str(job.result.trace.get("mode", "auto")).replace("scaled-gradient", "scaled")
     return check(job.observation, mode, spec.matching, job.result, run.dataset.images[idx], run.dataset.labels[idx],
                  run.ground_truth.schedule(job.round, job.client))
