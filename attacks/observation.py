@@ -41,6 +41,7 @@ step, where replay and scaled gradient are the same computation, it is named ``s
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -275,7 +276,9 @@ def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: lis
     notes = []
     if obs.round > 0 and not any(n in previous for n in initial):
         notes.append("no previous upload of this client: its kept model is taken to be the initial one")
+    uploaded = {n: v.to(torch.float32) for n, v in obs.upload.items() if n in initial}
     return ReplayContext(before=before, kept=kept, download=dict(obs.download), lr=obs.known_hyperparameters.lr,
+                         uploaded=uploaded,
                          steps=steps, num_classes=obs.num_classes, notes=notes, copies=int(copies))
 
 
@@ -495,7 +498,7 @@ class GradientMatcher:
         if last is not None and last.head_free:
             return self._head_free(x, target)
         if self.mode == "method":
-            out = self._method_replay(x, y, z, copies)
+            out = self._method_replay(x, y, z, copies, target)
         elif self.mode == "replay":
             out = self._replay(x, y)
         else:
@@ -573,11 +576,15 @@ class GradientMatcher:
             used += 0 if not augmented else len(members)
         return copies
 
-    def _method_replay(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None, copies: list | None):
+    def _method_replay(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None, copies: list | None,
+                       target: list[torch.Tensor]):
         originals = x[:self.originals]
         probs = one_hot(y, self.observation.num_classes) if y.ndim == 1 else y
         copies = self._copies(x, z) if copies is None else copies
-        simulated = self.observation.method.replay(self.model, self.context, originals, probs, copies)
+        # this target's upload (before + its observed Δ): the lead's context serves every batched target
+        uploaded = {n: self.update.before[n] + target[i] for i, n in enumerate(self.names)}
+        context = dataclasses.replace(self.context, uploaded=uploaded)
+        simulated = self.observation.method.replay(self.model, context, originals, probs, copies)
         before = self.update.before
         return [simulated[n] - before[n] for n in self.names] + [simulated[n] for n in self.aux_names]
 
