@@ -42,8 +42,8 @@ attack uses it through ``attacks.observation.GradientMatcher`` (recorded in the 
   remainders. The attacks fix a batch's labels to these counts; attack.csv reports the count error.
 
 The check that the update really is one such step: ΔW must be the rank-1 product Δb·aᵀ to
-``RANK1_TOLERANCE`` (relative, float32 rounding of the weights allowed for); the residual is in the trace and a larger one leaves the stage out
-with a note (e.g. a client that trained on several images).
+``RANK1_TOLERANCE`` (relative, float32 rounding of the weights allowed for); the residual is in the
+trace and a larger one leaves the stage out with a note (e.g. a client that trained on several images).
 """
 from __future__ import annotations
 
@@ -65,8 +65,9 @@ RANK1_TOLERANCE = 1e-3
 # weight of each class-mean feature term (FedPAC's h/p and prototypes). Chosen on the tuning
 # federation (seed 1, round 0, FedPAC; BENCHMARKS.md "Attack strength (issue 26)")
 STATISTICS_WEIGHT = 1.0
-# weight of the share of the dummy's features outside the classifier update's row space. Chosen on
-# the tuning federation (seed 1, round 0, FedeCouple; BENCHMARKS.md "Attack strength (issue 26)")
+# weight of the share of the dummy's features outside the classifier update's row space. Set, not
+# compared: on the tuning federation (seed 1, round 0, FedeCouple) weight 1 gave 16.6 dB, no better
+# than before the term; the weight-0 run was not finished (BENCHMARKS.md "Attack strength (issue 26)")
 ROW_SPACE_WEIGHT = 1.0
 
 
