@@ -90,6 +90,17 @@ def idlg_labels(weight_gradient: torch.Tensor, count: int = 1) -> tuple[torch.Te
     return labels, notes
 
 
+def counted_labels(matcher: GradientMatcher, budget: Budget) -> torch.Tensor | None:
+    """For a batch of several images, labels from the closed-form per-class counts
+    (``attacks.closed_form.label_counts``), class by class; None for one image (iDLG's rule) or
+    without counts."""
+    counts = matcher.closed.label_counts
+    b = matcher.originals or max(1, int(budget.batch))
+    if counts is None or b == 1 or int(counts.sum()) != b or matcher.epoch_copies != 1:
+        return None
+    return torch.repeat_interleave(torch.arange(len(counts)), counts)
+
+
 @dataclass
 class _Setup:
     """One target's attack, ready to optimise: the matcher, its observed target, the fixed labels
@@ -108,7 +119,7 @@ class _Setup:
         """DLG's objective for one target; ``y`` is the fixed labels or the label logits, ``z`` the
         augmented copies' family parameters ((0, 8) when there are none)."""
         soft = y if self.labels is not None else torch.softmax(y, dim=-1)
-        return self.matcher.l2_objective(self.matcher.dummy(x, soft, z), target)
+        return self.matcher.l2_objective(self.matcher.dummy(x, soft, z, target=target), target)
 
     @property
     def originals(self) -> int:
@@ -141,8 +152,15 @@ def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name
     b = matcher.originals or max(1, int(budget.batch))
     trace: dict = {"attack": name, "mode": matcher.mode, "attacked_parameters": list(matcher.names),
                    "optimizer": "L-BFGS", "lr": LBFGS_LR}
+    trace["closed_form"] = matcher.closed.trace
     labels = None
-    if fixed_labels:
+    if matcher.labels_unused:
+        labels = torch.zeros(b, dtype=torch.int64)
+        trace["label_source"] = "none (the head-free closed form does not depend on the label)"
+    elif fixed_labels and counted_labels(matcher, budget) is not None:
+        labels = counted_labels(matcher, budget)
+        trace["label_source"] = f"closed-form counts ({matcher.closed.trace['label_counts_source']})"
+    elif fixed_labels:
         weight = matcher.classifier_weight_target()
         if weight is None:
             notes.append("no classifier update is available (private or excluded head): iDLG cannot read the "
@@ -356,6 +374,8 @@ def _result(setup: _Setup, best: dict, notes: list[str], trace: dict) -> AttackR
     if probs is None and bool((labels >= 0).all()):
         probs = torch.nn.functional.one_hot(labels, setup.num_classes).to(torch.float32)
     rebuilt = setup.matcher.reconstructions(best["images"])
+    if setup.matcher.labels_unused:  # no label was inferred
+        labels = torch.full_like(labels, -1)
     return AttackResult(images=rebuilt.clamp(0, 1), labels=labels[:len(rebuilt)],
                         trace={**setup.trace, "objective": best["objective"], **trace}, notes=notes,
                         variables={"images": best["images"], "labels": probs,

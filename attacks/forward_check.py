@@ -7,7 +7,8 @@ Two checks per target:
   client's true images, true batch order and true augmentation draws, against the update the
   server observed: cosine and relative error of Δ over the attacked weights. About 1 (and 0) when
   the replay is the client's computation; this measures the method's replay, not the attack's
-  guesses.
+  guesses. Where the attack used a head-free closed form (``attacks.closed_form``) instead of the
+  replay, that computation on the true image.
 * ``objective_truth`` / ``objective_reconstruction``: the attack's own data-matching term (DLG's
   distance, IG's 1 − cosine; the image prior is left out so that a smoothness prior cannot decide
   it) evaluated at the truth — the true images, the augmented copies the client really trained on
@@ -49,6 +50,18 @@ def replay_agreement(obs: Observation, images: torch.Tensor, labels: torch.Tenso
         simulated = obs.method.replay(obs.make_model(), context, images, labels, copies)
     a = torch.cat([(simulated[n] - target.before[n]).reshape(-1).double() for n in target.names])
     b = torch.cat([target.delta[n].reshape(-1).double() for n in target.names])
+    return {"replay_cosine": float(F.cosine_similarity(a, b, dim=0)),
+            "replay_relative_error": float((a - b).norm() / b.norm().clamp_min(1e-30))}
+
+
+def head_free_agreement(matcher: GradientMatcher, images: torch.Tensor) -> dict:
+    """``replay_agreement`` for a head-free closed form (``attacks.closed_form``): its update on the
+    client's true image (the signal read from the observed update) against the observed update."""
+    with torch.no_grad():
+        dummy = matcher.dummy(images, torch.zeros(len(images), dtype=torch.int64))
+    n = len(matcher.names)
+    a = torch.cat([d.reshape(-1).double() for d in dummy[:n]])
+    b = torch.cat([t.reshape(-1).double() for t in matcher.target[:n]])
     return {"replay_cosine": float(F.cosine_similarity(a, b, dim=0)),
             "replay_relative_error": float((a - b).norm() / b.norm().clamp_min(1e-30))}
 
@@ -120,6 +133,8 @@ def check(obs: Observation, mode: str, kind: str, result: AttackResult, images: 
         return {**out, "objective_truth": None, "objective_reconstruction": None, "mis_specified": None,
                 "not_converged": None}
     index = torch.tensor(where)
+    if matcher.labels_unused:  # the head-free closed form is the forward model the attack used
+        out = head_free_agreement(matcher, images[index])
     truth = matching_term(matcher, kind, images[index], F.one_hot(labels[index], obs.num_classes).to(torch.float32),
                           copies=true_copies(matcher, images, records, where))
     reconstruction = matching_term(matcher, kind, rebuilt, result.variables["labels"],
@@ -127,3 +142,32 @@ def check(obs: Observation, mode: str, kind: str, result: AttackResult, images: 
     return {**out, "objective_truth": truth, "objective_reconstruction": reconstruction,
             "mis_specified": bool(truth > reconstruction and truth > OBJECTIVE_FLOOR),
             "not_converged": bool(reconstruction > truth and reconstruction > OBJECTIVE_FLOOR)}
+
+
+def prototype_check(obs: Observation, result: AttackResult, images: torch.Tensor, labels: torch.Tensor) -> dict:
+    """The forward check of prototype inversion (``attacks.proto``): per inverted class, its data term
+    (the objective without TV) at the client's true images of that class (their mean feature is the
+    prototype when the extractor is the one that computed it) against the kept set's; summed over
+    the classes. ``mis_specified``: the truth matches worse than the reconstruction (the inverted
+    extractor did not compute the prototypes, e.g. FedProto's initial model); ``not_converged``: the
+    optimiser stopped short of the truth. None with a surrogate extractor (trained per attack)."""
+    from .proto import choose_extractor, set_objective, uploaded_prototypes
+
+    empty = {"replay_cosine": None, "replay_relative_error": None, "objective_truth": None,
+             "objective_reconstruction": None, "mis_specified": None, "not_converged": None}
+    reconstruction = result.trace.get("data_term_per_class")
+    if reconstruction is None or result.trace.get("extractor_source") == "surrogate":
+        return empty
+    model, _, _ = choose_extractor(obs)
+    protos = uploaded_prototypes(obs)
+    truth = 0.0
+    with torch.no_grad():
+        for c in result.trace["classes"]:
+            own = images[labels == int(c)]
+            if len(own) == 0:
+                return empty
+            truth += float(set_objective(model.eval(), own, protos[c].float().flatten(), 0.0))
+    rebuilt = float(sum(reconstruction))
+    return {**empty, "objective_truth": truth, "objective_reconstruction": rebuilt,
+            "mis_specified": bool(truth > rebuilt and truth > OBJECTIVE_FLOOR),
+            "not_converged": bool(rebuilt > truth and rebuilt > OBJECTIVE_FLOOR)}

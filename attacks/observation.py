@@ -41,6 +41,7 @@ step, where replay and scaled gradient are the same computation, it is named ``s
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -54,9 +55,13 @@ from torch.func import functional_call, grad
 
 from fedecouple.methods.base import phase_steps
 from fedecouple.methods.replay import ReplayContext, Step
+from fedecouple.methods.replay import features as replay_features
 from fedecouple.models import SplitModel, group_of
 
 from .base import LocalHyperparameters, NotApplicable, Observation
+from .closed_form import LAST_LINEAR_WEIGHT, ROW_SPACE_WEIGHT, STATISTICS_WEIGHT
+from .closed_form import row_space as closed_row_space
+from .closed_form import derive as derive_closed_form
 
 MODES = ("auto", "method", "replay", "scaled")
 CLASSIFIER_WEIGHT = "classifier.weight"
@@ -271,7 +276,9 @@ def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: lis
     notes = []
     if obs.round > 0 and not any(n in previous for n in initial):
         notes.append("no previous upload of this client: its kept model is taken to be the initial one")
+    uploaded = {n: v.to(torch.float32) for n, v in obs.upload.items() if n in initial}
     return ReplayContext(before=before, kept=kept, download=dict(obs.download), lr=obs.known_hyperparameters.lr,
+                         uploaded=uploaded,
                          steps=steps, num_classes=obs.num_classes, notes=notes, copies=int(copies))
 
 
@@ -338,6 +345,8 @@ class GradientMatcher:
         self.copy_parameters = 0  # family mode: copies × FAMILY_PARAMETERS unknowns
         self.copy_model = None
         self.augmented: list[bool] = []
+        self.aux_names: list[str] = []
+        self.closed = derive_closed_form(self.observation, self.update, self.model, self.mode)
         if self.mode == "method":
             self._set_up_method()
         else:
@@ -346,6 +355,28 @@ class GradientMatcher:
             self.groups = [list(range(len(self.names)))]
             self._note_plain_modes()
             self._set_up_plain_layout()
+        self._set_up_closed_form()
+
+    def _set_up_closed_form(self) -> None:
+        """The method's closed-form stage (``attacks.closed_form``): its exact facts become extra
+        matching terms after the targets (``extra_weights``), and with a head-free last linear layer
+        the dummy's update is computed with the layer's known error signal instead of a stand-in head."""
+        self.notes += self.closed.notes
+        self.extra_weights: list[float] = []
+        last = self.closed.last_linear
+        if last is not None and last.head_free and self.mode == "method" and self.aux_names:
+            last.head_free = False  # the statistics need the method's replay
+        if last is not None:
+            self.target = list(self.target) + [last.input]
+            self.extra_weights.append(LAST_LINEAR_WEIGHT)
+        for means in self.closed.feature_means:
+            self.target = list(self.target) + [means.means]
+            self.extra_weights.append(STATISTICS_WEIGHT)
+        self.extra_values = len(self.extra_weights)  # the terms from here on are values, not (dummy, target) pairs
+        if self.closed.row_space_rank:
+            weight = self.target[self.names.index(CLASSIFIER_WEIGHT)]
+            self.target = list(self.target) + [closed_row_space(weight, self.closed.row_space_rank)]
+            self.extra_weights.append(ROW_SPACE_WEIGHT)
 
     def _note_plain_modes(self) -> None:
         hp, obs = self.hyperparameters, self.observation
@@ -393,6 +424,11 @@ class GradientMatcher:
         # float rounding outweighs what they carry
         statistics = [s for s in obs.manifest() if s.kind in ("prototype", "statistic", "class_counts") and s.shape]
         self.aux_names = sorted(n for n in obs.upload if any(s.pattern.match(n) for s in statistics))
+        if self.closed.feature_means:
+            # the closed form matches these statistics as features under the extractors they were computed
+            # on (the uploaded one for prototypes): better conditioned than through the replayed step, and
+            # of one shape for every target, so that targets of different classes share a model
+            self.aux_names = []
         self.target = [self.update.delta[n] for n in self.names] + [obs.upload[n].to(torch.float32)
                                                                       for n in self.aux_names]
         kinds = [group_of(n) for n in self.names] + [n.split(".")[0] for n in self.aux_names]
@@ -449,17 +485,79 @@ class GradientMatcher:
         return grad(loss)({n: params[n] for n in names})
 
     def dummy(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None = None,
-              copies: list | None = None) -> list[torch.Tensor]:
+              copies: list | None = None, target: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The dummy batch's counterpart of every target, differentiable in x, y (and the family
         parameters z of the augmented copies; one target: x (dummy images, C, H, W); under
         ``torch.func.vmap`` one target per batch row). ``copies`` overrides the augmented copies
-        (per step; the forward-model check gives the client's true ones)."""
+        (per step; the forward-model check gives the client's true ones). ``target``: this target's
+        observed tensors (under vmap, its row; default ``self.target``), which a head-free closed form
+        reads its error signal from. After the method's own counterparts come those of the
+        closed-form terms (``extra_weights``)."""
+        last = self.closed.last_linear
+        target = self.target if target is None else target
+        if last is not None and last.head_free:
+            return self._head_free(x, target)
         if self.mode == "method":
-            return self._method_replay(x, y, z, copies)
-        if self.mode == "replay":
-            return self._replay(x, y)
-        gradients = self._gradient(self.update.before, self.names, x, y)
-        return [gradients[n] for n in self.names]
+            out = self._method_replay(x, y, z, copies, target)
+        elif self.mode == "replay":
+            out = self._replay(x, y)
+        else:
+            gradients = self._gradient(self.update.before, self.names, x, y)
+            out = [gradients[n] for n in self.names]
+        if last is not None:
+            out.append(self._linear_input(self.update.before, x)[0])
+        return out + self._feature_means(x, y, target) + self._row_space_share(x, target)
+
+    def _row_space_share(self, x: torch.Tensor, target: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The mean share of the dummy images' squared feature norms (under the client's kept extractor,
+        which the classifier phase ran on) outside the classifier update's row space (``target[-1]``)."""
+        if not self.closed.row_space_rank:
+            return []
+        basis = target[-1]
+        feats = replay_features(self.model, self.context.kept, x)
+        outside = feats - (feats @ basis) @ basis.T
+        return [(outside.pow(2).sum(dim=1) / feats.pow(2).sum(dim=1).clamp_min(1e-12)).mean()]
+
+    def _feature_means(self, x: torch.Tensor, y: torch.Tensor, target: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The dummy's class-mean features under the extractors the closed form names (the uploaded one
+        is before + Δ, read from ``target``), on the rows of the classes the target holds."""
+        if not self.closed.feature_means:
+            return []
+        originals = x[:self.originals] if self.originals is not None else x
+        probs = one_hot(y, self.observation.num_classes) if y.ndim == 1 else y
+        before = self.update.before
+        uploaded = {n: before[n] + target[i] for i, n in enumerate(self.names) if n.startswith("extractor.")}
+        out, first = [], len(target) - len(self.closed.feature_means)
+        for j, means in enumerate(self.closed.feature_means):
+            params = {**before, **uploaded} if means.source == "upload" else before
+            feats = replay_features(self.model, params, originals)
+            sums, counts = (probs[:len(originals)].transpose(0, 1) @ feats), probs[:len(originals)].sum(dim=0)
+            held = (target[first + j].abs().sum(dim=1, keepdim=True) > 0).to(feats.dtype)
+            out.append(held * sums / counts.clamp_min(1e-6).unsqueeze(1))
+        return out
+
+    def _linear_input(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The input of the extractor's last linear layer for ``x`` under ``params`` (B, in_features)."""
+        last = self.closed.last_linear
+        below = self.model.extractor[:last.position]
+        return functional_call(below, {n[len("extractor."):]: params[n] for n in last.below},
+                               (self.model.normalize(x),))
+
+    def _head_free(self, x: torch.Tensor, target: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The extractor's update for one image in one step, with the last linear layer's error signal
+        read from the observed bias update (any positive multiple of δ: the target's scale): below the
+        layer the gradient of ⟨a(x), Wᵀδ⟩, at the layer δ·a(x)ᵀ and δ; then a(x) itself."""
+        last, before = self.closed.last_linear, self.update.before
+        signal = target[self.names.index(last.bias)]
+        upstream = signal @ before[last.weight]
+
+        def inner(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            return (self._linear_input({**before, **params}, x) * upstream).sum()
+
+        below = grad(inner)({n: before[n] for n in last.below})
+        a = self._linear_input(before, x)[0]
+        update = {**below, last.weight: signal.unsqueeze(1) * a.unsqueeze(0), last.bias: signal}
+        return [update[n] for n in self.names] + [a]
 
     def _copies(self, x: torch.Tensor, z: torch.Tensor | None) -> list:
         """Each step's augmented copies under the copy model (None for an unaugmented step)."""
@@ -478,11 +576,15 @@ class GradientMatcher:
             used += 0 if not augmented else len(members)
         return copies
 
-    def _method_replay(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None, copies: list | None):
+    def _method_replay(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None, copies: list | None,
+                       target: list[torch.Tensor]):
         originals = x[:self.originals]
         probs = one_hot(y, self.observation.num_classes) if y.ndim == 1 else y
         copies = self._copies(x, z) if copies is None else copies
-        simulated = self.observation.method.replay(self.model, self.context, originals, probs, copies)
+        # this target's upload (before + its observed Δ): the lead's context serves every batched target
+        uploaded = {n: self.update.before[n] + target[i] for i, n in enumerate(self.names)}
+        context = dataclasses.replace(self.context, uploaded=uploaded)
+        simulated = self.observation.method.replay(self.model, context, originals, probs, copies)
         before = self.update.before
         return [simulated[n] - before[n] for n in self.names] + [simulated[n] for n in self.aux_names]
 
@@ -503,26 +605,37 @@ class GradientMatcher:
     # -- comparing the two sides -----------------------------------------------------------------
     def l2_objective(self, dummy: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
         """DLG's distance: Σ‖a − b‖² (with an unknown scale, min over s ≥ 0 of Σ‖a − s·b‖²); in the
-        method mode the sum over groups of ‖a_g − b_g‖²/‖b_g‖² (scale-free per group, ``_relative_error``)."""
+        method mode the sum over groups of ‖a_g − b_g‖²/‖b_g‖² (scale-free per group, ``_relative_error``);
+        plus the closed-form terms."""
+        (dummy, target), extra = self._split(dummy, target)
         if self.mode != "method":
-            return gradient_distance(dummy, target, self.scale_known)
+            return gradient_distance(dummy, target, self.scale_known) + extra
         total = 0.0
         for g in self.groups:
             total = total + _relative_error(flat([dummy[i] for i in g]), flat([target[i] for i in g]))
-        return total
+        return total + extra
+
+    def _split(self, dummy: list[torch.Tensor], target: list[torch.Tensor]):
+        """((the method's part of dummy, of target), the weighted closed-form terms: Σ w·‖a − b‖²/‖b‖²)."""
+        k = len(self.extra_weights)
+        n = len(dummy) - k
+        extra = sum(w * (_relative_error(d, t) if j < self.extra_values else d)
+                    for j, (w, d, t) in enumerate(zip(self.extra_weights, dummy[n:], target[n:])))
+        return (dummy[:n], target[:n]), extra
 
     def cosine_objective(self, dummy: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
         """IG's data term: 1 − cos over all attacked weights at once (the paper's equal weights); in the
         method mode plus the relative squared error of each uploaded statistic. (One cosine per weight
         group instead was 1.6 dB worse on FedeCouple on the tuning federation: BENCHMARKS.md.)"""
+        (dummy, target), extra = self._split(dummy, target)
         if self.mode != "method":
-            return 1.0 - F.cosine_similarity(flat(dummy), flat(target), dim=0, eps=1e-20)
+            return 1.0 - F.cosine_similarity(flat(dummy), flat(target), dim=0, eps=1e-20) + extra
         weights = [i for g in self.groups[:self.weight_groups] for i in g]
         total = 1.0 - F.cosine_similarity(flat([dummy[i] for i in weights]), flat([target[i] for i in weights]),
                                           dim=0, eps=1e-20)
         for g in self.groups[self.weight_groups:]:
             total = total + _relative_error(flat([dummy[i] for i in g]), flat([target[i] for i in g]))
-        return total
+        return total + extra
 
     @functools.cached_property
     def model_key(self) -> tuple:
@@ -533,7 +646,11 @@ class GradientMatcher:
                    tuple(self.augmented), tuple(self.aux_names), self.copy_model,
                    # known draws make each target's function its own: never batched with another
                    None if self.draws is None else (obs.round, obs.client_id)))
-        return (self.mode, tuple(self.names), None if hp is None else (hp.lr, hp.steps, hp.batch_size), method,
+        last = self.closed.last_linear
+        closed = (None if last is None else (last.weight, last.head_free),
+                  tuple(m.source for m in self.closed.feature_means), self.closed.row_space_rank,
+                  tuple(self.extra_weights))
+        return (self.mode, tuple(self.names), None if hp is None else (hp.lr, hp.steps, hp.batch_size), method, closed,
                 self.scale_known, obs.image_shape, obs.num_classes,
                 type(self.model).__name__, str(self.model), getattr(self.model, "arch", None))
 
@@ -554,6 +671,12 @@ class GradientMatcher:
         return True
 
     # -- labels ---------------------------------------------------------------------------------
+    @property
+    def labels_unused(self) -> bool:
+        """Whether the dummy's update does not depend on the labels (a head-free closed form)."""
+        last = self.closed.last_linear
+        return last is not None and last.head_free
+
     def classifier_weight_target(self) -> torch.Tensor | None:
         """The classifier weight's observed update as a positive multiple of a gradient (−Δ up to a
         positive scale; None if not attacked): what iDLG's sign rule reads."""

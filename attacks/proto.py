@@ -235,11 +235,14 @@ def _pixel_stats(model: SplitModel, channels: int) -> tuple[torch.Tensor, torch.
 def invert_prototype(model: SplitModel, target: torch.Tensor, image_shape: tuple[int, int, int],
                      iterations: int, restarts: int = 1, seed: int = 0, ensemble: int = ENSEMBLE,
                      tv_weight: float = TV_WEIGHT, cosine_weight: float = COSINE_WEIGHT,
-                     contrast: float | None = CONTRAST, match_norm: bool = True) -> tuple[torch.Tensor, float, list[float]]:
+                     contrast: float | None = CONTRAST, match_norm: bool = True,
+                     details: dict | None = None) -> tuple[torch.Tensor, float, list[float]]:
     """One class-typical image (C, H, W) in [0, 1] for one prototype (D,) (or, with ``match_norm``
     False, for a feature direction: e.g. a classifier row that points like a class mean).
 
-    Returns (image, objective of the kept set, the kept set's objective at each function evaluation)."""
+    Returns (image, objective of the kept set, the kept set's objective at each function evaluation);
+    ``details``, when given, receives the kept set's data term (the objective without TV: what the
+    forward check compares with the client's true images)."""
     model = model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -273,6 +276,9 @@ def invert_prototype(model: SplitModel, target: torch.Tensor, image_shape: tuple
         if best is None or final < best[0]:
             best = (final, x.detach().clone(), history)
     final, x, history = best
+    if details is not None:
+        with torch.no_grad():
+            details["data_term"] = float(set_objective(model, x, target, 0.0, cosine_weight, match_norm))
     image = x.mean(0, keepdim=True)
     if contrast is not None:
         mu = image.mean(dim=(2, 3), keepdim=True)
@@ -302,10 +308,12 @@ def prototype_inversion(observation: Observation, budget: Budget, seed: int) -> 
         raise NotApplicable(f"the uploaded prototypes have {sorted(dims)} dimensions but the model's features have "
                             f"{model.feature_dim}; they are not features of this architecture.")
     shape = tuple(int(v) for v in observation.image_shape)
-    images, objectives, histories = [], [], []
+    images, objectives, histories, data_terms = [], [], [], []
     for i, c in enumerate(classes):
+        details: dict = {}
         image, objective, history = invert_prototype(model, protos[c], shape, budget.iterations, budget.restarts,
-                                                     seed=(int(seed) * 1009 + i) % 2**63)
+                                                     seed=(int(seed) * 1009 + i) % 2**63, details=details)
+        data_terms.append(details["data_term"])
         images.append(image)
         objectives.append(objective)
         histories.append(history)
@@ -316,7 +324,7 @@ def prototype_inversion(observation: Observation, budget: Budget, seed: int) -> 
     finite = [o for o in objectives if math.isfinite(o)]
     trace = {"mode": f"{source}-extractor", "extractor_source": source, "classes": classes,
              "objective": float(sum(finite) / len(finite)) if finite else float("nan"),
-             "objective_per_class": objectives, "loss_history": histories,
+             "objective_per_class": objectives, "data_term_per_class": data_terms, "loss_history": histories,
              "seconds": time.perf_counter() - start,
              "objective_definition": (f"|m-p|^2/|p|^2 + {COSINE_WEIGHT:g}(1-cos(m,p)) + {TV_WEIGHT:g} TV, m = mean "
                                       f"feature of {ENSEMBLE} images; returned image = their pixel mean, "

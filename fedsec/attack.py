@@ -25,8 +25,10 @@ federation recorded elsewhere (a Flower app) goes straight to ``attack_recorded`
 Outputs in ``out``: ``attack.csv`` (one row per reconstructed image: ``IMAGE_COLUMNS``, i.e. method,
 attack, mode, round, client, image, psnr, ssim, prior_psnr, class_prior_psnr, label_true, label_pred
 and the target's forward-model check: mis_specified, not_converged, replay_cosine, objective_truth,
-objective_reconstruction; input_error: for a malicious-server attack, the relative error of the image's
-recovered first-linear-layer input; for a label attack one row per
+objective_reconstruction; label_count_error: Σ_k |n̂_k − n_k| of the closed-form label counts
+(``attacks.closed_form``) against the images the client trained on, empty without counts; input_error: for a
+malicious-server attack, the relative error of the image's recovered first-linear-layer input; for a label
+attack one row per
 class: method, attack, mode, round, client, class, true_count, true_proportion,
 predicted_proportion), ``summary.json`` and ``reconstructions.png`` (ground truth above
 reconstruction, PSNR under each; not for label attacks), all written atomically.
@@ -65,7 +67,7 @@ from .versions import provenance
 
 IMAGE_COLUMNS = ["method", "attack", "mode", "round", "client", "image", "psnr", "ssim", "prior_psnr",
                  "class_prior_psnr", "label_true", "label_pred", "mis_specified", "not_converged", "replay_cosine",
-                 "objective_truth", "objective_reconstruction", "input_error"]
+                 "objective_truth", "objective_reconstruction", "label_count_error", "input_error"]
 CHECK_KEYS = ("mis_specified", "not_converged", "replay_cosine", "replay_relative_error", "objective_truth", "objective_reconstruction")
 LABEL_COLUMNS = ["method", "attack", "mode", "round", "client", "class", "true_count", "true_proportion",
                  "predicted_proportion"]
@@ -559,7 +561,7 @@ def _score_target(run: RecordedRun, spec: AttackSpec, job: _Target, prior: torch
         total = max(int(true_counts.sum()), 1)
         return [{**base, "class": k, "true_count": int(true_counts[k]), "true_proportion": float(true_counts[k]) / total,
                  "predicted_proportion": float(predicted[k])} for k in range(dataset.num_classes)]
-    if spec.matching is not None:
+    if spec.matching is not None or spec.scoring == "class-images":
         job.check = _forward_check(run, spec, job)
     idx = torch.from_numpy(run.ground_truth.samples(job.round, job.client))
     truths, truth_labels = dataset.images[idx], dataset.labels[idx]
@@ -572,13 +574,16 @@ def _score_target(run: RecordedRun, spec: AttackSpec, job: _Target, prior: torch
             notes.append(note)
     rows = []
     class_priors = _class_priors(run, job, auxiliary)
+    counts = (result.trace.get("closed_form") or {}).get("label_counts")
+    count_error = (None if counts is None else
+                   int((torch.tensor(counts) - torch.bincount(truth_labels, minlength=len(counts))).abs().sum()))
     for i, j, row in score_images(spec.scoring, result.images, result.labels, truths, truth_labels, prior,
                                   class_priors):
         rows.append({**base, "image": i, "psnr": row["psnr"], "ssim": row["ssim"], "prior_psnr": row["prior_psnr"],
                      "class_prior_psnr": row["class_prior_psnr"],
                      "label_true": int(truth_labels[j]),
                      "label_pred": int(result.labels[i]) if i < len(result.labels) else -1,
-                     **{k: job.check.get(k) for k in IMAGE_COLUMNS if k in CHECK_KEYS}})
+                     **{k: job.check.get(k) for k in IMAGE_COLUMNS if k in CHECK_KEYS}, "label_count_error": count_error})
         if len(panels) < MAX_PANELS:
             panels.append((truths[j], result.images[i], row["psnr"], f"r{job.round} c{job.client}"))
     return rows
@@ -604,11 +609,13 @@ def _score_malicious(run: RecordedRun, job: _Target, base: dict, truths, truth_l
 
 
 def _forward_check(run: RecordedRun, spec: AttackSpec, job: _Target) -> dict:
-    """``attacks.forward_check.check`` with the target's ground truth (its training set in order, its
-    batches): read here, after the attack returned."""
-    from attacks.forward_check import check
+    """``attacks.forward_check.check`` (prototype inversion: ``prototype_check``) with the target's ground
+    truth (its training set in order, its batches): read here, after the attack returned."""
+    from attacks.forward_check import check, prototype_check
 
     idx = torch.from_numpy(run.ground_truth.training_set(job.round, job.client))
+    if spec.matching is None:  # prototype inversion: the client's true class images against the inverted sets
+        return prototype_check(job.observation, job.result, run.dataset.images[idx], run.dataset.labels[idx])
     mode = str(job.result.trace.get("mode", "auto")).replace("scaled-gradient", "scaled")
     return check(job.observation, mode, spec.matching, job.result, run.dataset.images[idx], run.dataset.labels[idx],
                  run.ground_truth.schedule(job.round, job.client))

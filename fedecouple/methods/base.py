@@ -355,6 +355,15 @@ class Method:
     # the whole-data statistics the method computes through ``ctx.class_feature_sums``, in words;
     # None: it computes none (a DP context then refuses any call, so the declaration stays true)
     dp_statistics: ClassVar[str | None] = None
+    # the phases of ``local_phases`` whose SGD steps train the extractor
+    extractor_phases: ClassVar[tuple[str, ...]] = ("local",)
+    # what an upload of this method fixes in closed form, before any optimisation (read and computed
+    # by ``attacks.closed_form``): "last-linear" (when the extractor takes one unaugmented SGD step on
+    # one image, the update of its last linear layer gives that layer's input and its error signal
+    # δ exactly: weight row / bias entry), "labels" (the classifier's update gives the labels),
+    # "statistics" (FedPAC's h and prototypes of a one-image client are its features),
+    # "classifier-row-space" (the classifier's weight update spans the features it was trained on)
+    closed_form: ClassVar[tuple[str, ...]] = ()
 
     def dp_uncovered(self) -> str | None:
         """What neither DP-SGD nor the statistics mechanism covers in this configuration (a clause

@@ -142,6 +142,8 @@ class FedPAC(Method):
     name = "fedpac"
     # the downloaded base, and the server's combined head where one is sent (it replaces the client's)
     download_reaches = ("extractor", "classifier")
+    extractor_phases = ("extractor",)
+    closed_form = ("last-linear", "labels", "statistics")
     summary = "prototype feature alignment; per-client QP combines all heads; uploads base, head, prototypes, label stats"
     dp_per_sample = ("CE on the head, then CE + λ·prototype alignment on the base: per-sample (the targets are the "
                      "global prototypes and the client's own released class means).")
@@ -219,12 +221,15 @@ class FedPAC(Method):
             feats = features(model, base, xb)
             cls = sgd_step(cls, lambda c: cross_entropy(head(model, c, feats), yb), context.lr)
         extra = self._replayed_alignment(context, counts, local_means)
+        # the base steps run on the head the client uploaded (trained before them, never changed after):
+        # the same as the replayed head on the true data, and not a function of the dummy's head steps
+        head_params = {**cls, **only_group(context.uploaded, "classifier")}
         for i, step in context.phase("extractor"):
             xb, yb = batch(images, probs, step, copies[i])
 
             def loss(b):
                 feats = features(model, b, xb)
-                ce = cross_entropy(head(model, cls, feats), yb)
+                ce = cross_entropy(head(model, head_params, feats), yb)
                 return ce if extra is None else ce + extra(feats, yb)
 
             base = sgd_step(base, loss, context.lr)

@@ -30,6 +30,7 @@ class FedPer(Method):
     persistent_groups = ("classifier",)
     download_reaches = ("extractor",)  # trains the downloaded base; its own head
     plain_sgd = True
+    closed_form = ("last-linear",)  # the private head enters the base update only through δ
     dp_per_sample = "cross-entropy on base and head jointly: per-sample."
 
     def manifest(self, model: SplitModel):

@@ -35,6 +35,7 @@ class FedRep(FedPer):
     name = "fedrep"
     summary = "head epochs (base frozen) then base epochs (head frozen); base averaged, head personal"
     plain_sgd = False  # two phases, each on one group
+    extractor_phases = ("extractor",)
     dp_per_sample = "cross-entropy (head phase, then base phase): per-sample."
 
     def __post_init__(self) -> None:

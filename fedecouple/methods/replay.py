@@ -49,7 +49,9 @@ class ReplayContext:
     which FedeCouple's classifier phase runs on. ``download``: what the server sent (global
     prototypes, a personalised head, ...). ``steps``: the local SGD steps in order. ``copies``: how
     many times the client's image set appears among the replayed images (an attack on real local
-    training gives every epoch its own copy): a statistic that counts images divides by it."""
+    training gives every epoch its own copy): a statistic that counts images divides by it.
+    ``uploaded``: the client's upload, for a method whose later phase runs on what an earlier phase
+    uploaded (FedPAC's base steps on the uploaded head)."""
 
     before: Params
     kept: Params
@@ -59,6 +61,9 @@ class ReplayContext:
     num_classes: int
     notes: list[str] = field(default_factory=list)
     copies: int = 1
+    # the uploaded value of a group whose training ended before a later phase used it (FedPAC's head,
+    # trained before the base and uploaded as it was): the later phase may use it instead of its replay
+    uploaded: Params = field(default_factory=dict)
 
     def phase(self, name: str) -> list[tuple[int, Step]]:
         """(position in ``steps``, step) for every step of one phase."""

@@ -1,0 +1,273 @@
+"""The closed-form stage of the gradient attacks: what an upload fixes exactly, before any optimisation.
+
+Each method declares, beside its replay, what its upload gives away in closed form
+(``Method.closed_form``); ``derive`` computes it from the observation alone and every gradient
+attack uses it through ``attacks.observation.GradientMatcher`` (recorded in the trace under
+``closed_form``):
+
+* ``"last-linear"`` — when the extractor takes **one unaugmented SGD step on one image** (the
+  textbook victim), its last linear layer z = W a + b has the update ΔW = −lr·δ aᵀ and
+  Δb = −lr·δ, δ = ∂L/∂z. So the layer's input a = ΔWᵀΔb / ‖Δb‖² (each weight row divided by its
+  bias entry) and δ (up to the update's known scale) are exact, whatever lies above the layer: a
+  private head (FedPer, FedRep), a prototype term (FedPAC). The layers below receive the gradient
+  Jₐᵀ Wᵀ δ, with W the layer's weight before the step (the download): their update is a function of
+  the image alone, **no head is needed** (``head_free``). The attack then matches the dummy's
+  update computed with this known signal, and its input at the layer against the recovered a
+  (relative squared error, weight ``LAST_LINEAR_WEIGHT``).
+
+* ``"statistics"`` — FedPAC's uploaded statistics are class means of features: ``h_k / p_k``
+  (p_k = n_k/n from the uploaded counts) is the class-k mean feature of the client's images under
+  the **downloaded** extractor, the prototype c_k the same under the **uploaded** one. For a
+  one-image client they *are* the image's features. In the method mode (where the target is the
+  update Δ, so the uploaded extractor is before + Δ) the attack matches the dummy's class-mean
+  features under both extractors against them (relative squared error each, weight
+  ``STATISTICS_WEIGHT``; rows of classes the client does not hold are left out).
+
+* ``"classifier-row-space"`` — every loss FedeCouple's classifier phase minimises (CE and the
+  distillation KL) has the weight gradient Σᵢ eᵢ fᵢᵀ, so the rows of the classifier's weight update
+  lie in the span of the features fᵢ it was trained on (under the extractor the phase ran on: the
+  client's kept one): rank 1 per image, 2 with one augmented copy. The span's basis (the update's
+  leading right singular vectors, as many as images the phase trained on) is read from the update
+  and the dummy's features there are held to it: the term is the share of each dummy feature's
+  squared norm outside the span, weight ``ROW_SPACE_WEIGHT``. Only in the method mode, with the
+  victim's steps (``steps_per_phase``) and one classifier step.
+
+* ``"labels"`` (and every method whose upload holds the classifier's update or class counts) —
+  the per-class label counts of the images one step trained on (``label_counts``): from an
+  uploaded ``class_counts`` field where there is one (exact), else for one image iDLG's rule on the
+  classifier's weight update (``attacks.dlg.idlg_labels``), else, for one plain step of a
+  classifier sent in the download, from its bias update: Δb = −lr·(p̄ − n/B), so
+  n̂ = B·(p̂ + Δb/lr) with p̂ the downloaded model's mean prediction, estimated at the public pixel
+  mean image (exact after rounding whenever |p̂ − p̄| < 1/(2B)); rounded to B by largest
+  remainders. The attacks fix a batch's labels to these counts; attack.csv reports the count error.
+
+The check that the update really is one such step: ΔW must be the rank-1 product Δb·aᵀ to
+``RANK1_TOLERANCE`` (relative, float32 rounding of the weights allowed for); the residual is in the
+trace and a larger one leaves the stage out with a note (e.g. a client that trained on several images).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fedecouple.methods.prototypes import prototype_table, prototypes_in
+from fedecouple.models import group_of
+
+from .base import LocalHyperparameters, Observation
+
+# weight of ‖a(x) − a‖²/‖a‖² in the attack objective. Chosen on the tuning federation (seed 1,
+# round 19, FedPer, textbook victim; BENCHMARKS.md "Attack strength (issue 26)")
+LAST_LINEAR_WEIGHT = 1.0
+RANK1_TOLERANCE = 1e-3
+# weight of each class-mean feature term (FedPAC's h/p and prototypes). Chosen on the tuning
+# federation (seed 1, round 0, FedPAC; BENCHMARKS.md "Attack strength (issue 26)")
+STATISTICS_WEIGHT = 1.0
+# weight of the share of the dummy's features outside the classifier update's row space. Set, not
+# compared: on the tuning federation (seed 1, round 0, FedeCouple) weight 1 gave 16.6 dB, no better
+# than before the term; the weight-0 run was not finished (BENCHMARKS.md "Attack strength (issue 26)")
+ROW_SPACE_WEIGHT = 1.0
+
+
+@dataclass
+class LastLinear:
+    """The extractor's last linear layer and what one step on one image fixed there."""
+
+    position: int  # index of the layer among the extractor's children (a Sequential)
+    weight: str  # parameter names, with the ``extractor.`` prefix
+    bias: str
+    below: list[str]  # the extractor's parameters that feed the layer
+    input: torch.Tensor  # a, the layer's input for the client's image (in_features,)
+    head_free: bool  # the classifier the step used is not known exactly: the signal δ replaces it
+    residual: float  # ‖ΔW − Δb aᵀ‖ / ‖ΔW‖ (0 for one step on one image, up to rounding)
+
+
+@dataclass
+class FeatureMeans:
+    """Class-mean features an upload fixes: under the extractor before training ("before") or the
+    uploaded one ("upload"); rows of absent classes are zero."""
+
+    source: str
+    means: torch.Tensor  # (C, d)
+    field: str
+
+
+@dataclass
+class ClosedForm:
+    last_linear: LastLinear | None = None
+    feature_means: list[FeatureMeans] = field(default_factory=list)
+    row_space_rank: int = 0  # > 0: the dummy's features are held to the classifier update's row space
+    label_counts: torch.Tensor | None = None  # (C,) int64 counts of the images one step trained on
+    trace: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def last_linear_layer(model) -> tuple[int, str] | None:
+    """(position, child name) of the extractor's last ``nn.Linear`` with a bias, when the extractor is
+    a Sequential with that layer as a direct child and no parameter after it; else None."""
+    extractor = model.extractor
+    if not isinstance(extractor, nn.Sequential):
+        return None
+    children = list(extractor.named_children())
+    for position in range(len(children) - 1, -1, -1):
+        name, module = children[position]
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            after = [p for _, m in children[position + 1:] for p in m.parameters()]
+            return None if after else (position, name)
+        if any(True for _ in module.parameters()):
+            return None
+    return None
+
+
+def linear_input(delta_weight: torch.Tensor, delta_bias: torch.Tensor,
+                 weight: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """(a, residual): the least-squares input ΔWᵀΔb/‖Δb‖² of a rank-1 update ΔW = Δb·aᵀ, and
+    ‖ΔW − Δb aᵀ‖ / (‖ΔW‖ + rounding): the residual relative to the update's size, where the rounding
+    of the uploaded float32 weights (``weight``: the layer's weights, 2⁻²² of their norm) counts as
+    part of the size, so that a trained model's small update is not refused for its rounding."""
+    dw, db = delta_weight.double(), delta_bias.double()
+    a = dw.T @ db / (db @ db).clamp_min(1e-300)
+    rounding = 0.0 if weight is None else 2.0 ** -22 * float(weight.double().norm()) / RANK1_TOLERANCE
+    residual = float((dw - torch.outer(db, a)).norm()) / max(float(dw.norm()) + rounding, 1e-300)
+    return a.to(torch.float32), residual
+
+
+def single_extractor_step(method, hp: LocalHyperparameters | None) -> bool:
+    """Whether the extractor took exactly one unaugmented SGD step on one image (the victim setting
+    with one image and one step per phase)."""
+    if hp is None or hp.steps_per_phase is None:
+        return False
+    phases = [(p, e, aug) for p, e, aug in method.local_phases(hp.epochs) if p in method.extractor_phases]
+    samples = int(hp.samples if hp.samples is not None else hp.batch_size)
+    return (len(phases) == 1 and int(hp.steps_per_phase) == 1 and samples == 1 and not phases[0][2])
+
+
+def _last_linear(obs: Observation, update, model) -> tuple[LastLinear | None, list[str]]:
+    found = last_linear_layer(model)
+    if found is None:
+        return None, []
+    position, child = found
+    weight, bias = f"extractor.{child}.weight", f"extractor.{child}.bias"
+    if weight not in update.names or bias not in update.names:
+        return None, []
+    if not single_extractor_step(obs.method, obs.known_hyperparameters):
+        return None, []
+    db = update.delta[bias]
+    if float(db.abs().max()) == 0.0:
+        return None, ["closed form: the last linear layer's bias did not move (δ = 0): its input is not fixed"]
+    a, residual = linear_input(update.delta[weight], db, update.before[weight])
+    if residual > RANK1_TOLERANCE:
+        return None, [f"closed form: the last linear layer's update is not rank 1 (residual {residual:.2g}): "
+                      f"its input is not read from it"]
+    prefixes = [f"extractor.{name}." for name, _ in list(model.extractor.named_children())[:position]]
+    below = [n for n in update.names if any(n.startswith(p) for p in prefixes)]
+    head_free = not any(group_of(n) == "classifier" for n in update.names)
+    if head_free and sorted(below + [weight, bias]) != sorted(update.names):
+        return None, []
+    return LastLinear(position, weight, bias, below, a, head_free, residual), []
+
+
+def _feature_means(obs: Observation, num_features: int) -> list[FeatureMeans]:
+    """FedPAC's statistics as class-mean features (module docstring): h/p under the downloaded
+    extractor, the prototypes under the uploaded one."""
+    upload, c = obs.upload, obs.num_classes
+    out = []
+    counts, h, n = upload.get("class_counts"), upload.get("h"), upload.get("sample_count")
+    if counts is not None and h is not None and n is not None and tuple(h.shape) == (c, num_features):
+        p = counts.to(torch.float64) / max(float(n), 1.0)
+        means = torch.where(p.unsqueeze(1) > 0, h.to(torch.float64) / p.clamp_min(1e-300).unsqueeze(1), 0.0)
+        out.append(FeatureMeans("before", means.to(torch.float32), "h / p"))
+    table, has = prototype_table(prototypes_in(upload), c, num_features)
+    if bool(has.any()):
+        out.append(FeatureMeans("upload", table, "prototypes"))
+    return out
+
+
+def row_space(delta_weight: torch.Tensor, rank: int) -> torch.Tensor:
+    """(d, rank) orthonormal basis of the leading right singular vectors of a (C, d) update."""
+    _, _, vh = torch.linalg.svd(delta_weight.double(), full_matrices=False)
+    return vh[:rank].T.to(torch.float32)
+
+
+def classifier_images(method, hp: LocalHyperparameters | None) -> int:
+    """How many images (augmented copies included) one classifier step of the victim setting trains
+    on, when the classifier phase is one step; else 0."""
+    if hp is None or hp.steps_per_phase is None or int(hp.steps_per_phase) != 1:
+        return 0
+    phases = [aug for p, _, aug in method.local_phases(hp.epochs) if p == "classifier"]
+    samples = int(hp.samples if hp.samples is not None else hp.batch_size)
+    return samples * (2 if phases[0] else 1) if len(phases) == 1 else 0
+
+
+def round_to_total(values: torch.Tensor, total: int) -> torch.Tensor:
+    """Non-negative integers summing to ``total``, by largest remainders of ``values`` clamped at 0."""
+    values = values.double().clamp_min(0.0)
+    if float(values.sum()) > 0:
+        values = values * total / values.sum()
+    counts = values.floor().to(torch.int64)
+    order = (values - counts).argsort(descending=True)
+    for k in order[:max(0, total - int(counts.sum()))].tolist():
+        counts[k] += 1
+    return counts
+
+
+def label_counts(obs: Observation, update, model) -> tuple[torch.Tensor | None, str]:
+    """(per-class label counts of the images one step trained on, how) or (None, why not)."""
+    hp = obs.known_hyperparameters
+    if hp is None or hp.steps_per_phase is None or int(hp.steps_per_phase) != 1:
+        return None, "needs one step of known hyperparameters"
+    b = int(hp.samples if hp.samples is not None else hp.batch_size)
+    counts = obs.upload.get("class_counts")
+    if counts is not None and counts.numel() == obs.num_classes:
+        return round_to_total(counts.to(torch.float64), b), "uploaded class counts"
+    if b == 1 and "classifier.weight" in update.names:  # iDLG's rule: the one row the step pushed up
+        label = int((-update.delta["classifier.weight"].double()).sum(dim=1).argmin())
+        return torch.nn.functional.one_hot(torch.tensor(label), obs.num_classes), "iDLG rule (one image)"
+    if "classifier.bias" not in update.names or "classifier.bias" not in obs.download or not obs.method.plain_sgd:
+        return None, "no plain step of a downloaded classifier with a bias"
+    model = copy.deepcopy(model)
+    model.load_state_dict({**model.state_dict(), **update.before}, strict=False)
+    with torch.no_grad():
+        mean_image = model.normalize.mean.reshape(1, -1, 1, 1).expand(1, *obs.image_shape)
+        predicted = torch.softmax(model(mean_image.to(torch.float32)), dim=-1)[0].double()
+    raw = b * (predicted + update.delta["classifier.bias"].double() / (hp.lr * int(hp.steps)))
+    return round_to_total(raw, b), "classifier bias update, mean prediction at the pixel-mean image"
+
+
+def derive(obs: Observation, update, model, mode: str) -> ClosedForm:
+    """The closed-form facts ``obs.method`` declares (``Method.closed_form``) that this observation
+    holds, from the observation alone (``update``: its ``attacks.observation.UpdateTarget``)."""
+    declared = tuple(getattr(obs.method, "closed_form", ()))
+    out = ClosedForm(trace={"declared": list(declared)})
+    if "last-linear" in declared:
+        out.last_linear, notes = _last_linear(obs, update, model)
+        out.notes += notes
+        if out.last_linear is not None:
+            ll = out.last_linear
+            out.trace["last_linear"] = {"layer": ll.weight.rsplit(".", 1)[0], "rank1_residual": ll.residual,
+                                        "head_free": ll.head_free, "weight": LAST_LINEAR_WEIGHT}
+            out.notes.append(f"closed form: one step on one image: the input of {ll.weight.rsplit('.', 1)[0]} is "
+                             f"read from its update (weight row / bias entry, rank-1 residual {ll.residual:.1e}) "
+                             f"and matched" + ("; the head enters the base's update only through that layer's "
+                                               "error signal, also read from the update: no head is needed"
+                                               if ll.head_free else ""))
+    out.label_counts, how = label_counts(obs, update, model)
+    out.trace["label_counts"] = None if out.label_counts is None else out.label_counts.tolist()
+    out.trace["label_counts_source"] = how
+    rank = classifier_images(obs.method, obs.known_hyperparameters)
+    if "classifier-row-space" in declared and mode == "method" and "classifier.weight" in update.names \
+            and 0 < rank < min(update.delta["classifier.weight"].shape):
+        out.row_space_rank = rank
+        out.trace["row_space"] = {"rank": rank, "weight": ROW_SPACE_WEIGHT}
+        out.notes.append(f"closed form: the classifier's weight update spans the features it was trained on "
+                         f"(rank {rank}): the dummy's features under the client's kept extractor are held to it")
+    if "statistics" in declared and mode == "method":
+        out.feature_means = _feature_means(obs, model.feature_dim)
+        if out.feature_means:
+            out.trace["feature_means"] = {"fields": [f.field for f in out.feature_means], "weight": STATISTICS_WEIGHT}
+            out.notes.append("closed form: the uploaded " + " and ".join(f.field for f in out.feature_means)
+                             + " are class-mean features under the downloaded and the uploaded extractor: the "
+                               "dummy's are matched to them")
+    return out

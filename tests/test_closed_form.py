@@ -1,0 +1,147 @@
+"""The closed-form stage of the gradient attacks (``attacks.closed_form``): what an upload fixes exactly
+equals the truth, and the attack built on it is judged right by the forward check."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attacks import ATTACKS
+from attacks.base import Budget, LocalHyperparameters
+from attacks.forward_check import OBJECTIVE_FLOOR, check
+from attacks.observation import GradientMatcher, observe
+from fedecouple.engine import VictimSetting
+from fedecouple.models import set_params
+
+from helpers import tiny_federation
+
+ONE_IMAGE = LocalHyperparameters(lr=0.05, steps=1, batch_size=1, epochs=1, samples=1, steps_per_phase=1)
+
+
+def _one_image_round(digits, method, round_, client=0, rounds=None):
+    """A small federation whose ``client`` trains one step on one image in ``round_``: (federation,
+    observation with the hyperparameters known, the image, its label)."""
+    victim = VictimSetting(batch=1, steps=1, targets={(round_, client)})
+    fed = tiny_federation(digits, method, clients=3, rounds=rounds or round_ + 1, victim=victim)
+    model = copy.deepcopy(fed.model)  # the initial weights, known to the server
+    fed.run(rounds or round_ + 1)
+    obs = observe(fed.channel.recorder, round_, client, method=fed.method, make_model=lambda: copy.deepcopy(model),
+                  image_shape=(1, 8, 8), num_classes=10, known_hyperparameters=ONE_IMAGE)
+    idx = torch.from_numpy(fed.ground_truth.samples(round_, client))
+    assert len(idx) == 1
+    return fed, obs, digits.images[idx], digits.labels[idx]
+
+
+def _extractor_input(obs, image):
+    """The true input of the extractor's last linear layer (``fc``) under the downloaded extractor."""
+    model = obs.make_model()
+    set_params(model, {k: v for k, v in obs.download.items() if k.startswith("extractor.")})
+    seen = {}
+    model.extractor.fc.register_forward_hook(lambda m, inp, out: seen.setdefault("a", inp[0].detach()))
+    model.features(image)
+    return seen["a"][0]
+
+
+@pytest.mark.parametrize("method", ["fedper", "fedrep"])
+def test_a_private_head_does_not_hide_the_last_linear_input(digits, method):
+    """Round 1 (a trained head the server never saw): the layer's input read from the update is the
+    image's, and the head-free update on the true image is the observed one."""
+    _, obs, image, label = _one_image_round(digits, method, 1)
+    matcher = GradientMatcher(obs, "auto")
+    last = matcher.closed.last_linear
+    assert last is not None and last.head_free and matcher.labels_unused
+    torch.testing.assert_close(last.input, _extractor_input(obs, image), rtol=1e-5, atol=1e-5)
+    dummy = matcher.dummy(image, label)
+    n = len(matcher.names)
+    cosine = F.cosine_similarity(torch.cat([d.reshape(-1) for d in dummy[:n]]),
+                                 torch.cat([t.reshape(-1) for t in matcher.target[:n]]), dim=0)
+    assert float(cosine) > 0.9999
+    assert float(matcher.cosine_objective(dummy, matcher.target)) < OBJECTIVE_FLOOR
+
+
+def test_the_closed_form_fedper_attack_passes_the_forward_check(digits):
+    """Without the closed form the stand-in head mis-specifies FedPer's trained rounds; with it the
+    truth's objective is at the floor, so the check never calls the attack mis-specified."""
+    fed, obs, image, label = _one_image_round(digits, "fedper", 2)
+    result = ATTACKS["ig"].attack_one(obs, Budget(iterations=40, restarts=1, batch=1), 0)
+    assert result.trace["closed_form"]["last_linear"]["head_free"]
+    assert result.labels.tolist() == [-1]  # no label is inferred from a head-free update
+    idx = torch.from_numpy(fed.ground_truth.training_set(2, 0))
+    out = check(obs, result.trace["mode"].replace("scaled-gradient", "scaled"), "cosine", result,
+                digits.images[idx], digits.labels[idx], fed.ground_truth.schedule(2, 0))
+    assert out["mis_specified"] is False
+    assert out["objective_truth"] < OBJECTIVE_FLOOR and out["replay_cosine"] > 0.9999
+
+
+def test_several_images_leave_the_last_linear_layer_to_the_optimiser(digits):
+    victim = VictimSetting(batch=2, steps=1, targets={(0, 0)})
+    fed = tiny_federation(digits, "fedper", clients=3, rounds=1, victim=victim)
+    model = copy.deepcopy(fed.model)
+    fed.run(1)
+    hp = LocalHyperparameters(lr=0.05, steps=1, batch_size=2, epochs=1, samples=2, steps_per_phase=1)
+    obs = observe(fed.channel.recorder, 0, 0, method=fed.method, make_model=lambda: copy.deepcopy(model),
+                  image_shape=(1, 8, 8), num_classes=10, known_hyperparameters=hp)
+    matcher = GradientMatcher(obs, "auto")
+    assert matcher.closed.last_linear is None and not matcher.labels_unused
+
+
+def test_fedpac_statistics_are_the_one_image_features(digits):
+    """FedPAC, one image, round 0: h/p is the image's feature under the downloaded extractor and its
+    class prototype the feature under the uploaded one."""
+    _, obs, image, label = _one_image_round(digits, "fedpac", 0)
+    matcher = GradientMatcher(obs, "auto")
+    assert matcher.mode == "method"
+    means = {m.source: m.means for m in matcher.closed.feature_means}
+    k = int(label)
+    for source, group in (("before", obs.download), ("upload", obs.upload)):
+        model = obs.make_model()
+        set_params(model, {n: v for n, v in group.items() if n.startswith("extractor.")})
+        with torch.no_grad():
+            feature = model.features(image)[0]
+        torch.testing.assert_close(means[source][k], feature, rtol=1e-5, atol=1e-5)
+        assert float(means[source].abs().sum()) == pytest.approx(float(means[source][k].abs().sum()))
+    dummy = matcher.dummy(image, label)
+    assert float(matcher.cosine_objective(dummy, matcher.target)) < 1e-4
+
+
+@pytest.mark.parametrize("da", [False, True])
+def test_fedecouple_features_lie_in_the_classifier_update_row_space(digits, da):
+    """The classifier phase's update spans the features it trained on (rank 1 per image, 2 with its
+    augmented copy): the true image's feature under the kept extractor is in that span; a noise
+    image's is not."""
+    victim = VictimSetting(batch=1, steps=1, targets={(0, 0)})
+    fed = tiny_federation(digits, "fedecouple", clients=3, rounds=1, victim=victim, hp={"da": da})
+    model = copy.deepcopy(fed.model)
+    fed.run(1)
+    obs = observe(fed.channel.recorder, 0, 0, method=fed.method, make_model=lambda: copy.deepcopy(model),
+                  image_shape=(1, 8, 8), num_classes=10, known_hyperparameters=ONE_IMAGE)
+    image = digits.images[torch.from_numpy(fed.ground_truth.samples(0, 0))]
+    matcher = GradientMatcher(obs, "auto")
+    assert matcher.closed.row_space_rank == (2 if da else 1)
+    (share,) = matcher._row_space_share(image, matcher.target)
+    assert float(share) < 1e-5
+    (noise,) = matcher._row_space_share(torch.rand(1, 1, 8, 8, generator=torch.Generator().manual_seed(0)),
+                                        matcher.target)
+    assert float(noise) > 100 * float(share) and float(noise) > 1e-3
+
+
+@pytest.mark.parametrize("method,batch", [("fedavg", 4), ("fedavg", 8), ("fedpac", 4)])
+def test_label_counts_of_a_round_0_batch_are_exact(digits, method, batch):
+    """FedAvg: from the classifier's bias update and the initial model's mean prediction; FedPAC: from
+    its uploaded class counts. IG then fixes the batch's labels to them."""
+    victim = VictimSetting(batch=batch, steps=1, targets={(0, 1)})
+    fed = tiny_federation(digits, method, clients=3, rounds=1, victim=victim, partition="iid")
+    model = copy.deepcopy(fed.model)
+    fed.run(1)
+    hp = LocalHyperparameters(lr=0.05, steps=1, batch_size=batch, epochs=1, samples=batch, steps_per_phase=1)
+    obs = observe(fed.channel.recorder, 0, 1, method=fed.method, make_model=lambda: copy.deepcopy(model),
+                  image_shape=(1, 8, 8), num_classes=10, known_hyperparameters=hp)
+    truth = digits.labels[torch.from_numpy(fed.ground_truth.samples(0, 1))]
+    assert len(set(truth.tolist())) > 1
+    matcher = GradientMatcher(obs, "auto")
+    assert matcher.closed.label_counts.tolist() == torch.bincount(truth, minlength=10).tolist()
+    result = ATTACKS["ig"].attack_one(obs, Budget(iterations=2, restarts=1, batch=batch), 0)
+    assert result.trace["label_source"].startswith("closed-form counts")
+    assert sorted(result.labels.tolist()) == sorted(truth.tolist())
