@@ -54,7 +54,7 @@ from torch.func import functional_call, grad
 
 from fedecouple.methods.base import phase_steps
 from fedecouple.methods.replay import ReplayContext, Step
-from fedecouple.models import SplitModel, group_of
+from fedecouple.models import SplitModel, group_of, use_batch_statistics
 
 from .base import LocalHyperparameters, NotApplicable, Observation
 
@@ -78,7 +78,9 @@ def observe(recorder, round: int, client_id: int, *, method, make_model: Callabl
     return Observation(
         method=method, round=round, client_id=client_id, download=dict(exchange.download.tensors),
         upload=dict(exchange.upload.tensors), previous_upload=None if previous is None else dict(previous.tensors),
-        make_model=make_model, image_shape=tuple(image_shape), num_classes=int(num_classes),
+        # BatchNorm as the client trained (batch statistics), and pure (running statistics never move)
+        make_model=lambda: use_batch_statistics(make_model()), image_shape=tuple(image_shape),
+        num_classes=int(num_classes),
         known_hyperparameters=known_hyperparameters, head_known=head_known)
 
 
@@ -328,7 +330,7 @@ class GradientMatcher:
         self.scale_known = self.hyperparameters is not None
         self.model = obs.make_model()
         self.model.requires_grad_(False)
-        self.model.eval()
+        use_batch_statistics(self.model.eval())  # eval() would switch BatchNorm to its running statistics
         self.names = self.update.names
         self.notes = list(self.update.notes)
         self.originals = None  # dummy images the replay uses (None: the attack's batch)

@@ -331,7 +331,7 @@ def recording_federation(prep: Prepared, settings: AttackSettings | None = None,
     rounds = None if settings is None else settings.rounds
     recorder, ground_truth = Recorder(rounds=rounds), GroundTruth(rounds=rounds)
     fed = build_federation(prep, channel=ServerChannel(interceptors, recorder=recorder), ground_truth=ground_truth)
-    initial_model = copy.deepcopy(fed.model)  # the server built it: it knows the initial weights
+    initial_model = copy.deepcopy(fed.model).cpu()  # the server built it; attacks run on the CPU
     targets = {} if settings is None else {r: pick_targets(fed.sample_clients(r), settings.targets, settings.seed, r)
                                            for r in settings.rounds}
     if settings is not None and settings.victim_batch > 0:

@@ -437,7 +437,8 @@ def train_runs(specs: list[RunSpec], prep: Prepared, threads: int, progress: boo
     todo = [s for s in specs if done_record(s) is None]
     bar = tqdm(total=len(specs), initial=len(specs) - len(todo), desc="mia runs", unit="run", file=sys.stderr,
                disable=not progress)
-    backend = make_backend(prep.config.execution.backend, prep.config.execution.ray_address, threads)
+    backend = make_backend(prep.config.execution.backend, prep.config.execution.ray_address, threads,
+                           prep.config.federation.device)
     try:
         backend.map(run_one, [(s, prep.dataset) for s in todo], threads=threads, on_result=lambda i: bar.update(1))
     finally:
