@@ -61,7 +61,7 @@ from fedecouple.engine import derive_seed
 from fedecouple.errors import UserError
 
 from . import io
-from .defenses.dp import DPConfig, DPMethod
+from .defenses.dp import DPConfig, DPMethod, check_dp_model
 from .mia_runs import KINDS, RunSpec, done_record, load_signals, run_one
 from .runner import Prepared, RunConfig, prepare, run_record
 from .versions import package_versions
@@ -462,6 +462,7 @@ def run_mia(config: RunConfig, settings: MiaSettings, out: str | Path, progress:
     dp = settings.dp_config()
     if dp is not None:
         DPMethod(prep.method, dp)  # refuses what a method declares DP cannot cover, before anything is written
+        check_dp_model(prep)
     out = Path(out)
     records = audit_records(prep.partition, prep.dataset.labels.numpy())
     ref_in = reference_membership(records, settings.reference_runs, config.federation.seed)

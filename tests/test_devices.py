@@ -132,6 +132,17 @@ def test_batch_norm_replay_uses_batch_statistics_and_batches_under_vmap(tmp_path
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["images_scored"] == 4
 
 
+@pytest.mark.parametrize("command", [
+    ["defend", "--defense", "dp", "--values", "1", "--attacks", "labels"],
+    ["mia", "--dp", "1"],
+])
+def test_dp_refuses_batch_norm_before_anything_is_written(command, tmp_path, capsys):
+    code, err = run([*command, "--method", "fedavg", "--dataset", "digits", "--arch", "resnet18-bn",
+                     "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "DP-SGD cannot train model resnet18-bn" in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_ig_on_resnet18_with_cifar_format_files(tmp_path, monkeypatch, capsys):
     """`fedsec attack ig --method fedavg --arch resnet18 --dataset cifar10 --data-dir ...` on tiny files
     in CIFAR-10's on-disk format."""
