@@ -65,6 +65,7 @@ class Observation:
     # it aggregated from every upload of this round: the auxiliary-data threat model of ``proto``
     auxiliary: tuple[torch.Tensor, torch.Tensor] | None = None
     round_prototypes: dict[int, torch.Tensor] | None = None
+    device: str = "cpu"  # where the tensors above and ``make_model``'s model live, and the attack computes
 
     def manifest(self) -> list[FieldSpec]:
         """The fields the method declares it uploads (``Method.manifest``)."""

@@ -119,7 +119,7 @@ def check(obs: Observation, mode: str, kind: str, result: AttackResult, images: 
         # the attack's dummy images do not correspond to the client's: no truth to compare
         return {**out, "objective_truth": None, "objective_reconstruction": None, "mis_specified": None,
                 "not_converged": None}
-    index = torch.tensor(where)
+    index = torch.tensor(where, device=images.device)
     truth = matching_term(matcher, kind, images[index], F.one_hot(labels[index], obs.num_classes).to(torch.float32),
                           copies=true_copies(matcher, images, records, where))
     reconstruction = matching_term(matcher, kind, rebuilt, result.variables["labels"],

@@ -109,6 +109,7 @@ class _StackedIG:
         self.originals = lead.matcher.originals or max(1, int(budget.batch))
         self.shape = (self.originals + lead.matcher.free_copies, *lead.matcher.observation.image_shape)
         self.num_classes = lead.matcher.observation.num_classes
+        self.device = lead.matcher.observation.device
         self.iterations, self.restarts = max(1, int(budget.iterations)), max(1, int(budget.restarts))
         self.targets = stack_targets([s.target for s in setups])
         self.labels = torch.stack([s.labels for s in setups]) if self.fixed else None
@@ -132,17 +133,17 @@ class _StackedIG:
         xs, ys = [], []
         for seed in self.seeds:
             gen = torch.Generator().manual_seed(_seed(seed, restart, 0x16))
-            xs.append(torch.rand(self.shape, generator=gen))
+            xs.append(torch.rand(self.shape, generator=gen))  # drawn on the CPU: the same starts on every device
             if not self.fixed:
                 ys.append(torch.randn((self.originals, self.num_classes), generator=gen))
-        variables = [torch.stack(xs)] + ([] if self.fixed else [torch.stack(ys)])
+        variables = [torch.stack(xs).to(self.device)] + ([] if self.fixed else [torch.stack(ys).to(self.device)])
         if self.copies:
-            variables.append(family_start(self.copies).repeat(self.n, 1, 1))
+            variables.append(family_start(self.copies, self.device).repeat(self.n, 1, 1))
         return [v.requires_grad_(True) for v in variables]
 
     def _evaluate(self, variables: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(objective values, gradients of ``variables``) for every target."""
-        z = variables[-1].detach() if self.copies else family_start(0).repeat(self.n, 1, 1)
+        z = variables[-1].detach() if self.copies else family_start(0, self.device).repeat(self.n, 1, 1)
         y = self.labels if self.fixed else variables[1].detach()
         grads, values = self.transform(variables[0].detach(), y, z, self.targets)
         return values, list(grads)[:len(variables)]
@@ -152,7 +153,7 @@ class _StackedIG:
         x = variables[0]
         opt = torch.optim.Adam(variables, lr=self.lr)
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones(self.iterations), gamma=0.1)
-        stopped = torch.zeros(self.n, dtype=torch.bool)
+        stopped = torch.zeros(self.n, dtype=torch.bool, device=self.device)
         history: list[list[float]] = [[] for _ in self.setups]
         for it in range(self.iterations):
             values, grads = self._evaluate(variables)

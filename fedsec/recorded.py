@@ -38,6 +38,7 @@ class RecordedRun:
     train: TrainConfig
     label: str
     backend: Backend = field(default_factory=SequentialBackend)
+    device: str = "cpu"  # where the gradient attacks compute (``fedecouple.devices``)
 
     def upload_kinds(self) -> set[str]:
         return self.method.upload_kinds(self.make_model())

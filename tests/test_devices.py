@@ -26,6 +26,9 @@ COMMANDS = {
     "defend": ["defend", "--dataset", "digits", "--defense", "noise", "--values", "0.1"],
     "mia": ["mia", "--dataset", "digits"],
 }
+# the Flower commands, with an app folder that is not there (they check it after the flags)
+FLOWER = {"flower attack": ["flower", "attack", "no-such-app", "--attack", "ig"],
+          "flower audit": ["flower", "audit", "no-such-app"]}
 
 
 def run(argv, capsys) -> tuple[int, str]:
@@ -51,6 +54,17 @@ def test_every_command_accepts_device_cpu(command, tmp_path, capsys):
 def test_device_cuda_without_a_gpu_is_one_line_exit_2_nothing_written(command, device, tmp_path, capsys):
     code, err = run([*COMMANDS[command], "--device", device, "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: --device {device}: torch sees no CUDA")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("command", list(FLOWER))
+def test_flower_commands_take_device(command, tmp_path, capsys):
+    pytest.importorskip("flwr")
+    code, err = run([*FLOWER[command], "--device", "cpu", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "no-such-app" in err and "device" not in err
+    if NO_CUDA:
+        code, err = run([*FLOWER[command], "--device", "cuda", "--out", str(tmp_path / "o")], capsys)
+        assert code == 2 and "torch sees no CUDA" in err
     assert not (tmp_path / "o").exists()
 
 
