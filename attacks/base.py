@@ -68,6 +68,7 @@ class Observation:
     # a malicious server's record of the download it crafted for this client
     # (``attacks.malicious.CraftRecord``: the weights as sent); None: an honest server
     crafted: object | None = None
+    device: str = "cpu"  # where the tensors above and ``make_model``'s model live, and the attack computes
 
     def manifest(self) -> list[FieldSpec]:
         """The fields the method declares it uploads (``Method.manifest``)."""

@@ -146,16 +146,16 @@ class BatchedLBFGS:
 
     def __init__(self, problems: int, size: int, lr: float = 1.0, max_iter: int = 20, max_eval: int | None = None,
                  tolerance_grad: float = 1e-7, tolerance_change: float = 1e-9, history_size: int = 100,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         k, n = int(problems), int(size)
-        zeros = lambda *shape: torch.zeros(*shape, dtype=dtype)  # noqa: E731
+        zeros = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
         self.lr, self.max_iter = float(lr), int(max_iter)
         self.max_eval = int(max_eval) if max_eval is not None else self.max_iter * 5 // 4
         self.tolerance_grad, self.tolerance_change, self.history_size = tolerance_grad, tolerance_change, history_size
         self.x = zeros(k, n)
         self._g, self._prev_g, self._d = zeros(k, n), zeros(k, n), zeros(k, n)
         self._y, self._s = zeros(k, history_size, n), zeros(k, history_size, n)
-        self._ro, self._h = zeros(k, history_size), torch.ones(k, dtype=dtype)
+        self._ro, self._h = zeros(k, history_size), torch.ones(k, dtype=dtype, device=device)
         self._length = [0] * k
         self._t = [0.0] * k
         self._loss, self._prev_loss = [0.0] * k, [0.0] * k
@@ -236,10 +236,11 @@ class BatchedLBFGS:
         return ended
 
     def _direction(self, ks: list[int]) -> None:
-        index = torch.tensor(ks)
+        index = torch.tensor(ks, device=self._g.device)
         g = self._g[index]
         y = g - self._prev_g[index]
-        s = self._d[index] * torch.tensor([self._t[k] for k in ks], dtype=self._d.dtype).unsqueeze(1)
+        s = self._d[index] * torch.tensor([self._t[k] for k in ks], dtype=self._d.dtype,
+                                          device=self._d.device).unsqueeze(1)
         ys = (y * s).sum(dim=1)
         yy = (y * y).sum(dim=1)
         for j, k in enumerate(ks):

@@ -85,7 +85,7 @@ def idlg_labels(weight_gradient: torch.Tensor, count: int = 1) -> tuple[torch.Te
     while sum(counts) < count:  # largest remainder
         j = max(range(len(counts)), key=lambda i: share[i] - counts[i])
         counts[j] += 1
-    counts = torch.tensor(counts, dtype=torch.int64)
+    counts = torch.tensor(counts, dtype=torch.int64, device=negative.device)
     labels = torch.repeat_interleave(negative, counts)
     return labels, notes
 
@@ -184,11 +184,13 @@ def _start(setup: _Setup, seed: int, restart: int) -> tuple[torch.Tensor, torch.
     per-channel mean the model's normalisation carries), label logits standard normal (None when the
     labels are fixed), the copies' family parameters at the identity."""
     gen = torch.Generator().manual_seed(_seed(seed, restart, 0xD16))
-    x = torch.rand(setup.shape, generator=gen)
+    device = setup.matcher.observation.device  # drawn on the CPU: the same starts on every device
+    x = torch.rand(setup.shape, generator=gen).to(device)
     if setup.start == "mean":
         x = setup.matcher.model.normalize.mean.reshape(1, -1, 1, 1).expand(setup.shape).clone()
-    y = None if setup.labels is not None else torch.randn((setup.originals, setup.num_classes), generator=gen)
-    return x, y, family_start(setup.matcher.copy_parameters // FAMILY_PARAMETERS)
+    y = None if setup.labels is not None else \
+        torch.randn((setup.originals, setup.num_classes), generator=gen).to(device)
+    return x, y, family_start(setup.matcher.copy_parameters // FAMILY_PARAMETERS, device)
 
 
 def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int]) -> list[AttackResult]:
@@ -214,7 +216,7 @@ class _LockstepDLG:
         self.transform = vmap(lead.gradient_and_value())
         self.targets = stack_targets([s.target for s in setups])
         self.labels = torch.stack([s.labels for s in setups]) if self.fixed else None
-        self.lbfgs = BatchedLBFGS(n, size, lr=LBFGS_LR)
+        self.lbfgs = BatchedLBFGS(n, size, lr=LBFGS_LR, device=lead.matcher.observation.device)
         self.notes = [list(s.notes) for s in setups]
         self.restart = [0] * n
         self.best = [{"objective": float("inf"), "images": None, "labels": None} for _ in setups]
@@ -286,7 +288,7 @@ class _LockstepDLG:
         members: list[int] = []
         while pending := self.lbfgs.pending():
             if pending != members:  # the running targets change rarely: select their rows only then
-                members, rows = pending, torch.tensor(pending)
+                members, rows = pending, torch.tensor(pending, device=self.lbfgs.x.device)
                 target = [t[rows] for t in self.targets]
                 fixed_labels = self.labels[rows] if self.fixed else None
             x, y, z, values, grads = self.evaluate(pending, rows, target, fixed_labels)
@@ -366,8 +368,9 @@ def _after_step(history: list[float]) -> str | None:
 def _result(setup: _Setup, best: dict, notes: list[str], trace: dict) -> AttackResult:
     b = setup.originals
     if best["images"] is None:  # every start diverged at once
-        best = {"objective": float("nan"), "images": torch.full(setup.shape, 0.5),
-                "labels": torch.full((b,), -1, dtype=torch.int64), "probs": None}
+        device = setup.matcher.observation.device
+        best = {"objective": float("nan"), "images": torch.full(setup.shape, 0.5, device=device),
+                "labels": torch.full((b,), -1, dtype=torch.int64, device=device), "probs": None}
         notes = notes + ["the optimisation failed from every start: the output is a grey image"]
     labels = best["labels"].to(torch.int64)
     probs = best.get("probs")

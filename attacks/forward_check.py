@@ -132,7 +132,7 @@ def check(obs: Observation, mode: str, kind: str, result: AttackResult, images: 
         # the attack's dummy images do not correspond to the client's: no truth to compare
         return {**out, "objective_truth": None, "objective_reconstruction": None, "mis_specified": None,
                 "not_converged": None}
-    index = torch.tensor(where)
+    index = torch.tensor(where, device=images.device)
     if matcher.labels_unused:  # the head-free closed form is the forward model the attack used
         out = head_free_agreement(matcher, images[index])
     truth = matching_term(matcher, kind, images[index], F.one_hot(labels[index], obs.num_classes).to(torch.float32),

@@ -123,6 +123,7 @@ class _StackedIG:
         self.originals = lead.matcher.originals or max(1, int(budget.batch))
         self.shape = (self.originals + lead.matcher.free_copies, *lead.matcher.observation.image_shape)
         self.num_classes = lead.matcher.observation.num_classes
+        self.device = lead.matcher.observation.device
         self.iterations, self.restarts = max(1, int(budget.iterations)), max(1, int(budget.restarts))
         self.targets = stack_targets([s.target for s in setups])
         self.labels = torch.stack([s.labels for s in setups]) if self.fixed else None
@@ -152,18 +153,18 @@ class _StackedIG:
         xs, ys = [], []
         for i in active:
             gen = torch.Generator().manual_seed(_seed(self.seeds[i], restart, 0x16))
-            xs.append(torch.rand(self.shape, generator=gen))
+            xs.append(torch.rand(self.shape, generator=gen))  # drawn on the CPU: the same starts on every device
             if not self.fixed:
                 ys.append(torch.randn((self.originals, self.num_classes), generator=gen))
-        variables = [torch.stack(xs)] + ([] if self.fixed else [torch.stack(ys)])
+        variables = [torch.stack(xs).to(self.device)] + ([] if self.fixed else [torch.stack(ys).to(self.device)])
         if self.copies:
-            variables.append(family_start(self.copies).repeat(len(active), 1, 1))
+            variables.append(family_start(self.copies, self.device).repeat(len(active), 1, 1))
         return [v.requires_grad_(True) for v in variables]
 
     def _inputs(self, variables: list[torch.Tensor], active: list[int]):
         """(x, y, z, targets) of the ``active`` targets for the vmapped functions."""
-        index = torch.tensor(active)
-        z = variables[-1].detach() if self.copies else family_start(0).repeat(len(active), 1, 1)
+        index = torch.tensor(active, device=self.device)
+        z = variables[-1].detach() if self.copies else family_start(0, self.device).repeat(len(active), 1, 1)
         y = self.labels[index] if self.fixed else variables[1].detach()
         targets = self.targets if len(active) == self.n else [t[index] for t in self.targets]
         return variables[0].detach(), y, z, targets
@@ -181,10 +182,11 @@ class _StackedIG:
         x, m = variables[0], len(active)
         opt = torch.optim.Adam(variables, lr=self.lr)
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones(self.iterations), gamma=0.1)
-        stopped = torch.zeros(m, dtype=torch.bool)
+        stopped = torch.zeros(m, dtype=torch.bool, device=self.device)
         history: list[list[float]] = [[] for _ in active]
         window, last_phase = max(10, self.iterations // 20), milestones(self.iterations)[-1]
-        best, checkpoint, steps = torch.full((m,), float("inf")), torch.full((m,), float("inf")), 0
+        best = torch.full((m,), float("inf"), device=self.device)
+        checkpoint, steps = best.clone(), 0
         for it in range(self.iterations):
             values, grads = self._evaluate(variables, active)
             newly = ~torch.isfinite(values) & ~stopped

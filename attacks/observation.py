@@ -55,8 +55,9 @@ from torch.func import functional_call, grad
 
 from fedecouple.methods.base import phase_steps
 from fedecouple.methods.replay import ReplayContext, Step
+from fedecouple.devices import to_device
 from fedecouple.methods.replay import features as replay_features
-from fedecouple.models import SplitModel, group_of
+from fedecouple.models import SplitModel, group_of, use_batch_statistics
 
 from .base import LocalHyperparameters, NotApplicable, Observation
 from .closed_form import LAST_LINEAR_WEIGHT, ROW_SPACE_WEIGHT, STATISTICS_WEIGHT
@@ -69,10 +70,12 @@ CLASSIFIER_WEIGHT = "classifier.weight"
 
 def observe(recorder, round: int, client_id: int, *, method, make_model: Callable[[], SplitModel],
             image_shape: tuple[int, int, int], num_classes: int,
-            known_hyperparameters: LocalHyperparameters | None = None, head_known: bool = True) -> Observation:
+            known_hyperparameters: LocalHyperparameters | None = None, head_known: bool = True,
+            device: str = "cpu") -> Observation:
     """The server's view of ``client_id`` in ``round``: download as sent, upload as received,
-    previous upload (the recorder's tensors, not copies). ``method`` is the Method object whose
-    protocol the client follows."""
+    previous upload (the recorder's tensors, not copies, unless ``device`` is not the CPU: then
+    copies there, where the attack computes). ``method`` is the Method object whose protocol the
+    client follows."""
     exchange = recorder.get(round, client_id)
     if exchange is None:
         raise ValueError(f"round {round} of client {client_id} was not recorded (the recorder keeps "
@@ -81,10 +84,13 @@ def observe(recorder, round: int, client_id: int, *, method, make_model: Callabl
         raise ValueError(f"client {client_id} sent no upload in round {round} (dropped by the channel)")
     previous = recorder.previous_upload(client_id, round)
     return Observation(
-        method=method, round=round, client_id=client_id, download=dict(exchange.download.tensors),
-        upload=dict(exchange.upload.tensors), previous_upload=None if previous is None else dict(previous.tensors),
-        make_model=make_model, image_shape=tuple(image_shape), num_classes=int(num_classes),
-        known_hyperparameters=known_hyperparameters, head_known=head_known)
+        method=method, round=round, client_id=client_id, download=to_device(exchange.download.tensors, device),
+        upload=to_device(exchange.upload.tensors, device),
+        previous_upload=None if previous is None else to_device(previous.tensors, device),
+        # BatchNorm as the client trained (batch statistics), and pure (running statistics never move)
+        make_model=lambda: use_batch_statistics(make_model()).to(device), image_shape=tuple(image_shape),
+        num_classes=int(num_classes), known_hyperparameters=known_hyperparameters, head_known=head_known,
+        device=str(device))
 
 
 @dataclass
@@ -287,9 +293,9 @@ AUGMENTATION_MODELS = (*COPY_MODELS, "oracle")  # oracle: the draws are known (K
 FAMILY_PARAMETERS = 8  # per copy: gain a, offset b, and a 2x3 affine map
 
 
-def family_start(count: int) -> torch.Tensor:
+def family_start(count: int, device: str | torch.device = "cpu") -> torch.Tensor:
     """(count, 8) family parameters of the identity: gain 1, offset 0, the identity affine map."""
-    return torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0]).repeat(count, 1)
+    return torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0], device=device).repeat(count, 1)
 
 
 def family_copy(images: torch.Tensor, parameters: torch.Tensor) -> torch.Tensor:
@@ -298,9 +304,10 @@ def family_copy(images: torch.Tensor, parameters: torch.Tensor) -> torch.Tensor:
     gain a; inversion is a = −1, b = 1). The sampling grid is built by matrix product (not
     ``affine_grid``) so that it runs under ``torch.func.vmap``."""
     n, c, h, w = images.shape
-    ys = (torch.arange(h, dtype=images.dtype) * 2 + 1) / h - 1  # pixel centres, align_corners=False
-    xs = (torch.arange(w, dtype=images.dtype) * 2 + 1) / w - 1
-    base = torch.stack([xs.repeat(h), ys.repeat_interleave(w), torch.ones(h * w, dtype=images.dtype)], dim=1)
+    like = {"dtype": images.dtype, "device": images.device}
+    ys = (torch.arange(h, **like) * 2 + 1) / h - 1  # pixel centres, align_corners=False
+    xs = (torch.arange(w, **like) * 2 + 1) / w - 1
+    base = torch.stack([xs.repeat(h), ys.repeat_interleave(w), torch.ones(h * w, **like)], dim=1)
     theta = parameters[:, 2:].reshape(n, 2, 3)
     grid = (base.unsqueeze(0) @ theta.transpose(1, 2)).reshape(n, h, w, 2)
     warped = F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
@@ -309,7 +316,7 @@ def family_copy(images: torch.Tensor, parameters: torch.Tensor) -> torch.Tensor:
 
 def one_hot(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
     """Probability rows for class ids (written to run under ``torch.func.vmap``)."""
-    return (labels.unsqueeze(-1) == torch.arange(num_classes)).to(torch.float32)
+    return (labels.unsqueeze(-1) == torch.arange(num_classes, device=labels.device)).to(torch.float32)
 
 
 class GradientMatcher:
@@ -335,7 +342,7 @@ class GradientMatcher:
         self.scale_known = self.hyperparameters is not None
         self.model = obs.make_model()
         self.model.requires_grad_(False)
-        self.model.eval()
+        use_batch_statistics(self.model.eval())  # eval() would switch BatchNorm to its running statistics
         self.names = self.update.names
         self.notes = list(self.update.notes)
         self.originals = None  # dummy images the replay uses (None: the attack's batch)
@@ -564,7 +571,7 @@ class GradientMatcher:
         originals = x[:self.originals]
         copies, used = [], 0
         for i, (step, augmented) in enumerate(zip(self.context.steps, self.augmented)):
-            members = torch.tensor(step.members)
+            members = torch.tensor(step.members, device=x.device)
             if not augmented:
                 copies.append(None)
             elif self.copy_model == "oracle":

@@ -30,11 +30,14 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from dataclasses import replace
+
 from .channel import Download, Upload
 from .data.dataset import ImageDataset
+from .devices import is_cuda, to_device
 from .errors import UserError
 from .methods.base import BatchRecord, ClientContext, Method, State, TrainConfig
-from .models import SplitModel, build_model
+from .models import SplitModel, build_custom, build_model, check_architecture, check_fits, default_architecture
 
 BACKENDS = ("sequential", "ray")
 RAY_HINT = "pip install 'fedsec[ray]'"
@@ -42,7 +45,9 @@ RAY_HINT = "pip install 'fedsec[ray]'"
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Enough to rebuild the workspace model anywhere (its weights are always set by the method)."""
+    """Enough to rebuild the workspace model anywhere (its weights are always set by the method):
+    a built-in architecture, or the user's ``factory`` (``package.module:factory``, ``--model``),
+    on ``device``."""
 
     arch: str
     channels: int
@@ -50,9 +55,34 @@ class ModelSpec:
     num_classes: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    factory: str | None = None
+    device: str = "cpu"
+
+    @classmethod
+    def for_data(cls, dataset: ImageDataset, arch: str | None = None, factory: str | None = None,
+                 device: str = "cpu") -> "ModelSpec":
+        """The model a federation on ``dataset`` trains: ``factory`` if given, else ``arch``, else the
+        image size's default architecture."""
+        arch = factory or arch or default_architecture(dataset.channels, dataset.image_size)
+        return cls(arch, dataset.channels, dataset.image_size, dataset.num_classes, tuple(dataset.mean),
+                   tuple(dataset.std), factory, str(device))
 
     def build(self) -> SplitModel:
-        return build_model(self.arch, self.channels, self.image_size, self.num_classes, self.mean, self.std)
+        if self.factory:
+            model = build_custom(self.factory)
+        else:
+            model = build_model(self.arch, self.channels, self.image_size, self.num_classes, self.mean, self.std)
+        return model.to(self.device)
+
+    def check(self) -> None:
+        """A one-line UserError unless the model exists and fits the data set's images and classes
+        (before anything trains; a user's factory is built once, on the CPU)."""
+        if not self.factory:
+            check_architecture(self.arch, self.image_size)
+            return
+        with torch.random.fork_rng(devices=[]):  # checking draws no number a run would draw
+            model = build_custom(self.factory)
+        check_fits(model, self.channels, self.image_size, self.num_classes, f"--model {self.factory!r}")
 
 
 @dataclass
@@ -92,12 +122,21 @@ def make_context(client_id: int, round: int, images: torch.Tensor, labels: torch
 
 def run_update(method: Method, job: ClientJob, images: torch.Tensor, labels: torch.Tensor, model: SplitModel,
                num_classes: int) -> ClientResult:
-    """Run one client update exactly as the engine always has (same context, same seeding)."""
-    ctx = make_context(job.client_id, job.round, images, labels, job.indices, model, job.config, num_classes,
-                       job.generator_seed, job.steps_per_phase)
+    """Run one client update exactly as the engine always has (same context, same seeding).
+
+    It computes where ``model`` lives: the client's data, kept state and download move there, and
+    its state, upload and private values come back to the CPU, where the channel and the server
+    keep everything (no copies on the CPU)."""
+    device = next(model.parameters()).device
+    ctx = make_context(job.client_id, job.round, images.to(device), labels.to(device), job.indices, model,
+                       job.config, num_classes, job.generator_seed, job.steps_per_phase)
     torch.manual_seed(job.torch_seed)
-    state, upload = method.client_update(ctx, job.state, job.download)
-    return ClientResult(job.client_id, state, upload, job.indices, ctx.batch_log, ctx.private)
+    download = job.download if device.type == "cpu" else \
+        replace(job.download, tensors=to_device(job.download.tensors, device))
+    state, upload = method.client_update(ctx, to_device(job.state, device), download)
+    if device.type != "cpu":
+        state, upload = to_device(state, "cpu"), replace(upload, tensors=to_device(upload.tensors, "cpu"))
+    return ClientResult(job.client_id, state, upload, job.indices, ctx.batch_log, to_device(ctx.private, "cpu"))
 
 
 class Backend:
@@ -175,6 +214,8 @@ def _ray_task(method: Method, spec: ModelSpec, images: np.ndarray, labels: np.nd
     """Body of one Ray task (runs in a worker). ``images``/``labels`` arrive from the object store
     as read-only zero-copy arrays; indexing copies out just this client's samples."""
     torch.set_num_threads(threads)
+    if is_cuda(spec.device):  # Ray shows a task only the GPU it reserved, as cuda:0
+        spec = replace(spec, device="cuda")
     model = spec.build()  # before seeding: building draws from torch's generator
     x = torch.from_numpy(images[job.indices])
     y = torch.from_numpy(labels[job.indices])
@@ -212,12 +253,15 @@ class RayBackend(Backend):
     ``address`` joins an existing cluster (``ray.init(address=...)``; every node needs fedsec
     installed); without it a local Ray starts with ``num_cpus`` CPUs (default: this machine's
     cores). A Ray already initialised in this process is reused and left running. Each task
-    reserves ``threads`` CPUs and runs torch with that many threads.
+    reserves ``threads`` CPUs and runs torch with that many threads; on a CUDA ``device`` each task
+    also asks Ray for a share of a GPU (``num_gpus``: the cluster's GPUs divided among as many
+    tasks as its CPUs run at once, at most one whole GPU per task).
     """
 
     name = "ray"
 
-    def __init__(self, address: str | None = None, threads: int | None = None, num_cpus: int | None = None):
+    def __init__(self, address: str | None = None, threads: int | None = None, num_cpus: int | None = None,
+                 device: str = "cpu"):
         self.ray = import_ray()
         self.threads = int(threads) if threads else 1
         if self.threads < 1:
@@ -236,7 +280,8 @@ class RayBackend(Backend):
         except UserError:
             self.close()
             raise
-        self._task = self.ray.remote(_ray_task).options(num_cpus=self.threads)
+        self.num_gpus = self._gpu_share(device)
+        self._task = self.ray.remote(_ray_task).options(num_cpus=self.threads, num_gpus=self.num_gpus)
         self._data: tuple[ImageDataset, object, object] | None = None
 
     def _check_cpus(self, threads: int, per: str) -> None:
@@ -245,6 +290,16 @@ class RayBackend(Backend):
         if threads > cpus:
             raise UserError(f"--threads {threads} asks more CPUs per {per} than the Ray cluster has ({cpus:g}); "
                             f"lower --threads")
+
+    def _gpu_share(self, device: str) -> float:
+        """GPUs one task asks for: 0 on the CPU; a CUDA device on a cluster without GPUs is an error."""
+        if not is_cuda(device):
+            return 0
+        gpus = self.ray.cluster_resources().get("GPU", 0)
+        if gpus <= 0:
+            self.close()
+            raise UserError(f"--device {device} with --backend ray: the Ray cluster has no GPUs")
+        return min(1.0, gpus / self.workers())
 
     def workers(self) -> int:
         """How many updates can run at once on the cluster."""
@@ -280,7 +335,7 @@ class RayBackend(Backend):
 
     def map(self, function, arguments, threads=1, on_result=None):
         self._check_cpus(threads, "task")
-        remote = self.ray.remote(_call_with_threads).options(num_cpus=threads)
+        remote = self.ray.remote(_call_with_threads).options(num_cpus=threads, num_gpus=self.num_gpus)
         function_ref = self.ray.put(function)
         refs = [remote.remote(function_ref, args, threads) for args in arguments]
         position = {ref: i for i, ref in enumerate(refs)}
@@ -305,11 +360,12 @@ class RayBackend(Backend):
         self._started = False
 
 
-def make_backend(name: str = "sequential", address: str | None = None, threads: int | None = None) -> Backend:
+def make_backend(name: str = "sequential", address: str | None = None, threads: int | None = None,
+                 device: str = "cpu") -> Backend:
     if name == "sequential":
         if address:
             raise UserError("--ray-address needs --backend ray")
         return SequentialBackend()
     if name == "ray":
-        return RayBackend(address=address, threads=threads)
+        return RayBackend(address=address, threads=threads, device=device)
     raise UserError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")

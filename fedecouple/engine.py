@@ -20,9 +20,10 @@ from .backends import Backend, ClientJob, ModelSpec, SequentialBackend, make_con
 from .channel import Download, ServerChannel
 from .data.dataset import ImageDataset
 from .data.partition import Partition
+from .devices import to_device
 from .errors import UserError
 from .methods.base import BatchRecord, ClientContext, Method, State, TrainConfig
-from .models import SplitModel, default_architecture, set_params
+from .models import SplitModel, set_params
 
 
 def derive_seed(*parts: int) -> int:
@@ -36,6 +37,8 @@ class FederationConfig:
     join_ratio: float = 1.0
     seed: int = 0
     arch: str | None = None
+    model: str | None = None  # ``package.module:factory`` returning the user's SplitModel (wins over arch)
+    device: str = "cpu"  # where models and client data live while computing (``fedecouple.devices``)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self, num_clients: int) -> None:
@@ -120,13 +123,11 @@ class Federation:
         self.ground_truth = ground_truth if ground_truth is not None else GroundTruth(rounds=())
         self.victim = victim
         self.backend: Backend = backend if backend is not None else SequentialBackend()
-        arch = config.arch or default_architecture(dataset.channels, dataset.image_size)
         torch.manual_seed(derive_seed(config.seed, 0xC0DE))
-        self.model_spec = ModelSpec(arch, dataset.channels, dataset.image_size, dataset.num_classes,
-                                    tuple(dataset.mean), tuple(dataset.std))
-        self.model: SplitModel = self.model_spec.build()
-        self.initial_params = {k: v.detach().clone() for k, v in self.model.named_parameters()}
-        self.server: State = method.init_server(self.model)
+        self.model_spec = ModelSpec.for_data(dataset, config.arch, config.model, config.device)
+        self.model: SplitModel = self.model_spec.build()  # on the device; states and messages stay on the CPU
+        self.initial_params = {k: v.detach().cpu().clone() for k, v in self.model.named_parameters()}
+        self.server: State = to_device(method.init_server(self.model), "cpu")
         self.clients: dict[int, State] = {}
         self.completed_rounds = 0
         self.metrics: list[dict] = []
@@ -139,7 +140,7 @@ class Federation:
     def client_state(self, cid: int) -> State:
         if cid not in self.clients:
             set_params(self.model, self.initial_params)
-            self.clients[cid] = self.method.init_client(self.model, cid)
+            self.clients[cid] = to_device(self.method.init_client(self.model, cid), "cpu")
         return self.clients[cid]
 
     def _client_data(self, cid: int, round: int, split: str) -> tuple[np.ndarray, TrainConfig, int | None]:
@@ -157,9 +158,10 @@ class Federation:
 
     def context(self, cid: int, round: int, split: str = "train") -> ClientContext:
         idx, train_cfg, steps = self._client_data(cid, round, split)
-        t_idx = torch.from_numpy(idx)
-        return make_context(cid, round, self.dataset.images[t_idx], self.dataset.labels[t_idx], idx, self.model,
-                            train_cfg, self.dataset.num_classes, derive_seed(self.config.seed, round, cid, 1), steps)
+        t_idx, device = torch.from_numpy(idx), self.config.device
+        return make_context(cid, round, self.dataset.images[t_idx].to(device), self.dataset.labels[t_idx].to(device),
+                            idx, self.model, train_cfg, self.dataset.num_classes,
+                            derive_seed(self.config.seed, round, cid, 1), steps)
 
     def client_job(self, cid: int, round: int, download: Download) -> ClientJob:
         """Everything client ``cid``'s update in ``round`` needs besides the method and the data set."""
@@ -224,8 +226,10 @@ class Federation:
         for cid in range(self.num_clients):
             train_ctx = self.context(cid, round)
             torch.manual_seed(derive_seed(self.config.seed, round, cid, 3))
+            device = self.config.device
             with torch.enable_grad():
-                params = self.method.personalized(train_ctx, self.server, self.client_state(cid))
+                params = self.method.personalized(train_ctx, to_device(self.server, device),
+                                                  to_device(self.client_state(cid), device))
             set_params(self.model, params)
             acc, loss = self._test(self.context(cid, round, "test"))
             rows.append({"round": round, "client": cid, "accuracy": acc, "loss": loss})

@@ -14,10 +14,28 @@ model the paper's baselines likely ran, so tables can be checked on it.
 The choice matters for gradient inversion far more than for accuracy: on cnn28 the FC layer sees 512
 pooled features of a 784-pixel image and DLG stalls (≈15-20 dB); on cnn28-same it sees 1568 and DLG
 recovers the image (BENCHMARKS.md, "Attacks").
+
+``resnet18``, ``resnet18-bn`` and ``resnet50`` are torchvision's ResNets with the 3x3 stem used for
+small images (3x3 convolution, stride 1, no max-pool; the final ``fc`` is the classifier), so they
+take any image side of at least 8 (digits, 28x28, 32x32) with 1 or 3 channels. ``resnet18`` and
+``resnet50`` normalise with GroupNorm (32 groups, or fewer for narrower layers): each sample is
+normalised on its own, so DP-SGD's per-sample gradients are defined and an attack's replay needs no
+batch statistics. ``resnet18-bn`` keeps BatchNorm: its running statistics are buffers, not
+parameters, so no upload carries them and no server averages them; every model here runs in
+training mode (local training, evaluation on the client's test split, and the attacks' replay,
+``use_batch_statistics``), so a BatchNorm layer always normalises by the statistics of the batch it
+is given, and the running statistics take part in no result. DP-SGD refuses it (BatchNorm mixes the
+samples of a batch).
+
+``--model package.module:factory`` (``load_factory``) builds the user's own ``SplitModel``.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+
+import importlib
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,7 +43,7 @@ from torch import nn
 from .errors import UserError
 
 GROUPS = ("extractor", "classifier")
-ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits", "mlp")
+ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits", "mlp", "resnet18", "resnet18-bn", "resnet50")
 
 
 class Normalize(nn.Module):
@@ -119,9 +137,46 @@ def _mlp(channels: int) -> nn.Sequential:
     ]))
 
 
+def _group_norm(channels: int) -> nn.GroupNorm:
+    return nn.GroupNorm(min(32, channels), channels)
+
+
+def _small_image_resnet(block: str, channels: int, norm_layer) -> nn.Module:
+    """torchvision's ResNet with the small-image stem (3x3 conv, stride 1, no max-pool) and no ``fc``
+    (the SplitModel's classifier takes its place): image → pooled feature vector."""
+    from torchvision.models import resnet18, resnet50
+
+    net = {"resnet18": resnet18, "resnet50": resnet50}[block](weights=None, norm_layer=norm_layer)
+    net.conv1 = nn.Conv2d(channels, 64, 3, stride=1, padding=1, bias=False)
+    net.maxpool = nn.Identity()
+    net.fc = nn.Identity()
+    return net
+
+
+def _resnet18(channels: int) -> nn.Module:
+    return _small_image_resnet("resnet18", channels, _group_norm)
+
+
+def _resnet18_bn(channels: int) -> nn.Module:
+    return _small_image_resnet("resnet18", channels, nn.BatchNorm2d)
+
+
+def _resnet50(channels: int) -> nn.Module:
+    return _small_image_resnet("resnet50", channels, _group_norm)
+
+
+ANY_SIZE = None  # an architecture that takes every image side from MIN_SIDE up (never a size's default)
+MIN_SIDE = 8
+# name → (builder of the extractor for C channels, image side it takes, feature dimension);
 # the first entry of each image size is that size's default
 _BUILDERS = {"cnn32": (_cnn32, 32, 128), "cnn28": (_cnn28, 28, 128), "cnn28-same": (_cnn28_same, 28, 128),
-             "pfllib-cnn": (_pfllib_cnn, 28, 512), "digits": (_digits, 8, 64), "mlp": (_mlp, 28, 128)}
+             "pfllib-cnn": (_pfllib_cnn, 28, 512), "digits": (_digits, 8, 64), "mlp": (_mlp, 28, 128),
+             "resnet18": (_resnet18, ANY_SIZE, 512), "resnet18-bn": (_resnet18_bn, ANY_SIZE, 512),
+             "resnet50": (_resnet50, ANY_SIZE, 2048)}
+
+
+def _takes(size: int | None, image_size: int) -> bool:
+    return image_size >= MIN_SIDE if size is ANY_SIZE else size == image_size
 
 
 def default_architecture(channels: int, image_size: int) -> str:
@@ -136,9 +191,10 @@ def check_architecture(arch: str, image_size: int) -> None:
     if arch not in _BUILDERS:
         raise UserError(f"unknown model {arch!r}; choose one of: {', '.join(ARCHITECTURES)}")
     size = _BUILDERS[arch][1]
-    if size != image_size:
-        fits = " or ".join(a for a, (_, s, _) in _BUILDERS.items() if s == image_size) or "none"
-        raise UserError(f"model {arch} expects {size}x{size} images, the data set has {image_size}x{image_size}; "
+    if not _takes(size, image_size):
+        fits = " or ".join(a for a, (_, s, _) in _BUILDERS.items() if _takes(s, image_size)) or "none"
+        expects = f"at least {MIN_SIDE}x{MIN_SIDE}" if size is ANY_SIZE else f"{size}x{size}"
+        raise UserError(f"model {arch} expects {expects} images, the data set has {image_size}x{image_size}; "
                         f"use --arch {fits}, or omit --arch")
 
 
@@ -146,6 +202,80 @@ def build_model(arch: str, channels: int, image_size: int, num_classes: int, mea
     check_architecture(arch, image_size)
     builder, _, feat = _BUILDERS[arch]
     return SplitModel(builder(channels), nn.Linear(feat, num_classes), mean, std, arch)
+
+
+MODEL_HOW = "a function of no arguments returning a fedecouple.models.SplitModel at its initial weights"
+
+
+def load_factory(reference: str):
+    """The function ``package.module:factory`` names (the current directory is importable, as for
+    ``python -m``); a one-line UserError when it cannot be found."""
+    module_name, _, attribute = str(reference).partition(":")
+    if not module_name or not attribute:
+        raise UserError(f"--model {reference!r}: expected package.module:factory ({MODEL_HOW})")
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        function = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            function = getattr(function, part)
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f"--model {reference!r}: cannot load it ({str(exc).splitlines()[0]})") from None
+    if not callable(function):
+        raise UserError(f"--model {reference!r} is not a function ({MODEL_HOW})")
+    return function
+
+
+def build_custom(reference: str) -> SplitModel:
+    """The user's model from ``--model``: called, and held to the SplitModel contract."""
+    try:
+        model = load_factory(reference)()
+    except UserError:
+        raise
+    except Exception as exc:  # the user's code: one line naming it, not its traceback
+        first = (str(exc).splitlines() or [""])[0]
+        raise UserError(f"--model {reference!r} raised {type(exc).__name__}: {first}") from None
+    if not isinstance(model, SplitModel):
+        raise UserError(f"--model {reference!r} returned {type(model).__name__}, not a SplitModel ({MODEL_HOW})")
+    groups = {group_of(n) for n, _ in model.named_parameters()}
+    missing = [g for g in GROUPS if g not in groups]
+    if missing or not groups <= set(GROUPS):
+        other = sorted(groups - set(GROUPS))
+        raise UserError(f"--model {reference!r}: its parameters must all be extractor.* or classifier.*"
+                        + (f"; it has none in {', '.join(missing)}" if missing else "")
+                        + (f"; it has {', '.join(g + '.*' for g in other)}" if other else ""))
+    return model
+
+
+@torch.no_grad()
+def check_fits(model: SplitModel, channels: int, image_size: int, num_classes: int, what: str) -> None:
+    """A one-line UserError unless ``model`` takes (N, channels, image_size, image_size) images in [0, 1]
+    and gives ``num_classes`` logits (one forward pass on two blank images)."""
+    shape = f"{channels}x{image_size}x{image_size}"
+    try:
+        logits = model(torch.zeros(2, channels, image_size, image_size,
+                                   device=next(model.parameters()).device))
+    except Exception as exc:  # shapes the user's layers reject
+        first = (str(exc).splitlines() or [""])[0]
+        raise UserError(f"{what} does not take the data set's {shape} images ({type(exc).__name__}: {first})") from None
+    if tuple(logits.shape) != (2, num_classes):
+        raise UserError(f"{what} gives logits of shape {tuple(logits.shape)[1:]} per image; the data set has "
+                        f"{num_classes} classes")
+
+
+def has_batch_norm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def use_batch_statistics(model: nn.Module) -> nn.Module:
+    """Every BatchNorm layer of ``model`` normalises by its batch's statistics and never updates its
+    running statistics (as in the clients' training, and pure, so ``torch.func.vmap`` can batch it);
+    a model without BatchNorm is left as it is."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.train()
+            module.track_running_stats = False
+    return model
 
 
 def group_of(name: str) -> str:

@@ -53,6 +53,7 @@ from attacks.metrics import (SUMMARY_KEYS, leakage_statistics, prediction_accura
 from attacks.observation import AUGMENTATION_MODELS, MODES, observe
 from attacks.registry import AttackSpec
 from fedecouple.channel import Recorder, ServerChannel
+from fedecouple.devices import device_record
 from fedecouple.engine import GroundTruth, VictimSetting, derive_seed
 from fedecouple.data.registry import EMBEDDED
 from fedecouple.errors import UserError
@@ -260,13 +261,15 @@ def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | No
         kept = trainings.get(key, settings.rounds) if key is not None else None
         if kept is None:
             fed, run, _ = train_recorded(prep, settings, interceptors, progress)
-            context = {"train_seconds": round(time.perf_counter() - start, 2), "config": config.to_dict()}
+            context = {"train_seconds": round(time.perf_counter() - start, 2), "config": config.to_dict(),
+                       **device_record(config.federation.device)}
             if key is not None:
                 trainings.put(key, (fed, run, context["train_seconds"]))
         else:
             fed, run, seconds = kept
             torch.set_num_threads(settings.threads)
-            context = {"train_seconds": seconds, "training_shared": True, "config": config.to_dict()}
+            context = {"train_seconds": seconds, "training_shared": True, "config": config.to_dict(),
+                       **device_record(config.federation.device)}
         targets = {r: pick_targets(fed.sample_clients(r), settings.targets, settings.seed, r) for r in settings.rounds}
         try:
             if dp is not None:
@@ -348,14 +351,15 @@ def recording_federation(prep: Prepared, settings: AttackSettings | None = None,
     rounds = None if settings is None else settings.rounds
     recorder, ground_truth = Recorder(rounds=rounds), GroundTruth(rounds=rounds)
     fed = build_federation(prep, channel=ServerChannel(interceptors, recorder=recorder), ground_truth=ground_truth)
-    initial_model = copy.deepcopy(fed.model)  # the server built it: it knows the initial weights
+    initial_model = copy.deepcopy(fed.model).cpu()  # the server built it (observations move it to the device)
     targets = {} if settings is None else {r: pick_targets(fed.sample_clients(r), settings.targets, settings.seed, r)
                                            for r in settings.rounds}
     if settings is not None and settings.victim_batch > 0:
         fed.victim = VictimSetting(batch=settings.victim_batch, steps=settings.victim_steps,
                                    targets={(r, c) for r in settings.rounds for c in targets[r]})
     run = RecordedRun(recorder, ground_truth, prep.dataset, prep.method, lambda: copy.deepcopy(initial_model),
-                      prep.config.federation.train, prep.config.method, fed.backend)
+                      prep.config.federation.train, prep.config.method, fed.backend,
+                      device=prep.config.federation.device)
     if settings is not None and settings.spec.malicious:
         run.crafted = _malicious_server(prep, settings, targets, fed, run).records
     if settings is not None and settings.download_check:
@@ -491,6 +495,8 @@ def round_prototypes(run: RecordedRun, round: int) -> dict[int, torch.Tensor]:
 def _observe_targets(run: RecordedRun, settings: AttackSettings, targets: dict[int, list[int]],
                      notes: list[str]) -> list[_Target]:
     image_shape = tuple(run.dataset.images.shape[1:])
+    # gradient attacks compute on the run's device; proto and labels (cheap, no vmap) on the CPU
+    device = run.device if settings.spec.kind == "gradient" else "cpu"
     attacked = [run.ground_truth.training_set(r, c) for r in targets for c in targets[r]]
     auxiliary = None if settings.aux_data is None else auxiliary_data(
         settings.aux_data, run.dataset, np.concatenate(attacked) if attacked else None)
@@ -503,7 +509,8 @@ def _observe_targets(run: RecordedRun, settings: AttackSettings, targets: dict[i
                 continue
             hp = _known_hyperparameters(run, settings, exchange.upload)
             obs = observe(run.recorder, r, c, method=run.method, make_model=run.make_model, image_shape=image_shape,
-                          num_classes=run.dataset.num_classes, known_hyperparameters=hp, head_known=settings.head_known)
+                          num_classes=run.dataset.num_classes, known_hyperparameters=hp, head_known=settings.head_known,
+                          device=device)
             if settings.augmentations == "oracle":
                 obs.known_schedule = _known_schedule(run, r, c)
             else:
@@ -530,8 +537,8 @@ def _attack_targets(run: RecordedRun, settings: AttackSettings, jobs: list[_Targ
     for i, exc in failed.items():
         jobs[i].result = exc
     for batch, outcome in zip(batches, outcomes):
-        for i, result in zip(batch.indices, outcome):
-            jobs[i].result = result
+        for i, result in zip(batch.indices, outcome):  # scored on the CPU (its variables stay for the check)
+            jobs[i].result = replace(result, images=result.images.cpu(), labels=result.labels.cpu())
 
 
 def _class_priors(run: RecordedRun, job: _Target, auxiliary) -> torch.Tensor:
@@ -617,8 +624,9 @@ def _forward_check(run: RecordedRun, spec: AttackSpec, job: _Target) -> dict:
     if spec.matching is None:  # prototype inversion: the client's true class images against the inverted sets
         return prototype_check(job.observation, job.result, run.dataset.images[idx], run.dataset.labels[idx])
     mode = str(job.result.trace.get("mode", "auto")).replace("scaled-gradient", "scaled")
-    return check(job.observation, mode, spec.matching, job.result, run.dataset.images[idx], run.dataset.labels[idx],
-                 run.ground_truth.schedule(job.round, job.client))
+    device = job.observation.device
+    return check(job.observation, mode, spec.matching, job.result, run.dataset.images[idx].to(device),
+                 run.dataset.labels[idx].to(device), run.ground_truth.schedule(job.round, job.client))
 
 
 def _shared_notes(scored: list[_Target]) -> list[str]:

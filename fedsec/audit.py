@@ -192,7 +192,7 @@ def _train_recording_everything(config: RunConfig, progress: bool) -> RecordedRu
     prep = prepare(config)
     recorder, ground_truth = Recorder(), GroundTruth()
     fed = build_federation(prep, channel=ServerChannel(recorder=recorder), ground_truth=ground_truth)
-    initial_model = copy.deepcopy(fed.model)
+    initial_model = copy.deepcopy(fed.model).cpu()  # the audit's own inversions run on the CPU
     bar = tqdm(total=config.federation.rounds, desc=f"audit {config.method}", unit="round", disable=not progress)
     try:
         fed.run(config.federation.rounds, on_round=lambda r, rows: bar.update(1))

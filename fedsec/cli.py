@@ -14,8 +14,8 @@ from fedecouple.models import ARCHITECTURES
 from reports.formatting import forward_check_verdict, interval_text
 from reports.tradeoff import VALUE_MEANING
 
-from .options import (COUNT, NON_NEGATIVE, POSITIVE, SEED, LiveChoice, Number, pop_threat_model, restarts_option,
-                      threat_model_options)
+from .options import (COUNT, NON_NEGATIVE, POSITIVE, SEED, LiveChoice, Number, device_option, pop_threat_model,
+                      restarts_option, threat_model_options)
 from .runner import AUDIT_FEDERATION, PAPER_FEDERATION, RunConfig
 
 HYPERPARAMETER_FLAGS = ("lam", "mu", "tau", "teacher", "center_reduction")
@@ -72,6 +72,11 @@ def train_options(func):
         click.option("--batch-size", type=COUNT, default=10, show_default=True, help="Mini-batch size."),
         click.option("--seed", type=SEED, default=0, show_default=True, help="Seed for partition, init and training."),
         click.option("--arch", default=None, help=f"Model: {', '.join(ARCHITECTURES)} [default: by image size]."),
+        click.option("--model", default=None, metavar="PACKAGE.MODULE:FACTORY",
+                     help="Your own model instead of --arch: a function of no arguments returning a "
+                          "fedecouple.models.SplitModel (extractor.*, classifier.* parameters; images in [0, 1]) at "
+                          "its initial weights; checked against the data set before training."),
+        device_option,
         click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [default: torch's; fedsec attack: 1]."),
         click.option("--backend", type=click.Choice(["sequential", "ray"]), default="sequential", show_default=True,
                      help="Where client updates run: in this process, or as Ray tasks (pip install 'fedsec[ray]'). "

@@ -59,7 +59,7 @@ from reports.tradeoff import BASELINE, VALUE_MEANING, tradeoff_markdown, tradeof
 from . import io, runner
 from .attack import AttackSettings, check_applicable, model_for, parse_attacks, run_attack
 from .audit import LEAK_GAP_DB
-from .defenses.dp import DPConfig, DPMethod, privacy_report
+from .defenses.dp import DPConfig, DPMethod, check_dp_model, privacy_report
 from .defenses.filters import Exclude, FilterChain, GaussianNoise, NormClip, Prune, Quantize
 from .runner import Prepared, RunConfig
 
@@ -192,6 +192,7 @@ def validate(config: RunConfig, settings: DefendSettings) -> Prepared:
     if settings.defense == "dp":
         for v in settings.values:
             DPMethod(prep.method, dp_config(settings, v))  # refuses what DP cannot cover
+        check_dp_model(prep)
         return prep
     changed = [f"--{k.replace('_', '-')}" for k, v in STAT_DEFAULTS.items() if getattr(settings, k) != v]
     if changed:

@@ -61,7 +61,7 @@ from fedecouple.engine import derive_seed
 from fedecouple.errors import UserError
 
 from . import io
-from .defenses.dp import DPConfig, DPMethod
+from .defenses.dp import DPConfig, DPMethod, check_dp_model
 from .mia_runs import KINDS, RunSpec, done_record, load_signals, run_one
 from .runner import Prepared, RunConfig, prepare, run_record
 from .versions import provenance
@@ -437,7 +437,8 @@ def train_runs(specs: list[RunSpec], prep: Prepared, threads: int, progress: boo
     todo = [s for s in specs if done_record(s) is None]
     bar = tqdm(total=len(specs), initial=len(specs) - len(todo), desc="mia runs", unit="run", file=sys.stderr,
                disable=not progress)
-    backend = make_backend(prep.config.execution.backend, prep.config.execution.ray_address, threads)
+    backend = make_backend(prep.config.execution.backend, prep.config.execution.ray_address, threads,
+                           prep.config.federation.device)
     try:
         backend.map(run_one, [(s, prep.dataset) for s in todo], threads=threads, on_result=lambda i: bar.update(1))
     finally:
@@ -461,6 +462,7 @@ def run_mia(config: RunConfig, settings: MiaSettings, out: str | Path, progress:
     dp = settings.dp_config()
     if dp is not None:
         DPMethod(prep.method, dp)  # refuses what a method declares DP cannot cover, before anything is written
+        check_dp_model(prep)
     out = Path(out)
     records = audit_records(prep.partition, prep.dataset.labels.numpy())
     ref_in = reference_membership(records, settings.reference_runs, config.federation.seed)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.data.dataset import ImageDataset
+from fedecouple.devices import to_device
 from fedecouple.data.partition import Partition
 from fedecouple.engine import Federation, derive_seed, summarize
 from fedecouple.models import SplitModel, set_params
@@ -120,23 +121,31 @@ def signals_notes(signals: dict) -> list[str]:
 # signals
 
 
+def _device(model: SplitModel) -> torch.device:
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
 def _logits(model: SplitModel, images: torch.Tensor) -> torch.Tensor:
-    return torch.cat([model(images[i:i + CHUNK]) for i in range(0, len(images), CHUNK)]) if len(images) else \
-        torch.zeros(0, model.num_classes)
+    """Logits on the model's device (the run's), returned on the CPU, where the signals are kept."""
+    device = _device(model)
+    return torch.cat([model(images[i:i + CHUNK].to(device)).cpu() for i in range(0, len(images), CHUNK)]) \
+        if len(images) else torch.zeros(0, model.num_classes)
 
 
 @torch.no_grad()
 def _features(model: SplitModel, images: torch.Tensor) -> torch.Tensor:
-    return torch.cat([model.features(images[i:i + CHUNK]) for i in range(0, len(images), CHUNK)])
+    device = _device(model)
+    return torch.cat([model.features(images[i:i + CHUNK].to(device)).cpu() for i in range(0, len(images), CHUNK)])
 
 
 def personal_params(fed: Federation, cid: int, round: int) -> dict[str, torch.Tensor]:
     """Client ``cid``'s personalised model after ``round``, built exactly as ``Federation.evaluate`` does."""
     ctx = fed.context(cid, round)
     torch.manual_seed(derive_seed(fed.config.seed, round, cid, 3))
+    device = fed.config.device
     with torch.enable_grad():
-        return fed.method.personalized(ctx, fed.server, fed.client_state(cid))
+        return fed.method.personalized(ctx, to_device(fed.server, device), to_device(fed.client_state(cid), device))
 
 
 def _groups(tensors) -> tuple[dict, dict]:

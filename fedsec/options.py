@@ -8,6 +8,24 @@ import attacks
 from attacks.base import STARTS
 from attacks.observation import AUGMENTATION_MODELS, MODES
 
+DEVICE_HELP = ("Where tensors are computed: auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda, cuda:N. "
+               "Seeded GPU runs use torch's deterministic algorithms; their numbers differ from the CPU's in the "
+               "last bits (README, \"GPUs\").")
+
+
+def _resolved_device(ctx, param, value):
+    from fedecouple.devices import resolve_device
+
+    return resolve_device(value)  # a UserError: one line, exit 2, before anything runs
+
+
+def device_option(func):
+    """``--device``, one validator for every command (``fedecouple.devices.resolve_device``): the
+    command receives the device in force (auto already resolved)."""
+    return click.option("--device", default="auto", show_default=True, callback=_resolved_device, metavar="DEVICE",
+                        help=DEVICE_HELP)(func)
+
+
 THREAT_MODEL = ("mode", "augmentations", "start", "aux_data", "hyperparameters_known", "head_known", "batched")
 
 

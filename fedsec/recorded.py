@@ -43,6 +43,7 @@ class RecordedRun:
     crafted: dict = field(default_factory=dict)
     # the clients' download check (``fedsec.defenses.download_check.DownloadCheck``), when one ran
     download_check: object | None = None
+    device: str = "cpu"  # where the gradient attacks compute (``fedecouple.devices``)
 
     def upload_kinds(self) -> set[str]:
         return self.method.upload_kinds(self.make_model())

@@ -16,7 +16,7 @@ from typing import Callable
 import pandas as pd
 import torch
 
-from fedecouple.backends import BACKENDS, import_ray, make_backend
+from fedecouple.backends import BACKENDS, ModelSpec, import_ray, make_backend
 from fedecouple.channel import ServerChannel
 from fedecouple.data import load_dataset, make_partition
 from fedecouple.data.dataset import ImageDataset
@@ -25,7 +25,7 @@ from fedecouple.engine import Federation, FederationConfig, GroundTruth, VictimS
 from fedecouple.errors import UserError
 from fedecouple.methods import make_method, method_class
 from fedecouple.methods.base import Method, TrainConfig
-from fedecouple.models import check_architecture
+from fedecouple.devices import deterministic, device_record, resolve_device
 
 from . import io
 from .versions import provenance
@@ -56,7 +56,9 @@ class DataConfig:
 @dataclass
 class ExecutionConfig:
     """Where the computation runs. Same seed and same ``threads`` give the same numbers on every
-    backend, so none of this is part of a result's identity (``RESULT_NEUTRAL``)."""
+    backend, so none of this is part of a result's identity (``RESULT_NEUTRAL``). The device is the
+    federation's (``FederationConfig.device``): a GPU's floats differ from the CPU's in the last
+    bits, so its numbers are its own."""
 
     threads: int | None = None
     backend: str = "sequential"
@@ -65,6 +67,9 @@ class ExecutionConfig:
 
 # the settings that never change a result: where the data lives and how (where) it is computed
 RESULT_NEUTRAL = ("data_dir", "download", "threads", "backend", "ray_address")
+# settings left out of a result's key at these values, so results written before they existed
+# (CPU runs of the built-in architectures) keep the keys they had
+OMITTED_AT_DEFAULT = {"device": "cpu", "model": None}
 
 
 @dataclass
@@ -114,7 +119,7 @@ class RunConfig:
         """The settings a result depends on (everything but ``RESULT_NEUTRAL``), JSON-normalised:
         two runs with equal keys give the same numbers."""
         return {k: v for k, v in json.loads(json.dumps(self.to_dict(), sort_keys=True)).items()
-                if k not in RESULT_NEUTRAL}
+                if k not in RESULT_NEUTRAL and not (k in OMITTED_AT_DEFAULT and v == OMITTED_AT_DEFAULT[k])}
 
 
 _PARTS = ("data", "federation", "train", "execution")
@@ -155,9 +160,15 @@ def prepare(config: RunConfig) -> Prepared:
         raise UserError("--ray-address needs --backend ray")
     if execution.backend == "ray":
         import_ray()  # a missing extra fails here, before anything is written
+    if config.federation.model and config.federation.arch:
+        raise UserError("give --arch or --model, not both (--model is your own architecture)")
+    device = resolve_device(config.federation.device)  # e.g. a GPU machine's config.json resumed on a CPU-only one
+    if execution.backend == "ray" and device.startswith("cuda:"):
+        raise UserError(f"--device {device} with --backend ray: Ray gives each task the GPU it reserved; "
+                        f"use --device cuda")
     dataset = load_dataset(data.dataset, data.data_dir, data.download)
-    if config.federation.arch:  # before anything trains or is written (report, defend and attack start here)
-        check_architecture(config.federation.arch, dataset.image_size)
+    # before anything trains or is written (report, defend and attack start here)
+    ModelSpec.for_data(dataset, config.federation.arch, config.federation.model).check()
     partition = make_partition(dataset.labels.numpy(), data.clients, data.partition,
                                num_classes=dataset.num_classes, classes_per_client=data.classes_per_client,
                                s=data.s, samples_per_client=data.samples_per_client, beta=data.beta,
@@ -170,7 +181,8 @@ def build_federation(prep: Prepared, channel: ServerChannel | None = None, groun
     execution = prep.config.execution
     if execution.threads:
         torch.set_num_threads(execution.threads)
-    backend = make_backend(execution.backend, execution.ray_address, execution.threads)
+    deterministic(prep.config.federation.device)
+    backend = make_backend(execution.backend, execution.ray_address, execution.threads, prep.config.federation.device)
     return Federation(prep.method, prep.dataset, prep.partition, prep.config.federation, channel=channel,
                       ground_truth=ground_truth, victim=victim, backend=backend)
 
@@ -178,14 +190,15 @@ def build_federation(prep: Prepared, channel: ServerChannel | None = None, groun
 def run_record(config: RunConfig, method: Method) -> dict:
     """What goes into config.json: the resolved config, the method's hyperparameters, versions."""
     return {"config": config.to_dict(), "method_hyperparameters": method.hyperparameters(),
-            "torch_threads": torch.get_num_threads(), **provenance()}
+            "torch_threads": torch.get_num_threads(), **device_record(config.federation.device),
+            **provenance()}
 
 
 def write_metrics(out: Path, fed: Federation, config: RunConfig, seconds: float) -> dict:
     io.write_csv(out / "metrics.csv", pd.DataFrame(fed.metrics, columns=["round", "client", "accuracy", "loss"]))
     summary = {"method": config.method, "dataset": config.data.dataset, "partition": config.data.partition,
                "clients": config.data.clients, "rounds": fed.completed_rounds, "seed": config.federation.seed,
-               "seconds": round(seconds, 2), **summarize(fed.metrics)}
+               "seconds": round(seconds, 2), **device_record(config.federation.device), **summarize(fed.metrics)}
     summary.pop("round", None)
     io.write_json(out / "summary.json", summary)
     return summary

@@ -246,10 +246,12 @@ class ClassFeatureSums:
            squared_norms: bool = False) -> "ClassFeatureSums":
         """Exact per-class sums of the rows of ``features`` (one row per sample of ``labels``)."""
         counts = torch.bincount(labels, minlength=num_classes)
-        sums = torch.zeros(num_classes, features.shape[1], dtype=features.dtype).index_add_(0, labels, features)
+        sums = torch.zeros(num_classes, features.shape[1], dtype=features.dtype, device=features.device)\
+            .index_add_(0, labels, features)
         squares = None
         if squared_norms:
-            squares = torch.zeros(num_classes, dtype=features.dtype).index_add_(0, labels, features.pow(2).sum(dim=1))
+            squares = torch.zeros(num_classes, dtype=features.dtype, device=features.device)\
+                .index_add_(0, labels, features.pow(2).sum(dim=1))
         return cls(sums, counts, squares)
 
     def denominators(self) -> torch.Tensor:
@@ -264,7 +266,7 @@ class ClassFeatureSums:
 @torch.no_grad()
 def extract_features(model: SplitModel, images: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     return torch.cat([model.features(images[i:i + chunk]) for i in range(0, len(images), chunk)]) \
-        if len(images) else torch.zeros(0, model.feature_dim)
+        if len(images) else torch.zeros(0, model.feature_dim, device=images.device)
 
 
 def sample_weighted_average(uploads: list[Upload], names) -> State:

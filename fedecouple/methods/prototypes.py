@@ -29,8 +29,9 @@ def prototypes_in(tensors) -> dict[int, torch.Tensor]:
 
 def prototype_table(protos: dict[int, torch.Tensor], num_classes: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(C, d) table of targets and a (C,) mask of the classes that have one."""
-    table = torch.zeros(num_classes, dim)
-    has = torch.zeros(num_classes, dtype=torch.bool)
+    device = next(iter(protos.values())).device if protos else None  # where the client computes
+    table = torch.zeros(num_classes, dim, device=device)
+    has = torch.zeros(num_classes, dtype=torch.bool, device=device)
     for k, v in protos.items():
         if 0 <= k < num_classes:
             table[k] = v.to(table.dtype)

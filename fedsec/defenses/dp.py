@@ -552,6 +552,23 @@ def check_supported(method: Method) -> None:
                         f"without a DP mode, use an upload filter such as noise or exclude instead)")
 
 
+def check_dp_model(prep) -> None:
+    """A one-line UserError, before anything trains, when Opacus cannot compute the configured model's
+    per-sample gradients (e.g. BatchNorm, which mixes the samples of a batch: ``resnet18-bn``)."""
+    from opacus.validators import ModuleValidator
+
+    from fedecouple.backends import ModelSpec
+
+    federation = prep.config.federation
+    with torch.random.fork_rng(devices=[]):
+        model = ModelSpec.for_data(prep.dataset, federation.arch, federation.model).build()
+    problems = ModuleValidator.validate(model, strict=False)
+    if problems:
+        first = (str(problems[0]).splitlines() or [""])[0].split(". ")[0]
+        raise UserError(f"DP-SGD cannot train model {model.arch}: {first} (per-sample gradients need every sample "
+                        f"normalised on its own: use a GroupNorm model such as --arch resnet18)")
+
+
 class DPMethod(Method):
     """``method`` with DP-SGD local training, its whole-data statistics through the Gaussian
     mechanism of ``dp_statistics``, and one accountant per client in its state."""

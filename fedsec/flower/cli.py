@@ -10,7 +10,7 @@ import click
 import attacks
 from fedecouple.errors import UserError
 
-from ..options import COUNT, SEED, LiveChoice, Number, restarts_option, threat_model_options
+from ..options import COUNT, SEED, LiveChoice, Number, device_option, restarts_option, threat_model_options
 
 
 def app_options(func):
@@ -28,6 +28,7 @@ def app_options(func):
                      help="torch threads in each ClientApp and in the attacks (1: bit-identical reruns)."),
         click.option("--flower-log/--no-flower-log", default=False, show_default=True,
                      help="Show Flower's and Ray's own log (errors only otherwise)."),
+        device_option,  # where fedsec's gradient attacks compute; the app's own training is the app's
     ]
     for option in reversed(options):
         func = option(func)
@@ -66,7 +67,7 @@ def flower():
 @threat_model_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder: attack.csv, summary.json, reconstructions.png [runs/flower-attack-<attack>-<app>].")
-def attack(app_dir, nodes, run_config, ray_cpus, threads, flower_log, attack_name, attack_rounds, rounds, targets,
+def attack(app_dir, nodes, run_config, ray_cpus, threads, flower_log, device, attack_name, attack_rounds, rounds, targets,
            iterations, restarts, victim_batch, victim_steps, images, attack_seed, out, **threat):
     """Run APP_DIR in Flower's simulation engine and attack what its server received.
 
@@ -86,7 +87,7 @@ def attack(app_dir, nodes, run_config, ray_cpus, threads, flower_log, attack_nam
                               **threat)
     out = out or default_out("attack", app_dir, attack_name)
     summary = attack_app(app_dir, settings, nodes=nodes, run_config=parse_run_config(run_config), out=out,
-                         ray_cpus=ray_cpus, quiet=not flower_log)
+                         ray_cpus=ray_cpus, quiet=not flower_log, device=device)
     click.echo(f"{summary['run']}: {attack_headline(summary, out)}")
     for note in summary["notes"][:3]:
         click.echo(f"  note: {note}")
@@ -104,7 +105,8 @@ def attack(app_dir, nodes, run_config, ray_cpus, threads, flower_log, attack_nam
               help="Optimisation steps for each evidence attack.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder: audit.csv, findings.json, summary.json, audit.md [runs/flower-audit-<app>].")
-def audit(app_dir, nodes, run_config, ray_cpus, threads, flower_log, rounds, evidence, evidence_iterations, out):
+def audit(app_dir, nodes, run_config, ray_cpus, threads, flower_log, device, rounds, evidence, evidence_iterations,
+          out):
     """Run APP_DIR in Flower's simulation engine and audit every upload its server received.
 
     Example: fedsec flower audit examples/flower_mnist
@@ -120,7 +122,7 @@ def audit(app_dir, nodes, run_config, ray_cpus, threads, flower_log, rounds, evi
     out = out or default_out("audit", app_dir)
     result = audit_app(app_dir, nodes=nodes, run_config=parse_run_config(run_config), rounds=rounds,
                        evidence=evidence, evidence_iterations=evidence_iterations, out=out, ray_cpus=ray_cpus,
-                       threads=threads, quiet=not flower_log)
+                       threads=threads, quiet=not flower_log, device=device)
     summary = result["summary"]
     click.echo(f"{summary['run']} ({summary['method']}): {summary['upload_kib_per_client_round']:.1f} KiB up per "
                f"client and round; " + ", ".join(f"{n} {s}" for s, n in summary["findings_by_severity"].items() if n)

@@ -26,6 +26,7 @@ from typing import Iterable
 
 import torch
 
+from fedecouple.devices import device_record
 from fedecouple.errors import UserError
 
 from ..attack import AttackSettings, attack_recorded, pick_targets
@@ -68,12 +69,13 @@ def plan(app_dir: str | Path, run_config: dict | None, rounds: int | None = None
     return overrides, load_declaration(app, app.run_config(overrides))
 
 
-def recorded_run(run: FlowerRun) -> RecordedRun:
-    """A recorded Flower run as the attack and audit harnesses take it (attacks run in this process)."""
+def recorded_run(run: FlowerRun, device: str = "cpu") -> RecordedRun:
+    """A recorded Flower run as the attack and audit harnesses take it (attacks run in this process, the
+    gradient attacks on ``device``; the app's own training runs wherever the app puts it)."""
     declaration = run.declaration
     return RecordedRun(recorder=run.recorder, ground_truth=run.ground_truth, dataset=declaration.dataset,
                        method=declaration.method, make_model=declaration.make_model, train=declaration.train,
-                       label=run.label)
+                       label=run.label, device=device)
 
 
 def run_facts(run: FlowerRun) -> dict:
@@ -88,7 +90,7 @@ def run_facts(run: FlowerRun) -> dict:
 
 def attack_app(app_dir: str | Path, settings: AttackSettings, *, nodes: int | None = None,
                run_config: dict | None = None, out: str | Path | None = None, ray_cpus: int | None = None,
-               quiet: bool = True, progress: bool = True, interceptors: Iterable = ()) -> dict:
+               quiet: bool = True, progress: bool = True, interceptors: Iterable = (), device: str = "cpu") -> dict:
     """Run the app up to the last attacked round, attack ``settings.targets`` recorded clients per attacked
     round, score, write ``attack.csv``, ``summary.json``, ``reconstructions.png`` into ``out``; returns the
     summary. ``interceptors`` act on the replies before the app's strategy aggregates them."""
@@ -111,9 +113,9 @@ def attack_app(app_dir: str | Path, settings: AttackSettings, *, nodes: int | No
             raise UserError(f"no upload was recorded in round {missing[0]} (Flower round {missing[0] + 1}): the app "
                             f"ran {len(run.rounds())} round(s); raise its number of rounds or lower --attack-rounds")
         targets = {r: pick_targets(run.participants(r), settings.targets, settings.seed, r) for r in settings.rounds}
-        recorded = recorded_run(run)
-        summary = attack_recorded(recorded, settings, targets, out, progress=progress, context=run_facts(run),
-                                  start=start)
+        recorded = recorded_run(run, device)
+        summary = attack_recorded(recorded, settings, targets, out, progress=progress,
+                                  context={**run_facts(run), **device_record(device)}, start=start)
     finally:
         torch.set_num_threads(previous_threads)
     summary["notes"] = list(run.notes) + summary["notes"]
@@ -123,7 +125,7 @@ def attack_app(app_dir: str | Path, settings: AttackSettings, *, nodes: int | No
 def audit_app(app_dir: str | Path, *, nodes: int | None = None, run_config: dict | None = None,
               rounds: int | None = None, evidence: bool = True, evidence_iterations: int = 300,
               out: str | Path, ray_cpus: int | None = None, threads: int = 1, quiet: bool = True,
-              progress: bool = True) -> dict:
+              progress: bool = True, device: str = "cpu") -> dict:
     """Run the app, recording every round, and audit every upload its server received; writes
     ``audit.csv``, ``findings.json``, ``audit.md``, ``summary.json`` into ``out`` (and, with ``evidence``,
     each evidence attack's outputs under ``out/evidence/<attack>/``, from its own simulation)."""
@@ -138,8 +140,8 @@ def audit_app(app_dir: str | Path, *, nodes: int | None = None, run_config: dict
                 measured[kind] = attack_app(app_dir, AttackSettings(attack=name, iterations=evidence_iterations,
                                                                     threads=threads),
                                             nodes=nodes, run_config=run_config, out=Path(out) / "evidence" / name,
-                                            ray_cpus=ray_cpus, quiet=quiet, progress=progress)
+                                            ray_cpus=ray_cpus, quiet=quiet, progress=progress, device=device)
             except UserError as exc:
                 measured[kind] = {"not_applicable": str(exc)}
-    context = {"dataset": declaration.dataset.name, "clients": run.nodes, **run_facts(run)}
+    context = {"dataset": declaration.dataset.name, "clients": run.nodes, **run_facts(run), **device_record(device)}
     return audit_recorded(recorded, out, len(run.rounds()), measured, context, start)
