@@ -227,6 +227,8 @@ def label_counts(obs: Observation, update, model) -> tuple[torch.Tensor | None, 
         return torch.nn.functional.one_hot(torch.tensor(label), obs.num_classes), "iDLG rule (one image)"
     if "classifier.bias" not in update.names or "classifier.bias" not in obs.download or not obs.method.plain_sgd:
         return None, "no plain step of a downloaded classifier with a bias"
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return None, "a BatchNorm model has no prediction for one image on its own (batch statistics)"
     model = copy.deepcopy(model)
     model.load_state_dict({**model.state_dict(), **update.before}, strict=False)
     with torch.no_grad():
