@@ -33,6 +33,7 @@ from fedsec.defenses.filters import FilterChain, NormClip  # noqa: E402
 from fedsec.flower.harness import recorded_run  # noqa: E402
 from fedsec.flower.recording import RecordingStrategy  # noqa: E402
 from fedsec.flower.simulation import simulate  # noqa: E402
+from helpers import TEST_THREADS  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower_mnist"
 NODES = 4
@@ -244,7 +245,6 @@ app = ServerApp(server_fn=server_fn)
 
 WRONG_DECLARATION = '''
 from PACKAGE.task import fedsec_declaration
-from helpers import TEST_THREADS
 
 
 def declaration(run_config):
