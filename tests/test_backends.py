@@ -76,7 +76,7 @@ def _same_tensors(a, b):
 @pytest.mark.parametrize("method", ["fedecouple", "fedper"])
 def test_ray_gives_identical_metrics_and_uploads(digits, ray_local, method):
     seq = _run(digits, method, SequentialBackend())
-    with RayBackend(threads=1) as backend:
+    with RayBackend(threads=TEST_THREADS) as backend:
         par = _run(digits, method, backend)
     assert ray_local.is_initialized()  # a Ray the backend did not start is left running
     _same_rows(seq.metrics, par.metrics)
@@ -102,7 +102,7 @@ def test_ray_gives_identical_metrics_and_uploads(digits, ray_local, method):
 def test_interceptors_see_every_message_once_in_client_order(digits, ray_local):
     seq_log, ray_log = Log(), Log()
     _run(digits, "fedecouple", SequentialBackend(), interceptors=[seq_log])
-    with RayBackend(threads=1) as backend:
+    with RayBackend(threads=TEST_THREADS) as backend:
         _run(digits, "fedecouple", backend, interceptors=[ray_log])
     expected = [(kind, r, c) for r in range(2) for kind in ("down", "up") for c in range(3)]
     assert seq_log.events == expected
@@ -116,7 +116,7 @@ def test_dropped_download_skips_the_client_under_ray(digits, ray_local):
         def on_download(self, message):
             return None if message.client_id == 1 else message
 
-    with RayBackend(threads=1) as backend:
+    with RayBackend(threads=TEST_THREADS) as backend:
         fed = _run(digits, "fedavg", backend, rounds=1, interceptors=[DropOne()])
     assert (0, 1) not in fed.ground_truth.batches and (0, 0) in fed.ground_truth.batches
     assert fed.channel.recorder.get(0, 1).upload is None
@@ -173,7 +173,7 @@ def test_cli_backend_flag_is_one_line_error_without_ray(tmp_path):
 @needs_ray
 @pytest.mark.timeout(300)
 def test_user_errors_in_a_ray_task_reach_the_driver_as_user_errors(digits, ray_local):
-    with RayBackend(threads=1) as backend:
+    with RayBackend(threads=TEST_THREADS) as backend:
         fed = tiny_federation(digits, method="fedavg", clients=2, lr=1e9, backend=backend)
         with pytest.raises(UserError, match="diverged"):
             fed.run_round()
