@@ -178,7 +178,7 @@ SUCCESS_RULE = f"PSNR at least {SUCCESS_MARGIN_DB:g} dB above the prior (the dat
 SUCCESS_RULE_SSIM = f"SSIM at least {SUCCESS_SSIM:g}"
 
 
-def _rate_interval(hits: np.ndarray, clusters: np.ndarray, seed: int) -> tuple[float, float]:
+def rate_interval(hits: np.ndarray, clusters: np.ndarray, seed: int = 0) -> tuple[float, float]:
     """95 % interval of a success rate: the hull of Clopper–Pearson over the images and, with several
     targets, a bootstrap that resamples targets (images of one client are not independent; and a
     bootstrap alone collapses to a point when every image, or none, succeeded)."""
@@ -236,9 +236,9 @@ def leakage_statistics(rows: list[dict], seed: int = 0) -> dict:
     return {"n_images": len(rows), "n_targets": int(len(np.unique(clusters))),
             "interval_resamples": resamples,
             "mean_psnr_ci": interval, "success_rate": float(hits.mean()),
-            "success_rate_ci": list(_rate_interval(hits, clusters, seed)), "success_rule": SUCCESS_RULE,
+            "success_rate_ci": list(rate_interval(hits, clusters, seed)), "success_rule": SUCCESS_RULE,
             "success_rate_ssim": float(hits_ssim.mean()),
-            "success_rate_ssim_ci": list(_rate_interval(hits_ssim, clusters, seed)),
+            "success_rate_ssim_ci": list(rate_interval(hits_ssim, clusters, seed)),
             "success_rule_ssim": SUCCESS_RULE_SSIM}
 
 

@@ -213,12 +213,12 @@ def pick_targets(participants: list[int], k: int, seed: int, round: int) -> list
 
 def check_applicable(spec: AttackSpec, prep: Prepared) -> None:
     """A one-line UserError, before anything trains, when the method uploads nothing the attack uses."""
-    reason = None
+    model, reason = model_for(prep), None
     if spec.malicious and prep.method.communicates:  # first what a crafted download can reach
         from attacks.malicious import not_reachable
 
-        reason = not_reachable(prep.method, model_for(prep))
-    reason = reason or spec.not_applicable(prep.method.name, prep.method.upload_kinds(model_for(prep)))
+        reason = not_reachable(prep.method, model)
+    reason = reason or spec.not_applicable(prep.method.name, prep.method.upload_kinds(model))
     if reason is not None:
         raise UserError(reason)
 

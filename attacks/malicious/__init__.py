@@ -72,10 +72,3 @@ register(AttackSpec(name="binning", summary="malicious server: binning rows in t
 
 __all__ = ["CRAFTS", "EXACT", "CraftRecord", "attack_one", "craft", "first_linear", "match_inputs",
            "not_reachable", "recover_inputs", "relative_errors", "true_inputs"]
-
-
-def share_interval(hits, clusters, seed: int = 0) -> list[float]:
-    """95 % interval of a share of images (``hits``), resampling the attacked clients (``clusters``)."""
-    from ..metrics import _rate_interval
-
-    return [float(v) for v in _rate_interval(hits, clusters, seed)]
