@@ -15,9 +15,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from . import dlg, ig, labels, lira, malicious, mia_threshold, proto, rmia  # noqa: F401  (each registers its attacks)
+# each module registers its attacks on import; this order is the registry's (the CLI's choices, a report's columns)
+from .inversion import dlg, ig, labels  # noqa: F401
+from . import malicious  # noqa: F401
+from .inversion import proto  # noqa: F401
+from .membership import lira, mia_threshold, rmia  # noqa: F401
 from .base import AttackResult, Budget, LocalHyperparameters, NotApplicable, Observation
-from .batching import Batch, plan_one_by_one, run_plan
+from .inversion.batching import Batch, plan_one_by_one, run_plan
 from .registry import ATTACKS, MEMBERSHIP, AttackSpec, MembershipSpec, get, names, register, unregister
 
 

@@ -50,7 +50,7 @@ import attacks
 from attacks.base import AttackResult, Budget, KnownSchedule, LocalHyperparameters, NotApplicable
 from attacks.metrics import (SUMMARY_KEYS, leakage_statistics, prediction_accuracy, psnr, score_images,
                              score_label_distribution, summarize_scores)
-from attacks.observation import AUGMENTATION_MODELS, MODES, observe
+from attacks.inversion.observation import AUGMENTATION_MODELS, MODES, observe
 from attacks.registry import AttackSpec
 from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.devices import device_record
@@ -481,7 +481,7 @@ def auxiliary_data(name: str, like, exclude: np.ndarray | None = None) -> tuple[
 def round_prototypes(run: RecordedRun, round: int) -> dict[int, torch.Tensor]:
     """Per class, the mean of the prototypes every client uploaded in ``round`` (the server sees them
     all; equal weights)."""
-    from attacks.proto import per_class_values
+    from attacks.inversion.proto import per_class_values
 
     specs = [s for s in run.method.manifest(run.make_model()) if s.kind == "prototype" and s.per_class]
     sums: dict[int, list[torch.Tensor]] = {}
@@ -618,7 +618,7 @@ def _score_malicious(run: RecordedRun, job: _Target, base: dict, truths, truth_l
 def _forward_check(run: RecordedRun, spec: AttackSpec, job: _Target) -> dict:
     """``attacks.forward_check.check`` (prototype inversion: ``prototype_check``) with the target's ground
     truth (its training set in order, its batches): read here, after the attack returned."""
-    from attacks.forward_check import check, prototype_check
+    from attacks.inversion.forward_check import check, prototype_check
 
     idx = torch.from_numpy(run.ground_truth.training_set(job.round, job.client))
     if spec.matching is None:  # prototype inversion: the client's true class images against the inverted sets

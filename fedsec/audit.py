@@ -357,7 +357,7 @@ def anchor_inversion(run: RecordedRun, alignment: list[dict], iterations: int, l
     (the one the anchors came from), scored against the client's images of that class, beside the
     data-set mean image and the class-mean image of the other clients' data."""
     from attacks.metrics import psnr
-    from attacks.proto import invert_prototype
+    from attacks.inversion.proto import invert_prototype
 
     if not alignment or iterations < 1:
         return None

@@ -51,10 +51,10 @@ import torch
 
 from attacks import MEMBERSHIP
 from attacks import statistics as st
-from attacks.mia_threshold import loss_scores
-from attacks.mia_update import loss_decrease, update_scores
+from attacks.membership.mia_threshold import loss_scores
+from attacks.membership.mia_update import loss_decrease, update_scores
 from attacks.registry import MembershipInputs
-from attacks.rmia import DEFAULT_GAMMA, DEFAULT_OFFLINE_A, DEFAULT_TEMPERATURE, probability, tune_offline_a
+from attacks.membership.rmia import DEFAULT_GAMMA, DEFAULT_OFFLINE_A, DEFAULT_TEMPERATURE, probability, tune_offline_a
 from fedecouple.backends import make_backend
 from fedecouple.data.partition import Partition
 from fedecouple.engine import derive_seed

@@ -6,7 +6,7 @@ import click
 
 import attacks
 from attacks.base import STARTS
-from attacks.observation import AUGMENTATION_MODELS, MODES
+from attacks.inversion.observation import AUGMENTATION_MODELS, MODES
 
 DEVICE_HELP = ("Where tensors are computed: auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda, cuda:N. "
                "Seeded GPU runs use torch's deterministic algorithms; their numbers differ from the CPU's in the "

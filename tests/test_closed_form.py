@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from attacks import ATTACKS
 from attacks.base import Budget, LocalHyperparameters
-from attacks.forward_check import OBJECTIVE_FLOOR, check
-from attacks.observation import GradientMatcher, observe
+from attacks.inversion.forward_check import OBJECTIVE_FLOOR, check
+from attacks.inversion.observation import GradientMatcher, observe
 from fedecouple.engine import VictimSetting
 from fedecouple.models import set_params
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from attacks.base import NotApplicable
-from attacks.labels import label_inference
+from attacks.inversion.labels import label_inference
 from attacks.metrics import presence_threshold
-from attacks.observation import observe
+from attacks.inversion.observation import observe
 from fedecouple.channel import Download
 from fedecouple.errors import UserError
 from fedecouple.methods import make_method

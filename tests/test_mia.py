@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from scipy.stats import norm
 
 from attacks import statistics as st
-from attacks.lira import lira_online, scaled_logit
-from attacks.mia_threshold import entropy_scores, loss_scores, modified_entropy, population_scores
-from attacks.mia_update import update_scores
-from attacks.rmia import probability, rmia_scores, tune_offline_a
+from attacks.membership.lira import lira_online, scaled_logit
+from attacks.membership.mia_threshold import entropy_scores, loss_scores, modified_entropy, population_scores
+from attacks.membership.mia_update import update_scores
+from attacks.membership.rmia import probability, rmia_scores, tune_offline_a
 from fedecouple.data import make_partition
 from fedecouple.models import build_model
 from fedsec.cli import main

@@ -7,8 +7,8 @@ import torch
 
 from attacks import ATTACKS
 from attacks.base import Budget
-from attacks.forward_check import OBJECTIVE_FLOOR, prototype_check
-from attacks.observation import observe
+from attacks.inversion.forward_check import OBJECTIVE_FLOOR, prototype_check
+from attacks.inversion.observation import observe
 
 from helpers import tiny_federation
 

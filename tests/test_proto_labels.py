@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from attacks.base import Budget, NotApplicable, Observation
-from attacks.labels import label_inference
+from attacks.inversion.labels import label_inference
 from attacks.metrics import presence_threshold, psnr, score_label_distribution, score_reconstructions
-from attacks.observation import observe
-from attacks.proto import prototype_inversion
+from attacks.inversion.observation import observe
+from attacks.inversion.proto import prototype_inversion
 from fedecouple.methods import make_method
 from fedecouple.methods.base import FieldSpec
 from fedecouple.models import build_model, get_params, set_params

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .base import NotApplicable
+from ..base import NotApplicable
 
 # targets per batched optimisation: memory grows linearly with it, throughput stops improving
 MAX_BATCH = 32

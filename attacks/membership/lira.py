@@ -26,7 +26,7 @@ import warnings
 import numpy as np
 import torch
 
-from .registry import MembershipSpec, register_membership
+from ..registry import MembershipSpec, register_membership
 
 STD_FLOOR = 1e-6
 

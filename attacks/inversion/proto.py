@@ -64,8 +64,8 @@ import torch.nn.functional as F
 from fedecouple.methods.base import FieldSpec
 from fedecouple.models import SplitModel, set_params
 
-from .base import AttackResult, Budget, NotApplicable, Observation
-from .registry import AttackSpec, register
+from ..base import AttackResult, Budget, NotApplicable, Observation
+from ..registry import AttackSpec, register
 
 ENSEMBLE = 16  # images per prototype whose mean feature is matched
 COSINE_WEIGHT = 1.0

@@ -45,9 +45,9 @@ import numpy as np
 import torch
 from torch.func import grad_and_value, vmap
 
-from .base import STARTS, AttackResult, Budget, Observation
+from ..base import STARTS, AttackResult, Budget, Observation
 from .batching import Batch, BatchedLBFGS, plan_by_model, stack_targets
-from .registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
+from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
 from .observation import FAMILY_PARAMETERS, GradientMatcher, family_start
 
 LBFGS_LR = 1.0

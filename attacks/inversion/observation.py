@@ -59,7 +59,7 @@ from fedecouple.devices import to_device
 from fedecouple.methods.replay import features as replay_features
 from fedecouple.models import SplitModel, group_of, use_batch_statistics
 
-from .base import LocalHyperparameters, NotApplicable, Observation
+from ..base import LocalHyperparameters, NotApplicable, Observation
 from .closed_form import LAST_LINEAR_WEIGHT, ROW_SPACE_WEIGHT, STATISTICS_WEIGHT
 from .closed_form import row_space as closed_row_space
 from .closed_form import derive as derive_closed_form

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from fedecouple.methods.replay import Step
 
-from .base import AttackResult, Observation
+from ..base import AttackResult, Observation
 from .observation import GradientMatcher, _augmenter, replay_context, update_target
 
 # below this the matching term is float rounding: a truth and a reconstruction both at it are equal

@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad_and_value, vmap
 
-from .base import AttackResult, Budget, Observation
+from ..base import AttackResult, Budget, Observation
 from .batching import Batch, plan_by_model, stack_targets
-from .registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
+from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
 from .dlg import _seed, counted_labels, idlg_labels
 from .observation import FAMILY_PARAMETERS, GradientMatcher, family_start
 

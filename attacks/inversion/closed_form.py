@@ -56,7 +56,7 @@ from torch import nn
 from fedecouple.methods.prototypes import prototype_table, prototypes_in
 from fedecouple.models import group_of
 
-from .base import LocalHyperparameters, Observation
+from ..base import LocalHyperparameters, Observation
 
 # weight of ‖a(x) − a‖²/‖a‖² in the attack objective. Chosen on the tuning federation (seed 1,
 # round 19, FedPer, textbook victim; BENCHMARKS.md "Attack strength (issue 26)")

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .registry import MembershipSpec, register_membership
-from .statistics import per_group
+from ..registry import MembershipSpec, register_membership
+from ..statistics import per_group
 
 PROB_FLOOR = 1e-30  # keeps log(0) finite for saturated softmax outputs
 

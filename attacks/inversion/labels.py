@@ -58,10 +58,10 @@ import torch
 
 from fedecouple.methods.base import FieldSpec
 
-from .base import AttackResult, Budget, NotApplicable, Observation
-from .metrics import presence_threshold
+from ..base import AttackResult, Budget, NotApplicable, Observation
+from ..metrics import presence_threshold
 from .proto import per_class_values, uploaded_prototypes
-from .registry import AttackSpec, register
+from ..registry import AttackSpec, register
 
 PROPORTION_TOLERANCE = 1e-3
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .registry import MembershipSpec, register_membership
-from .statistics import auc, per_group
+from ..registry import MembershipSpec, register_membership
+from ..statistics import auc, per_group
 
 DEFAULT_GAMMA = 2.0
 DEFAULT_TEMPERATURE = 2.0

@@ -1,0 +1,1 @@
+"""Membership-inference attacks: score records from a model's outputs (``fedsec mia``)."""
