@@ -25,7 +25,7 @@ class AttackSpec:
 
     ``attack_one(observation, budget, seed, **options)`` attacks one target;
     ``plan(observations, budget, mode, batched)`` prepares many at once and returns
-    ``(batches, failed)`` (``attacks.batching``: each ``Batch`` one optimisation, ``failed`` the
+    ``(batches, failed)`` (``attacks.inversion.batching``: each ``Batch`` one optimisation, ``failed`` the
     targets with nothing to attack); ``None``: one by one. ``applies_to`` holds the upload field kinds (``fedecouple.methods.base.KINDS``) the attack
     can use: it applies to a method that uploads any of them. ``default_victim_batch`` is the
     victim setting ``fedsec attack`` uses by default (1: one image, the textbook setting; 0: the

@@ -18,7 +18,8 @@ from attacks import ATTACKS
 from attacks.base import Budget, LocalHyperparameters, NotApplicable, Observation
 from attacks.inversion.dlg import idlg_labels
 from attacks.metrics import match, psnr, score_reconstructions, ssim
-from attacks.inversion.observation import GradientMatcher, observe, update_target
+from attacks.inversion.observation import observe, update_target
+from attacks.inversion.forward_model import GradientMatcher
 from fedecouple.engine import VictimSetting
 from fedecouple.methods import make_method
 from fedecouple.models import build_model, get_params

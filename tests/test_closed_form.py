@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from attacks import ATTACKS
 from attacks.base import Budget, LocalHyperparameters
 from attacks.inversion.forward_check import OBJECTIVE_FLOOR, check
-from attacks.inversion.observation import GradientMatcher, observe
+from attacks.inversion.observation import observe
+from attacks.inversion.forward_model import GradientMatcher
 from fedecouple.engine import VictimSetting
 from fedecouple.models import set_params
 

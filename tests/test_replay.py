@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from attacks.base import LocalHyperparameters
-from attacks.inversion.observation import observe, plan_layout, replay_context, update_target
+from attacks.inversion.observation import observe, update_target
+from attacks.inversion.forward_model import plan_layout, replay_context
 from fedecouple.data.augment import BatchAugmenter
 from fedecouple.engine import VictimSetting
 from fedecouple.methods import METHODS, make_method
@@ -120,7 +121,7 @@ def test_phase_steps_drops_the_ragged_batch():
 
 
 def test_the_augmentation_family_holds_flip_inversion_and_brightness_exactly(digits):
-    from attacks.inversion.observation import family_copy, family_start
+    from attacks.inversion.forward_model import family_copy, family_start
     from fedecouple.data.augment import paper_augmentation
 
     x = digits.images[:3]
@@ -145,7 +146,7 @@ def test_the_forward_model_check_tells_a_wrong_model_from_a_right_one(digits):
     from attacks.base import Budget
     from attacks.inversion.forward_check import check, matching_term, true_copies
     from attacks.inversion.ig import inverting_gradients
-    from attacks.inversion.observation import GradientMatcher
+    from attacks.inversion.forward_model import GradientMatcher
 
     fed, make_model = _run(digits, "fedecouple", victim=True, rounds=1)
     idx = torch.from_numpy(fed.ground_truth.training_set(0, 1))

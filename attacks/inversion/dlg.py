@@ -48,7 +48,7 @@ from torch.func import grad_and_value, vmap
 from ..base import STARTS, AttackResult, Budget, Observation
 from .batching import Batch, BatchedLBFGS, plan_by_model, stack_targets
 from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
-from .observation import FAMILY_PARAMETERS, GradientMatcher, family_start
+from .forward_model import FAMILY_PARAMETERS, GradientMatcher, family_start
 
 LBFGS_LR = 1.0
 # a start whose best objective improved by less than 1 % over the last 15 L-BFGS steps (up to 300

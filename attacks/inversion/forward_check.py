@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from fedecouple.methods.replay import Step
 
 from ..base import AttackResult, Observation
-from .observation import GradientMatcher, _augmenter, replay_context, update_target
+from .observation import update_target
+from .forward_model import GradientMatcher, _augmenter, replay_context
 
 # below this the matching term is float rounding: a truth and a reconstruction both at it are equal
 OBJECTIVE_FLOOR = 1e-6

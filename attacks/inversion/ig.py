@@ -48,7 +48,7 @@ from ..base import AttackResult, Budget, Observation
 from .batching import Batch, plan_by_model, stack_targets
 from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
 from .dlg import _seed, counted_labels, idlg_labels
-from .observation import FAMILY_PARAMETERS, GradientMatcher, family_start
+from .forward_model import FAMILY_PARAMETERS, GradientMatcher, family_start
 
 LR = 0.1
 TV_WEIGHT = 0.01

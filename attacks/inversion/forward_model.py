@@ -1,0 +1,576 @@
+"""The forward model of the gradient attacks: how a dummy batch is compared with an update target
+(``attacks.inversion.observation.update_target``).
+
+Three ways to compare a dummy batch with Δ (``GradientMatcher``), named in every output:
+
+* ``scaled-gradient``: the target is g = −Δ/(lr·steps) (one big step on the batch); with unknown
+  hyperparameters g = −Δ/‖Δ‖ (the scale is unknown: cosine objectives ignore it, DLG fits it);
+  the dummy's quantity is the loss gradient at the before-state.
+* ``replay``: needs the hyperparameters (lr, steps, batch size): T plain cross-entropy SGD steps
+  are replayed differentiably from the before-state on the dummy batch, and the resulting
+  Δ̂ is compared with Δ (both divided by −lr·steps, so they read as gradients). This is exact for
+  FedAvg-style local training; for methods that train in phases or with extra losses
+  (FedeCouple, FedRep, FedPAC, ...) it is an approximation, and the notes say so.
+* ``method``: needs the hyperparameters; the attacked method's own local training
+  (``Method.replay``: its phases, losses, frozen parts and augmented copies, in the layout of
+  ``plan_layout``) is replayed on the dummy data and matched to the upload group by group, plus the
+  statistics the method uploads (prototypes, ``h``, counts) as relative errors.
+
+``mode="auto"`` (``resolve_mode``) takes ``method`` when the hyperparameters are known and the
+method's local training is not plain SGD; otherwise it replays for more than one step, and with one
+step, where replay and scaled gradient are the same computation, it is named ``scaled-gradient``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad
+
+from fedecouple.methods.base import phase_steps
+from fedecouple.methods.replay import ReplayContext, Step
+from fedecouple.methods.replay import features as replay_features
+from fedecouple.models import group_of, use_batch_statistics
+
+from ..base import LocalHyperparameters, Observation
+from .closed_form import LAST_LINEAR_WEIGHT, ROW_SPACE_WEIGHT, STATISTICS_WEIGHT
+from .closed_form import row_space as closed_row_space
+from .closed_form import derive as derive_closed_form
+from .observation import CLASSIFIER_WEIGHT, COPY_MODELS, UpdateTarget, resolve_mode, update_target
+
+
+def scaled_gradient(target: UpdateTarget, hyperparameters: LocalHyperparameters | None) -> dict[str, torch.Tensor]:
+    """g = −Δ/(lr·steps), or −Δ/‖Δ‖ when the hyperparameters are unknown."""
+    if hyperparameters is not None:
+        scale = 1.0 / (hyperparameters.lr * max(hyperparameters.steps, 1))
+    else:
+        norm = math.sqrt(sum(float(d.pow(2).sum()) for d in target.delta.values()))
+        scale = 1.0 / norm if norm > 0 else 1.0
+    return {n: -scale * d for n, d in target.delta.items()}
+
+
+def soft_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy for hard labels (B,) or probability rows (B, C)."""
+    if labels.ndim == 1:
+        return F.cross_entropy(logits, labels)
+    return torch.sum(-labels * F.log_softmax(logits, dim=-1), dim=-1).mean()
+
+
+@dataclass
+class Layout:
+    """How the dummy images map onto the client's SGD steps.
+
+    In the victim setting every step uses all ``reconstructed`` images (slots are the images). In
+    real local training each epoch takes ``reconstructed`` = (n // batch) · batch images in a shuffle
+    the server does not know: every epoch of every phase gets its own copy of the image set (the
+    multi-epoch setting of Dimitrov et al., 2022), ``epoch_copies`` of them, slot = copy · m + its
+    place in the epoch; ``combine`` aligns the copies and averages them into one reconstruction each."""
+
+    steps: list[Step]
+    augmented: list[bool]
+    slots: int
+    reconstructed: int
+    epoch_copies: int
+
+
+def plan_layout(method, hp: LocalHyperparameters) -> Layout:
+    """The method's phases (``Method.local_phases``), ``phase_steps`` steps each (ragged last batches
+    dropped, as the client does), laid out on dummy slots (``Layout``)."""
+    n = int(hp.samples if hp.samples is not None else hp.batch_size)
+    bs = min(hp.batch_size, n)
+    per_epoch = n // bs
+    steps, augmented, copy = [], [], 0
+    for phase, epochs, aug in method.local_phases(hp.epochs):
+        for j in range(phase_steps(epochs, n, bs, hp.steps_per_phase)):
+            if hp.steps_per_phase is not None:
+                members = tuple(range(n))
+            else:
+                if j and j % per_epoch == 0:
+                    copy += 1
+                start = copy * per_epoch * bs + (j % per_epoch) * bs
+                members = tuple(range(start, start + bs))
+            steps.append(Step(phase, members))
+            augmented.append(aug)
+        if hp.steps_per_phase is None and steps and steps[-1].phase == phase:
+            copy += 1
+    if hp.steps_per_phase is not None:
+        return Layout(steps, augmented, n, n, 1)
+    return Layout(steps, augmented, max(copy, 1) * per_epoch * bs, per_epoch * bs, max(copy, 1))
+
+
+def combine_epoch_copies(images: torch.Tensor, copies: int) -> torch.Tensor:
+    """(copies · m, ...) dummy images → m reconstructions: every later copy of the image set aligned to
+    the first one (``scipy.optimize.linear_sum_assignment`` on pixel MSE), then all averaged."""
+    if copies <= 1:
+        return images
+    from scipy.optimize import linear_sum_assignment
+
+    sets = images.reshape(copies, -1, *images.shape[1:])
+    reference = sets[0].flatten(1).clamp(0, 1).double()
+    aligned = [sets[0]]
+    for later in sets[1:]:
+        cost = torch.cdist(reference, later.flatten(1).clamp(0, 1).double()).pow(2).numpy()
+        rows, cols = linear_sum_assignment(cost)
+        aligned.append(later[torch.from_numpy(cols[np.argsort(rows)])])
+    return torch.stack(aligned).mean(0)
+
+
+def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: list[Step],
+                   copies: int = 1) -> ReplayContext:
+    """What ``Method.replay`` starts from, from the observation alone (``before`` from
+    ``update_target``; the client's kept model: its previous upload, else the initial weights);
+    ``copies``: epoch copies of the image set in the replayed images (``Layout.epoch_copies``)."""
+    initial = {n: p.detach() for n, p in obs.make_model().named_parameters()}
+    previous = obs.previous_upload or {}
+    kept = {n: previous[n].to(torch.float32) if n in previous else v for n, v in initial.items()}
+    notes = []
+    if obs.round > 0 and not any(n in previous for n in initial):
+        notes.append("no previous upload of this client: its kept model is taken to be the initial one")
+    uploaded = {n: v.to(torch.float32) for n, v in obs.upload.items() if n in initial}
+    return ReplayContext(before=before, kept=kept, download=dict(obs.download), lr=obs.known_hyperparameters.lr,
+                         uploaded=uploaded,
+                         steps=steps, num_classes=obs.num_classes, notes=notes, copies=int(copies))
+
+
+FAMILY_PARAMETERS = 8  # per copy: gain a, offset b, and a 2x3 affine map
+
+
+def family_start(count: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """(count, 8) family parameters of the identity: gain 1, offset 0, the identity affine map."""
+    return torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0], device=device).repeat(count, 1)
+
+
+def family_copy(images: torch.Tensor, parameters: torch.Tensor) -> torch.Tensor:
+    """clamp(a · warp_θ(x) + b, 0, 1) per image: one differentiable family that holds every operation
+    of the paper's augmentation (crop and resize, flip and rotation are affine warps; brightness is a
+    gain a; inversion is a = −1, b = 1). The sampling grid is built by matrix product (not
+    ``affine_grid``) so that it runs under ``torch.func.vmap``."""
+    n, c, h, w = images.shape
+    like = {"dtype": images.dtype, "device": images.device}
+    ys = (torch.arange(h, **like) * 2 + 1) / h - 1  # pixel centres, align_corners=False
+    xs = (torch.arange(w, **like) * 2 + 1) / w - 1
+    base = torch.stack([xs.repeat(h), ys.repeat_interleave(w), torch.ones(h * w, **like)], dim=1)
+    theta = parameters[:, 2:].reshape(n, 2, 3)
+    grid = (base.unsqueeze(0) @ theta.transpose(1, 2)).reshape(n, h, w, 2)
+    warped = F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return (parameters[:, :1, None, None] * warped + parameters[:, 1:2, None, None]).clamp(0.0, 1.0)
+
+
+def one_hot(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Probability rows for class ids (written to run under ``torch.func.vmap``)."""
+    return (labels.unsqueeze(-1) == torch.arange(num_classes, device=labels.device)).to(torch.float32)
+
+
+class GradientMatcher:
+    """Computes, for a dummy batch, the quantity comparable with the observed update.
+
+    ``target`` is the list of observed tensors and ``dummy(x, y)`` the dummy's counterpart (same
+    order, differentiable in x and y). In the ``replay`` and ``scaled-gradient`` modes they are
+    gradient-like (g = −Δ/(lr·steps), or −Δ/‖Δ‖ when only the direction is known: ``scale_known``
+    False). In the ``method`` mode the method's own replay (``Method.replay``) is run on the dummy:
+    the targets are the observed Δ of each attacked weight and the uploaded statistics the replay
+    also produces (FedPAC's prototypes, h, class counts), in ``groups``: one per weight group, one per
+    statistic (``l2_objective``, ``cosine_objective``). ``dummy_images`` images are optimised: the ``originals`` reconstructions, then one
+    free image per augmented copy the client trained on when ``observation.copies`` is "free" (the
+    default); with "family" each copy is ``family_copy`` of its image with ``copy_parameters`` unknown
+    parameters; with known draws (oracle) the copies are the client's.
+    """
+
+    def __init__(self, obs: Observation, mode: str = "auto"):
+        self.observation = obs
+        self.update = update_target(obs)
+        self.mode = resolve_mode(obs, mode)
+        self.hyperparameters = obs.known_hyperparameters
+        self.scale_known = self.hyperparameters is not None
+        self.model = obs.make_model()
+        self.model.requires_grad_(False)
+        use_batch_statistics(self.model.eval())  # eval() would switch BatchNorm to its running statistics
+        self.names = self.update.names
+        self.notes = list(self.update.notes)
+        self.originals = None  # dummy images the replay uses (None: the attack's batch)
+        self.reconstructed = None  # images rebuilt from them (``reconstructions``)
+        self.epoch_copies = 1
+        self.free_copies = 0
+        self.copy_parameters = 0  # family mode: copies × FAMILY_PARAMETERS unknowns
+        self.copy_model = None
+        self.augmented: list[bool] = []
+        self.aux_names: list[str] = []
+        self.closed = derive_closed_form(self.observation, self.update, self.model, self.mode)
+        if self.mode == "method":
+            self._set_up_method()
+        else:
+            gradient = scaled_gradient(self.update, self.hyperparameters)
+            self.target = [gradient[n] for n in self.names]
+            self.groups = [list(range(len(self.names)))]
+            self._note_plain_modes()
+            self._set_up_plain_layout()
+        self._set_up_closed_form()
+
+    def _set_up_closed_form(self) -> None:
+        """The method's closed-form stage (``attacks.closed_form``): its exact facts become extra
+        matching terms after the targets (``extra_weights``), and with a head-free last linear layer
+        the dummy's update is computed with the layer's known error signal instead of a stand-in head."""
+        self.notes += self.closed.notes
+        self.extra_weights: list[float] = []
+        last = self.closed.last_linear
+        if last is not None and last.head_free and self.mode == "method" and self.aux_names:
+            last.head_free = False  # the statistics need the method's replay
+        if last is not None:
+            self.target = list(self.target) + [last.input]
+            self.extra_weights.append(LAST_LINEAR_WEIGHT)
+        for means in self.closed.feature_means:
+            self.target = list(self.target) + [means.means]
+            self.extra_weights.append(STATISTICS_WEIGHT)
+        self.extra_values = len(self.extra_weights)  # the terms from here on are values, not (dummy, target) pairs
+        if self.closed.row_space_rank:
+            weight = self.target[self.names.index(CLASSIFIER_WEIGHT)]
+            self.target = list(self.target) + [closed_row_space(weight, self.closed.row_space_rank)]
+            self.extra_weights.append(ROW_SPACE_WEIGHT)
+
+    def _note_plain_modes(self) -> None:
+        hp, obs = self.hyperparameters, self.observation
+        if self.mode == "replay":
+            self.notes.append(f"replay mode: {hp.steps} plain cross-entropy SGD step(s) with lr {hp.lr:g} on "
+                              f"batches of {hp.batch_size} are replayed from the before-state and matched to the upload")
+            if not obs.method.plain_sgd:
+                self.notes.append(f"{obs.method.name} does not train with plain cross-entropy SGD on all parameters "
+                                  f"(phases, extra losses or augmentation): the replay is an approximation")
+        elif hp is None:
+            self.notes.append("scaled-gradient mode with unknown hyperparameters: the update is used as "
+                              "g = -delta/||delta|| (direction only)")
+        else:
+            self.notes.append(f"scaled-gradient mode: the update is used as g = -delta/(lr*steps) "
+                              f"with lr {hp.lr:g}, {hp.steps} step(s)")
+            if not obs.method.plain_sgd:
+                self.notes.append(f"{obs.method.name}'s local update is not one cross-entropy gradient step "
+                                  f"(phases, extra losses or augmentation): matching it as one is an approximation")
+
+    def _set_up_method(self) -> None:
+        obs, hp = self.observation, self.hyperparameters
+        known = obs.known_schedule
+        if known is not None:
+            steps, self.draws = list(known.steps), list(known.draws)
+            augmented = [d is not None for d in self.draws]
+            self.reconstructed = int(hp.samples if hp.samples is not None else hp.batch_size)
+        else:
+            layout = plan_layout(obs.method, hp)
+            steps, augmented = layout.steps, layout.augmented
+            self.draws = None
+            self.reconstructed, self.epoch_copies = layout.reconstructed, layout.epoch_copies
+        self.augmented = augmented
+        self.context = replay_context(obs, self.update.before, steps, self.epoch_copies)
+        self.originals = (int(hp.samples if hp.samples is not None else hp.batch_size) if known is not None
+                          else layout.slots)
+        if obs.copies not in COPY_MODELS:
+            raise ValueError(f"unknown copy model {obs.copies!r}; choose one of: {', '.join(COPY_MODELS)}")
+        copies = 0 if known is not None else sum(len(s.members) for s, a in zip(steps, augmented) if a)
+        self.copy_model = "oracle" if known is not None else obs.copies
+        self.free_copies = copies if self.copy_model == "free" else 0
+        self.copy_parameters = copies * FAMILY_PARAMETERS if self.copy_model == "family" else 0
+        # the method's replay produces every field of its manifest but the sample count: besides the
+        # weights, the statistics it uploads are matched too, but scalar ones (FedPAC's V, a variance
+        # computed as a difference of large terms, zero by construction for a one-image client): their
+        # float rounding outweighs what they carry
+        statistics = [s for s in obs.manifest() if s.kind in ("prototype", "statistic", "class_counts") and s.shape]
+        self.aux_names = sorted(n for n in obs.upload if any(s.pattern.match(n) for s in statistics))
+        if self.closed.feature_means:
+            # the closed form matches these statistics as features under the extractors they were computed
+            # on (the uploaded one for prototypes): better conditioned than through the replayed step, and
+            # of one shape for every target, so that targets of different classes share a model
+            self.aux_names = []
+        self.target = [self.update.delta[n] for n in self.names] + [obs.upload[n].to(torch.float32)
+                                                                      for n in self.aux_names]
+        kinds = [group_of(n) for n in self.names] + [n.split(".")[0] for n in self.aux_names]
+        order = list(dict.fromkeys(kinds))
+        self.groups = [[i for i, k in enumerate(kinds) if k == g] for g in order]
+        self.weight_groups = len(dict.fromkeys(group_of(n) for n in self.names))
+        phases = ", ".join(f"{p}: {sum(s.phase == p for s in steps)}" for p in dict.fromkeys(s.phase for s in steps))
+        self.notes.append(f"method mode: {obs.method.name}'s own local training is replayed on the dummy data "
+                          f"({len(steps)} SGD steps; {phases}) with lr {hp.lr:g} and matched to the upload: "
+                          f"the weights ({', '.join(order[:self.weight_groups])})"
+                          + (f" and the statistics ({', '.join(order[self.weight_groups:])})"
+                             if len(order) > self.weight_groups else ""))
+        self.notes += self.context.notes
+        if self.free_copies:
+            self.notes.append(f"each augmented copy the client trained on is a free unknown image "
+                              f"({self.free_copies} of them; the augmentation draws are not known)")
+        elif self.copy_parameters:
+            self.notes.append(f"each augmented copy the client trained on is modelled as a transform of its image "
+                              f"from the augmentation family (gain, offset, affine warp: "
+                              f"{self.copy_parameters // FAMILY_PARAMETERS} copies, their draws unknown)")
+        elif known is not None:
+            self.notes.append("oracle threat model: the client's batch order and augmentation draws are known "
+                              "(an upper bound on what leaks)")
+        if hp.steps_per_phase is None and known is None:
+            self.notes.append(f"real local training: the client's shuffle is unknown; each of its "
+                              f"{self.epoch_copies} epoch(s) gets its own copy of the {self.reconstructed} images it "
+                              f"trains on (ragged last batches dropped), aligned and averaged afterwards")
+
+    def _set_up_plain_layout(self) -> None:
+        """Real local training in the plain replay: each epoch its own copy of the image set."""
+        hp = self.hyperparameters
+        if self.mode != "replay" or hp.steps_per_phase is not None or hp.samples is None:
+            return
+        layout = plan_layout(self.observation.method, hp)
+        self.originals, self.reconstructed, self.epoch_copies = layout.slots, layout.reconstructed, layout.epoch_copies
+
+    def reconstructions(self, dummy_images: torch.Tensor) -> torch.Tensor:
+        """The rebuilt images from the optimised dummy images: epoch copies combined, free augmented
+        copies dropped."""
+        slots = self.originals if self.originals is not None else dummy_images.shape[0] - self.free_copies
+        return combine_epoch_copies(dummy_images[:slots], self.epoch_copies)
+
+    # -- the dummy's side ---------------------------------------------------------------------
+    # Written with torch.func so that the same code serves one target (ordinary autograd on x and y
+    # differentiates through torch.func.grad) and a batch of targets (torch.func.vmap over x, y).
+    def _loss(self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return soft_cross_entropy(functional_call(self.model, params, (x,)), y)
+
+    def _gradient(self, params: dict[str, torch.Tensor], names: list[str], x: torch.Tensor,
+                  y: torch.Tensor) -> dict[str, torch.Tensor]:
+        def loss(trained: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self._loss({**params, **trained}, x, y)
+
+        return grad(loss)({n: params[n] for n in names})
+
+    def dummy(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None = None,
+              copies: list | None = None, target: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The dummy batch's counterpart of every target, differentiable in x, y (and the family
+        parameters z of the augmented copies; one target: x (dummy images, C, H, W); under
+        ``torch.func.vmap`` one target per batch row). ``copies`` overrides the augmented copies
+        (per step; the forward-model check gives the client's true ones). ``target``: this target's
+        observed tensors (under vmap, its row; default ``self.target``), which a head-free closed form
+        reads its error signal from. After the method's own counterparts come those of the
+        closed-form terms (``extra_weights``)."""
+        last = self.closed.last_linear
+        target = self.target if target is None else target
+        if last is not None and last.head_free:
+            return self._head_free(x, target)
+        if self.mode == "method":
+            out = self._method_replay(x, y, z, copies, target)
+        elif self.mode == "replay":
+            out = self._replay(x, y)
+        else:
+            gradients = self._gradient(self.update.before, self.names, x, y)
+            out = [gradients[n] for n in self.names]
+        if last is not None:
+            out.append(self._linear_input(self.update.before, x)[0])
+        return out + self._feature_means(x, y, target) + self._row_space_share(x, target)
+
+    def _row_space_share(self, x: torch.Tensor, target: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The mean share of the dummy images' squared feature norms (under the client's kept extractor,
+        which the classifier phase ran on) outside the classifier update's row space (``target[-1]``)."""
+        if not self.closed.row_space_rank:
+            return []
+        basis = target[-1]
+        feats = replay_features(self.model, self.context.kept, x)
+        outside = feats - (feats @ basis) @ basis.T
+        return [(outside.pow(2).sum(dim=1) / feats.pow(2).sum(dim=1).clamp_min(1e-12)).mean()]
+
+    def _feature_means(self, x: torch.Tensor, y: torch.Tensor, target: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The dummy's class-mean features under the extractors the closed form names (the uploaded one
+        is before + Δ, read from ``target``), on the rows of the classes the target holds."""
+        if not self.closed.feature_means:
+            return []
+        originals = x[:self.originals] if self.originals is not None else x
+        probs = one_hot(y, self.observation.num_classes) if y.ndim == 1 else y
+        before = self.update.before
+        uploaded = {n: before[n] + target[i] for i, n in enumerate(self.names) if n.startswith("extractor.")}
+        out, first = [], len(target) - len(self.closed.feature_means)
+        for j, means in enumerate(self.closed.feature_means):
+            params = {**before, **uploaded} if means.source == "upload" else before
+            feats = replay_features(self.model, params, originals)
+            sums, counts = (probs[:len(originals)].transpose(0, 1) @ feats), probs[:len(originals)].sum(dim=0)
+            held = (target[first + j].abs().sum(dim=1, keepdim=True) > 0).to(feats.dtype)
+            out.append(held * sums / counts.clamp_min(1e-6).unsqueeze(1))
+        return out
+
+    def _linear_input(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The input of the extractor's last linear layer for ``x`` under ``params`` (B, in_features)."""
+        last = self.closed.last_linear
+        below = self.model.extractor[:last.position]
+        return functional_call(below, {n[len("extractor."):]: params[n] for n in last.below},
+                               (self.model.normalize(x),))
+
+    def _head_free(self, x: torch.Tensor, target: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The extractor's update for one image in one step, with the last linear layer's error signal
+        read from the observed bias update (any positive multiple of δ: the target's scale): below the
+        layer the gradient of ⟨a(x), Wᵀδ⟩, at the layer δ·a(x)ᵀ and δ; then a(x) itself."""
+        last, before = self.closed.last_linear, self.update.before
+        signal = target[self.names.index(last.bias)]
+        upstream = signal @ before[last.weight]
+
+        def inner(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            return (self._linear_input({**before, **params}, x) * upstream).sum()
+
+        below = grad(inner)({n: before[n] for n in last.below})
+        a = self._linear_input(before, x)[0]
+        update = {**below, last.weight: signal.unsqueeze(1) * a.unsqueeze(0), last.bias: signal}
+        return [update[n] for n in self.names] + [a]
+
+    def _copies(self, x: torch.Tensor, z: torch.Tensor | None) -> list:
+        """Each step's augmented copies under the copy model (None for an unaugmented step)."""
+        originals = x[:self.originals]
+        copies, used = [], 0
+        for i, (step, augmented) in enumerate(zip(self.context.steps, self.augmented)):
+            members = torch.tensor(step.members, device=x.device)
+            if not augmented:
+                copies.append(None)
+            elif self.copy_model == "oracle":
+                copies.append(_augmenter(x.shape[-1]).apply(originals[members], self.draws[i]))
+            elif self.copy_model == "family":
+                copies.append(family_copy(originals[members], z[used:used + len(members)]))
+            else:
+                copies.append(x[self.originals + used:self.originals + used + len(members)])
+            used += 0 if not augmented else len(members)
+        return copies
+
+    def _method_replay(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None, copies: list | None,
+                       target: list[torch.Tensor]):
+        originals = x[:self.originals]
+        probs = one_hot(y, self.observation.num_classes) if y.ndim == 1 else y
+        copies = self._copies(x, z) if copies is None else copies
+        # this target's upload (before + its observed Δ): the lead's context serves every batched target
+        uploaded = {n: self.update.before[n] + target[i] for i, n in enumerate(self.names)}
+        context = dataclasses.replace(self.context, uploaded=uploaded)
+        simulated = self.observation.method.replay(self.model, context, originals, probs, copies)
+        before = self.update.before
+        return [simulated[n] - before[n] for n in self.names] + [simulated[n] for n in self.aux_names]
+
+    def _replay(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        hp = self.hyperparameters
+        start = self.update.before
+        trained = list(start)  # plain SGD on every parameter (uploaded or kept private)
+        current = dict(start)
+        b = x.shape[0]
+        bs = max(1, min(hp.batch_size, b))
+        for step in range(hp.steps):
+            lo = (step * bs) % b
+            gradients = self._gradient(current, trained, x[lo:lo + bs], y[lo:lo + bs])
+            current = {n: current[n] - hp.lr * gradients[n] for n in trained}
+        factor = -1.0 / (hp.lr * max(hp.steps, 1))
+        return [factor * (current[n] - start[n]) for n in self.names]
+
+    # -- comparing the two sides -----------------------------------------------------------------
+    def l2_objective(self, dummy: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
+        """DLG's distance: Σ‖a − b‖² (with an unknown scale, min over s ≥ 0 of Σ‖a − s·b‖²); in the
+        method mode the sum over groups of ‖a_g − b_g‖²/‖b_g‖² (scale-free per group, ``_relative_error``);
+        plus the closed-form terms."""
+        (dummy, target), extra = self._split(dummy, target)
+        if self.mode != "method":
+            return gradient_distance(dummy, target, self.scale_known) + extra
+        total = 0.0
+        for g in self.groups:
+            total = total + _relative_error(flat([dummy[i] for i in g]), flat([target[i] for i in g]))
+        return total + extra
+
+    def _split(self, dummy: list[torch.Tensor], target: list[torch.Tensor]):
+        """((the method's part of dummy, of target), the weighted closed-form terms: Σ w·‖a − b‖²/‖b‖²)."""
+        k = len(self.extra_weights)
+        n = len(dummy) - k
+        extra = sum(w * (_relative_error(d, t) if j < self.extra_values else d)
+                    for j, (w, d, t) in enumerate(zip(self.extra_weights, dummy[n:], target[n:])))
+        return (dummy[:n], target[:n]), extra
+
+    def cosine_objective(self, dummy: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
+        """IG's data term: 1 − cos over all attacked weights at once (the paper's equal weights); in the
+        method mode plus the relative squared error of each uploaded statistic. (One cosine per weight
+        group instead was 1.6 dB worse on FedeCouple on the tuning federation: BENCHMARKS.md.)"""
+        (dummy, target), extra = self._split(dummy, target)
+        if self.mode != "method":
+            return 1.0 - F.cosine_similarity(flat(dummy), flat(target), dim=0, eps=1e-20) + extra
+        weights = [i for g in self.groups[:self.weight_groups] for i in g]
+        total = 1.0 - F.cosine_similarity(flat([dummy[i] for i in weights]), flat([target[i] for i in weights]),
+                                          dim=0, eps=1e-20)
+        for g in self.groups[self.weight_groups:]:
+            total = total + _relative_error(flat([dummy[i] for i in g]), flat([target[i] for i in g]))
+        return total + extra
+
+    @functools.cached_property
+    def model_key(self) -> tuple:
+        """Everything ``shares_model_with`` compares except tensor values, hashable (for bucketing)."""
+        hp, obs = self.hyperparameters, self.observation
+        method = (None if self.mode != "method" else
+                  (obs.method.name, tuple(sorted(obs.method.hyperparameters().items())), tuple(self.context.steps),
+                   tuple(self.augmented), tuple(self.aux_names), self.copy_model,
+                   # known draws make each target's function its own: never batched with another
+                   None if self.draws is None else (obs.round, obs.client_id)))
+        last = self.closed.last_linear
+        closed = (None if last is None else (last.weight, last.head_free),
+                  tuple(m.source for m in self.closed.feature_means), self.closed.row_space_rank,
+                  tuple(self.extra_weights))
+        return (self.mode, tuple(self.names), None if hp is None else (hp.lr, hp.steps, hp.batch_size), method, closed,
+                self.scale_known, obs.image_shape, obs.num_classes,
+                type(self.model).__name__, str(self.model), getattr(self.model, "arch", None))
+
+    def shares_model_with(self, other: "GradientMatcher") -> bool:
+        """Whether ``other``'s dummy quantity is the same function of (x, y) as this one's: same
+        before-state, buffers, attacked parameters, mode, hyperparameters and architecture (and, in
+        the method mode, the same download and kept model). Targets that share a model can be
+        attacked in one batched optimisation (``attacks.batching``)."""
+        if self.model_key != other.model_key or type(self.model) is not type(other.model):
+            return False
+        # buffers too: functional_call takes them (e.g. the normalisation's mean and std) from one model
+        buffers, other_buffers = dict(self.model.named_buffers()), dict(other.model.named_buffers())
+        if not _same_tensors(buffers, other_buffers) or not _same_tensors(self.update.before, other.update.before):
+            return False
+        if self.mode == "method":
+            return (_same_tensors(self.context.download, other.context.download)
+                    and _same_tensors(self.context.kept, other.context.kept))
+        return True
+
+    # -- labels ---------------------------------------------------------------------------------
+    @property
+    def labels_unused(self) -> bool:
+        """Whether the dummy's update does not depend on the labels (a head-free closed form)."""
+        last = self.closed.last_linear
+        return last is not None and last.head_free
+
+    def classifier_weight_target(self) -> torch.Tensor | None:
+        """The classifier weight's observed update as a positive multiple of a gradient (−Δ up to a
+        positive scale; None if not attacked): what iDLG's sign rule reads."""
+        if CLASSIFIER_WEIGHT not in self.names:
+            return None
+        target = self.target[self.names.index(CLASSIFIER_WEIGHT)]
+        return -target if self.mode == "method" else target
+
+
+# per element, the squared size below which an observed value counts as zero: a statistic that is zero
+# by construction (FedPAC's V of a one-image client) must not turn float rounding into a huge error
+ZERO_FLOOR = 1e-8
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """‖a − b‖² / ‖b‖², with ‖b‖² floored at ZERO_FLOOR per element."""
+    return ((a - b) ** 2).sum() / ((b * b).sum() + ZERO_FLOOR * b.numel())
+
+
+def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@functools.lru_cache(maxsize=8)
+def _augmenter(image_size: int):
+    from fedecouple.data.augment import BatchAugmenter
+
+    return BatchAugmenter(image_size)
+
+
+def gradient_distance(dummy: list[torch.Tensor], target: list[torch.Tensor], scale_known: bool) -> torch.Tensor:
+    """Σ_layers ‖a − b‖², or with an unknown scale min_s≥0 Σ ‖a − s·b‖² (s in closed form)."""
+    if scale_known:
+        return sum(((a - b) ** 2).sum() for a, b in zip(dummy, target))
+    dot = sum((a * b).sum() for a, b in zip(dummy, target))
+    bb = sum((b * b).sum() for b in target)
+    s = dot.clamp_min(0.0) / bb.clamp_min(1e-30)
+    return sum(((a - s * b) ** 2).sum() for a, b in zip(dummy, target))
+
+
+def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
