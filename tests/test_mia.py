@@ -16,8 +16,8 @@ from attacks.membership.rmia import probability, rmia_scores, tune_offline_a
 from fedecouple.data import make_partition
 from fedecouple.models import build_model
 from fedsec.cli import main
-from fedsec.mia import (MiaSettings, audit_records, parse_attacks, reference_membership, attack_metrics,
-                        split_partition)
+from attacks.membership.scoring import attack_metrics
+from fedsec.mia import MiaSettings, audit_records, parse_attacks, reference_membership, split_partition
 
 
 # ---------------------------------------------------------------------------------------------
