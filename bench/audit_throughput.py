@@ -5,7 +5,7 @@ The audit's question is how many of a client's images a server rebuilds from one
 samples; the attack rebuilds every image it trained on, one copy per epoch aligned and averaged).
 This script trains a federation once (``fedsec.attack.train_recorded``), then attacks the same
 recorded round-0 uploads of ``--targets`` clients twice per gradient attack with
-``fedsec.attack.attack_recorded``: once one by one (``batched=False``, what ``--no-batched`` does)
+``attacks.harness.attack_recorded``: once one by one (``batched=False``, what ``--no-batched`` does)
 and once batched (the targets share the initial model, so their objectives are stacked), same
 budget and seeds, one process. Training is outside the timing.
 
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 
 import torch
 
-from fedsec.attack import AttackSettings, attack_recorded, train_recorded
+from attacks.harness import attack_recorded
+from fedsec.attack import AttackSettings, train_recorded
 from fedsec.report import parse_iterations
 from fedsec.runner import RunConfig, prepare
 
@@ -34,12 +34,13 @@ DEFAULT_ITERATIONS = "ig=100,dlg=10,idlg=10"
 def measure(run, settings: AttackSettings, targets: dict, batched: bool) -> tuple[int, float, float, int]:
     """(images scored, seconds, mean PSNR, largest number of targets optimised together) of one
     attack pass over the recorded targets."""
-    settings = replace(settings, batched=batched)
+    args = settings.split()
     start = time.perf_counter()
-    summary = attack_recorded(run, settings, targets, out=None, progress=False)
+    summary = attack_recorded(run, args.spec, targets, args.threat, args.budget, seed=args.seed, batched=batched,
+                              victim=args.victim, threads=args.threads, progress=False).summary
     seconds = time.perf_counter() - start
-    together = max((t["batched_with"] for t in summary["per_target"]), default=0)
-    return int(summary["images_scored"]), seconds, float(summary["mean_psnr"]), together
+    together = max((t["batched_with"] for t in summary.per_target), default=0)
+    return summary.images_scored, seconds, float(summary.scores["mean_psnr"]), together
 
 
 def main() -> None:

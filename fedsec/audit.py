@@ -40,7 +40,7 @@ from reports.audit import SEVERITIES, audit_markdown
 from reports.formatting import forward_check_verdict, interval_text
 
 from . import io
-from .recorded import RecordedRun
+from attacks.recorded import RecordedRun
 from .runner import RunConfig, build_federation, prepare
 from .versions import provenance
 

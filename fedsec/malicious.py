@@ -1,5 +1,5 @@
 """The harness side of a malicious server (``attacks.malicious``): the download interceptor that
-sends the crafted weights, and the scoring of what the attack read back.
+sends the crafted weights (the scoring of what the attack read back is ``attacks.malicious.scoring``).
 
 ``MaliciousServer`` is a channel interceptor. For the attacked (round, client) pairs only, it
 replaces the download with the crafted one and keeps the server's record of what it sent
@@ -14,8 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attacks.malicious import EXACT, craft, match_inputs, true_inputs
-from attacks.metrics import psnr, rate_interval, ssim
+from attacks.malicious import craft
 from fedecouple.channel import Download, Interceptor
 from fedecouple.engine import derive_seed
 
@@ -51,34 +50,3 @@ def public_images(images: torch.Tensor, exclude: np.ndarray, seed: int, limit: i
     rng = np.random.default_rng(derive_seed(seed, 0x9B1C))
     chosen = np.sort(rng.permutation(keep)[:limit])
     return images[torch.from_numpy(chosen)]
-
-
-def score_recovered(make_model, record, result, truths: torch.Tensor, prior: torch.Tensor) -> list[dict]:
-    """One row per image the client trained on: its crafted-layer input matched one-to-one to a
-    recovered one (relative error, inf where none was left), and the image rebuilt from that input
-    scored against it (PSNR, SSIM, the prior's PSNR; an unmatched image is scored as the prior)."""
-    truth_inputs = true_inputs(make_model(), record, truths)
-    chosen, errors = match_inputs(result.variables["inputs"], truth_inputs)
-    rows = []
-    for j in range(len(truths)):
-        rebuilt = result.images[chosen[j]] if chosen[j] >= 0 else prior
-        rows.append({"image": j, "truth_index": j, "reconstruction": int(chosen[j]), "input_error": float(errors[j]),
-                     "psnr": psnr(rebuilt, truths[j]), "ssim": ssim(rebuilt, truths[j]),
-                     "prior_psnr": psnr(prior, truths[j])})
-    return rows
-
-
-def input_statistics(rows: list[dict], seed: int) -> dict:
-    """Shares of images whose crafted-layer input was recovered exactly (relative error ≤ 1e-3) and
-    within 5 %, each with a 95 % interval that resamples attacked clients."""
-    if not rows:
-        return {"inputs_exact_share": None, "inputs_exact_share_ci": None}
-    errors = np.array([float(r["input_error"]) for r in rows])
-    clusters = np.array([f"{r['round']}/{r['client']}" for r in rows])
-    exact, close = errors <= EXACT, errors <= 0.05
-    return {"inputs_exact_share": float(exact.mean()),
-            "inputs_exact_share_ci": [float(v) for v in rate_interval(exact, clusters, seed)],
-            "inputs_exact_rule": f"relative error of the recovered first-linear-layer input <= {EXACT:g}",
-            "inputs_within_5pct_share": float(close.mean()),
-            "inputs_within_5pct_share_ci": [float(v) for v in rate_interval(close, clusters, seed)],
-            "inputs_median_error": float(np.median(errors))}

@@ -173,13 +173,17 @@ def test_fedavg_app_uploads_equal_the_engine(fedavg_victim_run):
 
 def test_dlg_recovers_the_images_from_the_recorded_uploads(fedavg_victim_run, tmp_path):
     """The recorded Flower run through fedsec's own attack harness: two targets, one image and one step each."""
-    from fedsec.attack import attack_recorded, pick_targets
+    from attacks.harness import attack_recorded
+    from fedsec.attack import choose_targets, write_attack
 
     run = fedavg_victim_run
     # two starts, the lower objective kept: a single DLG start can stall on another CPU's rounding
     settings = AttackSettings(attack="dlg", targets=2, iterations=30, restarts=2).resolved(seed=0)
-    targets = {0: pick_targets(run.participants(0), settings.targets, settings.seed, 0)}
-    summary = attack_recorded(recorded_run(run), settings, targets, tmp_path, progress=False)
+    targets = choose_targets(run.participants, settings)
+    args = settings.split()
+    outcome = attack_recorded(recorded_run(run), args.spec, targets, args.threat, args.budget, seed=args.seed,
+                              batched=args.batched, victim=args.victim, progress=False)
+    summary = write_attack(tmp_path, settings, targets, outcome, {}, start=0.0)
     assert summary["run"] == "flower:flower-mnist" and summary["method"] == "fedavg"
     assert summary["images_scored"] == 2 and summary["label_accuracy"] == 1.0
     rows = pd.read_csv(tmp_path / "attack.csv")

@@ -33,7 +33,7 @@ import torch
 from fedecouple.devices import to_device
 from fedecouple.models import SplitModel, group_of, use_batch_statistics
 
-from ..base import LocalHyperparameters, NotApplicable, Observation
+from ..base import KnownSchedule, LocalHyperparameters, NotApplicable, Observation
 
 MODES = ("auto", "method", "replay", "scaled")
 CLASSIFIER_WEIGHT = "classifier.weight"
@@ -44,11 +44,15 @@ AUGMENTATION_MODELS = (*COPY_MODELS, "oracle")  # oracle: the draws are known (K
 def observe(recorder, round: int, client_id: int, *, method, make_model: Callable[[], SplitModel],
             image_shape: tuple[int, int, int], num_classes: int,
             known_hyperparameters: LocalHyperparameters | None = None, head_known: bool = True,
+            known_schedule: KnownSchedule | None = None, copies: str = "free",
+            auxiliary: tuple[torch.Tensor, torch.Tensor] | None = None,
+            round_prototypes: dict[int, torch.Tensor] | None = None, crafted: object | None = None,
             device: str = "cpu") -> Observation:
     """The server's view of ``client_id`` in ``round``: download as sent, upload as received,
     previous upload (the recorder's tensors, not copies, unless ``device`` is not the CPU: then
-    copies there, where the attack computes). ``method`` is the Method object whose protocol the
-    client follows."""
+    copies there, where the attack computes), and what the threat model hands the attacker (the
+    ``Observation`` fields of the same names; ``attacks.recorded.RecordedRun.observe`` derives them
+    from a ``ThreatModel``). ``method`` is the Method object whose protocol the client follows."""
     exchange = recorder.get(round, client_id)
     if exchange is None:
         raise ValueError(f"round {round} of client {client_id} was not recorded (the recorder keeps "
@@ -63,7 +67,8 @@ def observe(recorder, round: int, client_id: int, *, method, make_model: Callabl
         # BatchNorm as the client trained (batch statistics), and pure (running statistics never move)
         make_model=lambda: use_batch_statistics(make_model()).to(device), image_shape=tuple(image_shape),
         num_classes=int(num_classes), known_hyperparameters=known_hyperparameters, head_known=head_known,
-        device=str(device))
+        known_schedule=known_schedule, copies=copies, auxiliary=auxiliary, round_prototypes=round_prototypes,
+        crafted=crafted, device=str(device))
 
 
 @dataclass

@@ -89,6 +89,10 @@ class DownloadCheck(Interceptor):
         self.previous[message.client_id] = {k: v.clone() for k, v in tensors.items()}
         return message
 
+    def summary(self, attacked: set[tuple[int, int]]) -> dict:
+        """``detection_summary`` of every decision so far (what an attack's summary reports)."""
+        return detection_summary(self.decisions, attacked)
+
 
 def detection_summary(decisions: list[Decision], attacked: set[tuple[int, int]]) -> dict:
     """Detection rate on the attacked (round, client) downloads, false alarms on the others."""

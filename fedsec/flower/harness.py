@@ -1,6 +1,7 @@
 """Library functions behind ``fedsec flower attack|audit``: run the app in Flower's simulation engine
-with the recorder wrapped in, then hand the recorded run (``fedsec.recorded.RecordedRun``) to the same
-harnesses as the native commands (``fedsec.attack.attack_recorded``, ``fedsec.audit.audit_recorded``).
+with the recorder wrapped in, then hand the recorded run (``attacks.recorded.RecordedRun``) to the same
+harnesses as the native commands (the library's ``attacks.harness.attack_recorded``, written by
+``fedsec.attack.write_attack``; ``fedsec.audit.audit_recorded``).
 
 The app's declaration (``fedsec.flower.declaration``) supplies what the harness needs and cannot
 observe: the model at its initial weights, the pooled data set, the protocol the app follows, the local
@@ -13,7 +14,7 @@ SGD settings. Run-config keys the harness sets itself (a key the user sets with 
   answered); an app that declares no victim keys can only be attacked on its real local training
   (``victim_batch=0``).
 
-Targets are chosen as in ``fedsec attack`` (``pick_targets``: seeded, from the clients recorded in the
+Targets are chosen as in ``fedsec attack`` (``choose_targets``: seeded, from the clients recorded in the
 round); the attack seed defaults to 0 (fedsec cannot know which run-config key is the app's seed).
 Every check on flags, app, declaration and applicability runs before the simulation; the declaration
 is held to the recorded traffic before anything is written.
@@ -26,12 +27,13 @@ from typing import Iterable
 
 import torch
 
+from attacks.harness import attack_recorded
+from attacks.recorded import RecordedRun
 from fedecouple.devices import device_record
 from fedecouple.errors import UserError
 
-from ..attack import AttackSettings, attack_recorded, pick_targets
+from ..attack import AttackSettings, choose_targets, write_attack
 from ..audit import audit_recorded, evidence_attacks
-from ..recorded import RecordedRun
 from .app import read_app
 from .declaration import Declaration, load_declaration
 from .simulation import FlowerRun, simulate
@@ -112,14 +114,15 @@ def attack_app(app_dir: str | Path, settings: AttackSettings, *, nodes: int | No
         if missing:
             raise UserError(f"no upload was recorded in round {missing[0]} (Flower round {missing[0] + 1}): the app "
                             f"ran {len(run.rounds())} round(s); raise its number of rounds or lower --attack-rounds")
-        targets = {r: pick_targets(run.participants(r), settings.targets, settings.seed, r) for r in settings.rounds}
-        recorded = recorded_run(run, device)
-        summary = attack_recorded(recorded, settings, targets, out, progress=progress,
-                                  context={**run_facts(run), **device_record(device)}, start=start)
+        targets = choose_targets(run.participants, settings)
+        args = settings.split()
+        outcome = attack_recorded(recorded_run(run, device), args.spec, targets, args.threat, args.budget,
+                                  seed=args.seed, batched=args.batched, victim=args.victim, threads=args.threads,
+                                  progress=progress)
     finally:
         torch.set_num_threads(previous_threads)
-    summary["notes"] = list(run.notes) + summary["notes"]
-    return summary
+    return write_attack(out, settings, targets, outcome, {**run_facts(run), **device_record(device)}, start,
+                        notes=run.notes)
 
 
 def audit_app(app_dir: str | Path, *, nodes: int | None = None, run_config: dict | None = None,

@@ -1,0 +1,342 @@
+"""Attacking a recorded run: observe each target under the threat model, attack, then score against
+the run's ground truth (read only after the attack returned).
+
+``attack_recorded(run, attack, targets, threat, budget, seed=..., batched=..., victim=...)`` is the
+one path from a ``RecordedRun`` (``attacks.recorded``) to an ``AttackOutcome``: the scored rows (one
+per reconstructed image, ``IMAGE_COLUMNS``; for a label attack one per class, ``LABEL_COLUMNS``),
+the panels of the reconstruction figure and a typed ``AttackSummary``. ``fedsec attack`` (a
+federation trained in fedsec's engine) and ``fedsec flower attack`` (a Flower app) both call it and
+write what it returns.
+
+Scoring: each reconstruction against the images the client trained on (``attacks.metrics``), beside
+two priors (the pooled mean image, the class means of data the attacker could hold); the
+forward-model check (``attacks.inversion.forward_check``) with the target's true images; a malicious
+server's read-back by ``attacks.malicious.scoring``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from fedecouple.engine import VictimSetting, derive_seed
+
+from .base import AttackResult, Budget, NotApplicable
+from .inversion.batching import Batch
+from .metrics import (SUMMARY_KEYS, leakage_statistics, prediction_accuracy, psnr, score_images,
+                      score_label_distribution, summarize_scores)
+from .recorded import RecordedRun, ThreatModel, auxiliary_data
+from .registry import AttackSpec, get
+
+IMAGE_COLUMNS = ["method", "attack", "mode", "round", "client", "image", "psnr", "ssim", "prior_psnr",
+                 "class_prior_psnr", "label_true", "label_pred", "mis_specified", "not_converged", "replay_cosine",
+                 "objective_truth", "objective_reconstruction", "label_count_error", "input_error"]
+CHECK_KEYS = ("mis_specified", "not_converged", "replay_cosine", "replay_relative_error", "objective_truth",
+              "objective_reconstruction")
+LABEL_COLUMNS = ["method", "attack", "mode", "round", "client", "class", "true_count", "true_proportion",
+                 "predicted_proportion"]
+MAX_PANELS = 16
+
+
+@dataclass
+class Target:
+    """One attacked (round, client) and what came of it."""
+
+    round: int
+    client: int
+    observation: object = None
+    result: AttackResult | NotApplicable | None = None
+    rows: list[dict] = field(default_factory=list)
+    check: dict = field(default_factory=dict)  # the forward-model check (attacks.inversion.forward_check)
+
+
+@dataclass(frozen=True)
+class AttackSummary:
+    """What an attack on a recorded run measured: the score summary (``attacks.metrics.SUMMARY_KEYS``)
+    and its statistics, the label scores, what ran on which target, the forward-model check over all
+    targets (``mis_specified`` ...), and the notes for the user."""
+
+    method: str
+    attack: str
+    dataset: str
+    run: str
+    scores: dict
+    statistics: dict
+    label_accuracy: float
+    class_presence_accuracy: float
+    images_scored: int
+    seed: int
+    attack_rounds: list[int]
+    targets: dict[str, list[int]]
+    budget: dict
+    victim: dict | None
+    threat_model: dict
+    per_target: list[dict]
+    checks: dict
+    notes: list[str]
+    label_scores: list[dict] | None = None
+
+    def record(self, seconds: float, context: dict | None = None, notes_before: list[str] = ()) -> dict:
+        """The summary as one JSON-ready dict (keys in the order ``summary.json`` has always had):
+        ``context`` (settings, run facts, provenance) goes before the notes, ``notes_before`` first
+        among them."""
+        out = {"method": self.method, "attack": self.attack, "dataset": self.dataset, "run": self.run,
+               **{k: self.scores[k] for k in SUMMARY_KEYS}, **self.statistics,
+               "label_accuracy": self.label_accuracy, "class_presence_accuracy": self.class_presence_accuracy,
+               "images_scored": self.images_scored, "seconds": round(seconds, 2), "seed": self.seed,
+               "attack_rounds": list(self.attack_rounds), "targets": self.targets, "budget": self.budget,
+               "victim": self.victim, "threat_model": self.threat_model, "per_target": self.per_target,
+               **self.checks, **(context or {}), "notes": list(notes_before) + list(self.notes)}
+        if self.label_scores:
+            out["label_scores"] = self.label_scores
+        return out
+
+
+@dataclass(frozen=True)
+class AttackOutcome:
+    """``rows`` (``IMAGE_COLUMNS`` or, for a label attack, ``LABEL_COLUMNS``), ``panels`` (truth,
+    reconstruction, PSNR, caption) for the figure, and the ``summary``."""
+
+    spec: AttackSpec
+    rows: list[dict]
+    panels: list[tuple]
+    summary: AttackSummary
+
+    @property
+    def columns(self) -> list[str]:
+        return IMAGE_COLUMNS if self.spec.rebuilds_images else LABEL_COLUMNS
+
+
+def attack_recorded(run: RecordedRun, attack: AttackSpec | str, targets: dict[int, list[int]], threat: ThreatModel,
+                    budget: Budget, *, seed: int, batched: bool = True, victim: VictimSetting | None = None,
+                    threads: int = 1, progress: bool = True) -> AttackOutcome:
+    """Attack the ``targets`` ({round: clients}) of a recorded run under ``threat`` with ``budget``,
+    then score against its ground truth. ``seed`` seeds every target's starts and the statistics;
+    ``batched`` lets targets that share a model be optimised together; ``victim`` (batch, steps) is
+    the victim setting the targets trained in (None: their real local training); ``threads`` the
+    torch threads of each attack batch."""
+    spec = get(attack) if isinstance(attack, str) else attack
+    notes: list[str] = []
+    auxiliary = _auxiliary(run, threat, targets)
+    # gradient attacks compute on the run's device; proto and labels (cheap, no vmap) on the CPU
+    device = run.device if spec.kind == "gradient" else "cpu"
+    jobs = []
+    for r in sorted(targets):
+        for c in targets[r]:
+            exchange = run.recorder.get(r, c)
+            if exchange is None or exchange.upload is None:
+                notes.append(f"round {r} client {c}: no upload was recorded (dropped)")
+                continue
+            jobs.append(Target(r, c, run.observe(r, c, threat, victim, auxiliary=auxiliary, device=device)))
+    _attack_targets(run, spec, jobs, budget, threat.mode, seed, batched, threads, progress)
+    prior = run.dataset.images.mean(dim=0)
+    panels: list[tuple] = []
+    for job in jobs:
+        if isinstance(job.result, NotApplicable):
+            notes.append(f"round {job.round} client {job.client}: {job.result}")
+            continue
+        # ---- scoring: ground truth is read only here, after the attack returned ----
+        job.rows = _score_target(run, spec, job, prior, panels, notes, auxiliary)
+    scored = [j for j in jobs if isinstance(j.result, AttackResult)]
+    notes += _shared_notes(scored)
+    rows = [row for j in scored for row in j.rows]
+    summary = _summary(run, spec, targets, threat, budget, seed, batched, victim, scored, rows, notes)
+    return AttackOutcome(spec, rows, panels, summary)
+
+
+def _auxiliary(run: RecordedRun, threat: ThreatModel, targets: dict[int, list[int]]):
+    """The public data ``threat.aux_data`` names, without the attacked clients' own images."""
+    if threat.aux_data is None:
+        return None
+    attacked = [run.ground_truth.training_set(r, c) for r in targets for c in targets[r]]
+    return auxiliary_data(threat.aux_data, run.dataset, np.concatenate(attacked) if attacked else None)
+
+
+def _attack_targets(run: RecordedRun, spec: AttackSpec, jobs: list[Target], budget: Budget, mode: str, seed: int,
+                    batched: bool, threads: int, progress: bool) -> None:
+    """Attack every job: planned once by ``attacks.plan`` (targets that share a model are optimised
+    together when batched), each batch run by ``run.backend.map`` (here, or as a Ray task)."""
+    from tqdm import tqdm
+
+    from . import plan
+
+    seeds = [derive_seed(seed, j.round, j.client, 0xA7) % 2**31 for j in jobs]
+    batches, failed = plan(spec.name, [j.observation for j in jobs], budget, mode, batched)
+    bar = tqdm(total=len(jobs), desc=f"{spec.name} on {run.label}", unit="target", disable=not progress)
+    outcomes = run.backend.map(Batch.run, [(b, [seeds[i] for i in b.indices]) for b in batches],
+                               threads=threads, on_result=lambda k: bar.update(len(batches[k].indices)))
+    bar.close()
+    for i, exc in failed.items():
+        jobs[i].result = exc
+    for batch, outcome in zip(batches, outcomes):
+        for i, result in zip(batch.indices, outcome):  # scored on the CPU (its variables stay for the check)
+            jobs[i].result = replace(result, images=result.images.cpu(), labels=result.labels.cpu())
+
+
+def class_priors(run: RecordedRun, round: int, client: int, auxiliary) -> torch.Tensor:
+    """(C, ...) class-mean images of data the attacker could hold: its public data when it has some,
+    else every pooled image but the target client's own training images."""
+    if auxiliary is not None:
+        images, labels = auxiliary
+    else:
+        keep = torch.ones(len(run.dataset), dtype=torch.bool)
+        keep[torch.from_numpy(run.ground_truth.training_set(round, client))] = False
+        images, labels = run.dataset.images[keep], run.dataset.labels[keep]
+    sums = torch.zeros(run.dataset.num_classes, *images.shape[1:]).index_add_(0, labels, images)
+    counts = torch.bincount(labels, minlength=run.dataset.num_classes).clamp_min(1)
+    return sums / counts.view(-1, *([1] * (images.dim() - 1)))
+
+
+def _score_target(run: RecordedRun, spec: AttackSpec, job: Target, prior: torch.Tensor, panels: list,
+                  notes: list[str], auxiliary=None) -> list[dict]:
+    result, dataset = job.result, run.dataset
+    base = {"method": run.method.name, "attack": spec.name, "mode": str(result.trace.get("mode", "n/a")),
+            "round": job.round, "client": job.client}
+    if spec.scoring == "labels":  # the label distribution of the client's whole local training set
+        predicted = torch.as_tensor(result.trace["label_distribution"], dtype=torch.float64)
+        local = dataset.labels[torch.from_numpy(run.ground_truth.training_set(job.round, job.client))]
+        true_counts = torch.bincount(local, minlength=dataset.num_classes)
+        result.trace["label_score"] = score_label_distribution(predicted, true_counts)
+        total = max(int(true_counts.sum()), 1)
+        return [{**base, "class": k, "true_count": int(true_counts[k]), "true_proportion": float(true_counts[k]) / total,
+                 "predicted_proportion": float(predicted[k])} for k in range(dataset.num_classes)]
+    if spec.matching is not None or spec.scoring == "class-images":
+        job.check = forward_check(run, spec, job)
+    idx = torch.from_numpy(run.ground_truth.samples(job.round, job.client))
+    truths, truth_labels = dataset.images[idx], dataset.labels[idx]
+    if spec.malicious:
+        return _score_malicious(run, job, base, truths, truth_labels, prior, panels, auxiliary)
+    if len(truths) > len(result.images) or spec.scoring == "class-images":
+        note = ("each reconstruction is scored against its best match among the images the client trained "
+                "on in that round (for proto: among the images of its class); the prior against the same image")
+        if note not in notes:
+            notes.append(note)
+    rows = []
+    priors = class_priors(run, job.round, job.client, auxiliary)
+    counts = (result.trace.get("closed_form") or {}).get("label_counts")
+    count_error = (None if counts is None else
+                   int((torch.tensor(counts) - torch.bincount(truth_labels, minlength=len(counts))).abs().sum()))
+    for i, j, row in score_images(spec.scoring, result.images, result.labels, truths, truth_labels, prior, priors):
+        rows.append({**base, "image": i, "psnr": row["psnr"], "ssim": row["ssim"], "prior_psnr": row["prior_psnr"],
+                     "class_prior_psnr": row["class_prior_psnr"],
+                     "label_true": int(truth_labels[j]),
+                     "label_pred": int(result.labels[i]) if i < len(result.labels) else -1,
+                     **{k: job.check.get(k) for k in IMAGE_COLUMNS if k in CHECK_KEYS}, "label_count_error": count_error})
+        if len(panels) < MAX_PANELS:
+            panels.append((truths[j], result.images[i], row["psnr"], f"r{job.round} c{job.client}"))
+    return rows
+
+
+def _score_malicious(run: RecordedRun, job: Target, base: dict, truths, truth_labels, prior, panels: list,
+                     auxiliary) -> list[dict]:
+    """Every image the client trained on: its recovered input's relative error and the image rebuilt
+    from it (``attacks.malicious.scoring.score_recovered``)."""
+    from .malicious.scoring import score_recovered
+
+    priors = class_priors(run, job.round, job.client, auxiliary)
+    rows = []
+    for row in score_recovered(run.make_model, run.crafted[(job.round, job.client)], job.result, truths, prior):
+        j = row["truth_index"]
+        rows.append({**base, "image": j, "psnr": row["psnr"], "ssim": row["ssim"], "prior_psnr": row["prior_psnr"],
+                     "class_prior_psnr": float(psnr(priors[int(truth_labels[j])], truths[j])),
+                     "label_true": int(truth_labels[j]), "label_pred": -1, "input_error": row["input_error"]})
+        if len(panels) < MAX_PANELS and row["reconstruction"] >= 0:
+            panels.append((truths[j], job.result.images[row["reconstruction"]], row["psnr"],
+                           f"r{job.round} c{job.client}"))
+    return rows
+
+
+def forward_check(run: RecordedRun, spec: AttackSpec, job: Target) -> dict:
+    """``attacks.inversion.forward_check.check`` (prototype inversion: ``prototype_check``) with the
+    target's ground truth (its training set in order, its batches): read here, after the attack returned."""
+    from .inversion.forward_check import check, prototype_check
+
+    idx = torch.from_numpy(run.ground_truth.training_set(job.round, job.client))
+    if spec.matching is None:  # prototype inversion: the client's true class images against the inverted sets
+        return prototype_check(job.observation, job.result, run.dataset.images[idx], run.dataset.labels[idx])
+    mode = str(job.result.trace.get("mode", "auto")).replace("scaled-gradient", "scaled")
+    device = job.observation.device
+    return check(job.observation, mode, spec.matching, job.result, run.dataset.images[idx].to(device),
+                 run.dataset.labels[idx].to(device), run.ground_truth.schedule(job.round, job.client))
+
+
+def _shared_notes(scored: list[Target]) -> list[str]:
+    """Each attack note once, saying which targets it applies to."""
+    where: dict[str, list[tuple[int, int]]] = {}
+    for job in scored:
+        for note in job.result.notes:
+            where.setdefault(note, []).append((job.round, job.client))
+    attacked = [(j.round, j.client) for j in scored]
+    out = []
+    for text, pairs in where.items():
+        if pairs == attacked:
+            out.append(text if len(attacked) == 1 else f"every target: {text}")
+        else:
+            out.append(", ".join(f"round {r} client {c}" for r, c in pairs) + f": {text}")
+    return out
+
+
+def _statistics(run: RecordedRun, spec: AttackSpec, rows: list[dict], seed: int) -> dict:
+    """The leakage statistics (``attacks.metrics.leakage_statistics``), a malicious server's input
+    shares, and the clients' download check when one ran."""
+    statistics = leakage_statistics(rows, seed=seed) if spec.rebuilds_images else {}
+    if spec.malicious:
+        from .malicious.scoring import input_statistics
+
+        statistics.update(input_statistics(rows, seed))
+    if run.download_check is not None:
+        attacked = set(run.crafted) if spec.malicious else set()
+        statistics["download_check"] = run.download_check.summary(attacked)
+    return statistics
+
+
+def _summary(run: RecordedRun, spec: AttackSpec, targets: dict, threat: ThreatModel, budget: Budget, seed: int,
+             batched: bool, victim: VictimSetting | None, scored: list[Target], rows: list[dict],
+             notes: list[str]) -> AttackSummary:
+    label_scores = [j.result.trace["label_score"] for j in scored if "label_score" in j.result.trace]
+    scores = summarize_scores(rows) if spec.rebuilds_images else {k: float("nan") for k in SUMMARY_KEYS}
+    if spec.scoring == "images":
+        label_accuracy = prediction_accuracy([(r["label_true"], r["label_pred"]) for r in rows])
+    else:
+        label_accuracy = float("nan")
+        if spec.scoring == "class-images":
+            notes = notes + [f"{spec.name} images are labelled by the prototype's class: label_accuracy does not apply"]
+    presence = [s["class_presence_accuracy"] for s in label_scores]
+    rounds = sorted(targets)
+    return AttackSummary(
+        method=run.method.name, attack=spec.name, dataset=run.dataset.name, run=run.label, scores=scores,
+        statistics=_statistics(run, spec, rows, seed), label_accuracy=label_accuracy,
+        class_presence_accuracy=float(np.mean(presence)) if presence else float("nan"),
+        images_scored=len(rows) if spec.rebuilds_images else 0, seed=seed, attack_rounds=rounds,
+        targets={str(r): targets[r] for r in rounds},
+        budget={"iterations": budget.iterations, "restarts": budget.restarts, "images_per_target": budget.batch,
+                "batched": batched},
+        victim=None if victim is None else {"batch": victim.batch, "steps": victim.steps},
+        threat_model={"hyperparameters_known": threat.hyperparameters_known, "head_known": threat.head_known,
+                      "mode_requested": threat.mode,
+                      "modes_used": sorted({str(j.result.trace.get("mode", "n/a")) for j in scored}),
+                      "server_sees": "download as sent, upload as received, the client's previous upload, "
+                                     "the initial model",
+                      **({"server": f"malicious: sends the attacked clients a crafted download ({threat.craft})"}
+                         if spec.malicious else {})},
+        per_target=[{"round": j.round, "client": j.client, "mode": str(j.result.trace.get("mode", "n/a")),
+                     "objective": float(j.result.trace.get("objective", float("nan"))),
+                     "seconds": round(float(j.result.trace.get("seconds", float("nan"))), 3),
+                     "batched_with": int(j.result.trace.get("batched_with", 1)), **j.check} for j in scored],
+        checks=check_summary([j.check for j in scored if j.check]), notes=notes,
+        label_scores=label_scores or None)
+
+
+def check_summary(checks: list[dict]) -> dict:
+    """The forward-model check over all targets: whether any was mis-specified, how many stopped short
+    of the truth's objective (``not_converged``), the worst replay."""
+    if not checks:
+        return {"mis_specified": None, "mis_specified_targets": None, "not_converged_targets": None,
+                "replay_cosine_min": None}
+    flags = [c["mis_specified"] for c in checks if c.get("mis_specified") is not None]
+    short = [c["not_converged"] for c in checks if c.get("not_converged") is not None]
+    cosines = [c["replay_cosine"] for c in checks if c.get("replay_cosine") is not None]
+    return {"mis_specified": any(flags) if flags else None, "mis_specified_targets": sum(flags) if flags else None,
+            "not_converged_targets": sum(short) if short else None,
+            "replay_cosine_min": min(cosines) if cosines else None}
