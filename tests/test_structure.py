@@ -48,3 +48,37 @@ def test_imports_flow_one_way(package):
                 if top in ALLOWED and top not in ALLOWED[package]:
                     wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
     assert wrong == []
+
+
+def test_attack_families_are_folders():
+    """Each attack family lives in its own package under ``attacks/`` (adding an attack: one file in its
+    family's folder plus a registry line); cross-family modules stay at the top."""
+    for family in ("inversion", "membership", "malicious"):
+        assert (ROOT / "attacks" / family / "__init__.py").is_file(), family
+    for module in ("dlg", "ig", "proto", "labels", "closed_form", "observation", "lira", "rmia"):
+        assert not (ROOT / "attacks" / f"{module}.py").exists(), f"attacks/{module}.py belongs in its family's folder"
+
+
+def private_imports_between_modules(package: str = "fedsec") -> list[str]:
+    """``path:line imports module._name`` for every underscore name one module of ``package`` imports
+    from another of its modules."""
+    found = []
+    for path, tree in _modules(package):
+        here = path.relative_to(ROOT).with_suffix("").parts
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:  # relative: resolve against this module's package
+                source = here[:len(here) - node.level] + tuple((node.module or "").split(".")) if node.module else \
+                    here[:len(here) - node.level]
+            else:
+                source = tuple((node.module or "").split("."))
+            if source[:1] != (package,) or source == here:
+                continue
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {'.'.join(source)}.{a.name}"
+                      for a in node.names if a.name.startswith("_")]
+    return found
+
+
+def test_fedsec_modules_do_not_import_each_others_private_helpers():
+    assert private_imports_between_modules() == []
