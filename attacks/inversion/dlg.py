@@ -49,6 +49,7 @@ from ..base import STARTS, AttackResult, Budget, Observation
 from .batching import Batch, BatchedLBFGS, plan_by_model, stack_targets
 from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
 from .forward_model import FAMILY_PARAMETERS, GradientMatcher, family_start
+from .restarts import BestOfStarts, result_from_best
 
 LBFGS_LR = 1.0
 # a start whose best objective improved by less than 1 % over the last 15 L-BFGS steps (up to 300
@@ -221,9 +222,9 @@ class _LockstepDLG:
         self.lbfgs = BatchedLBFGS(n, size, lr=LBFGS_LR, device=lead.matcher.observation.device)
         self.notes = [list(s.notes) for s in setups]
         self.restart = [0] * n
-        self.best = [{"objective": float("inf"), "images": None, "labels": None} for _ in setups]
+        self.starts = BestOfStarts(n)
         self.runs: list[dict] = [{} for _ in setups]
-        self.record = [{"objectives": [], "histories": [], "evaluations": 0, "stalled": []} for _ in setups]
+        self.record = [{"evaluations": 0, "stalled": []} for _ in setups]
 
     def begin(self, k: int) -> None:
         x, y, z = _start(self.setups[k], self.seeds[k], self.restart[k])
@@ -231,12 +232,9 @@ class _LockstepDLG:
         self.runs[k] = {"objective": float("inf"), "images": None, "labels": None, "evals": 0, "history": []}
 
     def finish(self, k: int) -> None:
-        run, record = self.runs[k], self.record[k]
-        record["evaluations"] += run["evals"]
-        record["objectives"].append(run["objective"])
-        record["histories"].append(run["history"])
-        if run["images"] is not None and run["objective"] < self.best[k]["objective"]:
-            self.best[k] = run
+        run = self.runs[k]
+        self.record[k]["evaluations"] += run["evals"]
+        self.starts.offer(k, run["objective"], run["history"], run if run["images"] is not None else None)
         self.restart[k] += 1
         if self.restart[k] < max(1, int(self.budget.restarts)):
             self.begin(k)
@@ -298,8 +296,8 @@ class _LockstepDLG:
             for k in self.lbfgs.tell(told, losses, grads[told_rows]):
                 self.after_step(k)
         share = (time.perf_counter() - start_time) / self.n
-        return [_result(setup, self.best[k], self.notes[k],
-                        {"restart_objectives": self.record[k]["objectives"], "history": self.record[k]["histories"],
+        return [_result(setup, self.starts.best[k], self.notes[k],
+                        {"restart_objectives": self.starts.objectives[k], "history": self.starts.histories[k],
                          "evaluations": self.record[k]["evaluations"], "stalled_at_steps": self.record[k]["stalled"],
                          "seconds": share, "batched_with": self.n, "optimizer": "L-BFGS (batched)"})
                 for k, setup in enumerate(self.setups)]
@@ -311,8 +309,7 @@ def _optimise_one(setup: _Setup, budget: Budget, seed: int) -> AttackResult:
     notes, labels = list(setup.notes), setup.labels
     fixed = labels is not None
     transform = setup.gradient_and_value()
-    best = {"objective": float("inf"), "images": None, "labels": None}
-    objectives, histories, evaluations, stalled = [], [], 0, []
+    starts, evaluations, stalled = BestOfStarts(1), 0, []
     for restart in range(max(1, int(budget.restarts))):
         x, y, z = _start(setup, seed, restart)
         variables = [v.requires_grad_(True) for v in (x, y, z) if v is not None and v.numel()]
@@ -348,11 +345,9 @@ def _optimise_one(setup: _Setup, budget: Budget, seed: int) -> AttackResult:
             if verdict:
                 break
         evaluations += run["evals"]
-        objectives.append(run["objective"])
-        histories.append(history)
-        if run["images"] is not None and run["objective"] < best["objective"]:
-            best = run
-    return _result(setup, best, notes, {"restart_objectives": objectives, "history": histories,
+        starts.offer(0, run["objective"], history, run if run["images"] is not None else None)
+    return _result(setup, starts.best[0], notes, {"restart_objectives": starts.objectives[0],
+                                                  "history": starts.histories[0],
                                         "evaluations": evaluations, "stalled_at_steps": stalled,
                                         "seconds": time.perf_counter() - start_time})
 
@@ -367,24 +362,9 @@ def _after_step(history: list[float]) -> str | None:
     return None
 
 
-def _result(setup: _Setup, best: dict, notes: list[str], trace: dict) -> AttackResult:
-    b = setup.originals
-    if best["images"] is None:  # every start diverged at once
-        device = setup.matcher.observation.device
-        best = {"objective": float("nan"), "images": torch.full(setup.shape, 0.5, device=device),
-                "labels": torch.full((b,), -1, dtype=torch.int64, device=device), "probs": None}
-        notes = notes + ["the optimisation failed from every start: the output is a grey image"]
-    labels = best["labels"].to(torch.int64)
-    probs = best.get("probs")
-    if probs is None and bool((labels >= 0).all()):
-        probs = torch.nn.functional.one_hot(labels, setup.num_classes).to(torch.float32)
-    rebuilt = setup.matcher.reconstructions(best["images"])
-    if setup.matcher.labels_unused:  # no label was inferred
-        labels = torch.full_like(labels, -1)
-    return AttackResult(images=rebuilt.clamp(0, 1), labels=labels[:len(rebuilt)],
-                        trace={**setup.trace, "objective": best["objective"], **trace}, notes=notes,
-                        variables={"images": best["images"], "labels": probs,
-                                   "copy_parameters": best.get("copy_parameters")})
+def _result(setup: _Setup, best: dict | None, notes: list[str], trace: dict) -> AttackResult:
+    return result_from_best(setup.matcher, best, shape=setup.shape, originals=setup.originals,
+                            num_classes=setup.num_classes, notes=notes, setup_trace=setup.trace, trace=trace)
 
 
 class _Diverged(Exception):

@@ -49,6 +49,7 @@ from .batching import Batch, plan_by_model, stack_targets
 from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
 from .dlg import _seed, counted_labels, idlg_labels
 from .forward_model import FAMILY_PARAMETERS, GradientMatcher, family_start
+from .restarts import BestOfStarts, result_from_best
 
 LR = 0.1
 TV_WEIGHT = 0.01
@@ -143,9 +144,7 @@ class _StackedIG:
         self.data_term = vmap(data_term)
         self.steps: list[list[int]] = [[] for _ in setups]
         self.notes = [list(s.notes) for s in setups]
-        self.best: list[dict] = [{"objective": float("inf")} for _ in setups]
-        self.restart_objectives: list[list[float]] = [[] for _ in setups]
-        self.histories: list[list[list[float]]] = [[] for _ in setups]
+        self.starts = BestOfStarts(self.n)
 
     def _variables(self, restart: int, active: list[int]) -> list[torch.Tensor]:
         """The ``active`` targets' seeded starts, stacked: images, then label logits (unless fixed), then
@@ -224,22 +223,19 @@ class _StackedIG:
             data = self.data_term(*self._inputs(variables, active))
         for j, i in enumerate(active):
             final = float(finals[j])
-            self.restart_objectives[i].append(final)
-            self.histories[i].append(history[j])
             self.steps[i].append(steps)
-            if final < self.best[i]["objective"] or "images" not in self.best[i]:
-                probs = (F.one_hot(self.labels[i], self.num_classes).to(torch.float32) if self.fixed
-                         else torch.softmax(variables[1][j].detach(), dim=-1))
-                self.best[i] = {"objective": final, "data_term": float(data[j]),
-                                "images": variables[0][j].detach().clone(),
-                                "labels": self.labels[i].clone() if self.fixed
-                                else variables[1][j].detach().argmax(dim=-1), "probs": probs,
-                                "copy_parameters": variables[-1][j].detach().clone() if self.copies else None}
+            probs = (F.one_hot(self.labels[i], self.num_classes).to(torch.float32) if self.fixed
+                     else torch.softmax(variables[1][j].detach(), dim=-1))
+            self.starts.offer(i, final, history[j], {
+                "objective": final, "data_term": float(data[j]), "images": variables[0][j].detach().clone(),
+                "labels": self.labels[i].clone() if self.fixed else variables[1][j].detach().argmax(dim=-1),
+                "probs": probs, "copy_parameters": variables[-1][j].detach().clone() if self.copies else None})
 
     def _restart_targets(self) -> list[int]:
         """The targets a further start may still improve: those whose kept data term is above
         SOLVED_DATA_TERM (the rest already match the observation to float rounding)."""
-        return [i for i in range(self.n) if not self.best[i].get("data_term", float("inf")) <= SOLVED_DATA_TERM]
+        best = self.starts.best
+        return [i for i in range(self.n) if best[i] is None or not best[i]["data_term"] <= SOLVED_DATA_TERM]
 
     def run(self) -> list[AttackResult]:
         start_time = time.perf_counter()
@@ -251,20 +247,14 @@ class _StackedIG:
         share = (time.perf_counter() - start_time) / self.n
         results = []
         for i, setup in enumerate(self.setups):
-            trace = {**setup.trace, "objective": self.best[i]["objective"], "data_term": self.best[i]["data_term"],
-                     "restart_objectives": self.restart_objectives[i], "steps_per_start": self.steps[i],
-                     "history": self.histories[i], "seconds": share}
+            best = self.starts.best[i]
+            trace = {"data_term": best["data_term"], "restart_objectives": self.starts.objectives[i],
+                     "steps_per_start": self.steps[i], "history": self.starts.histories[i], "seconds": share}
             if self.n > 1:
                 trace["batched_with"] = self.n
-            best = self.best[i]
-            rebuilt = setup.matcher.reconstructions(best["images"])
-            labels = best["labels"].to(torch.int64)[:len(rebuilt)]
-            if setup.matcher.labels_unused:  # no label was inferred
-                labels = torch.full_like(labels, -1)
-            results.append(AttackResult(images=rebuilt.clamp(0, 1), labels=labels,
-                                        trace=trace, notes=self.notes[i],
-                                        variables={"images": best["images"], "labels": best["probs"],
-                                                   "copy_parameters": best["copy_parameters"]}))
+            results.append(result_from_best(setup.matcher, best, shape=self.shape, originals=self.originals,
+                                            num_classes=self.num_classes, notes=self.notes[i],
+                                            setup_trace=setup.trace, trace=trace))
         return results
 
 
