@@ -6,7 +6,7 @@
   spends it).
 * **Batched IG**: Inverting Gradients on 16 targets in one vmapped batch (``attacks.attack_many``,
   ``bench/attack_speed.py``'s classic setting: the FedAvg-style one-step update of one mnist5k image
-  each, its tensors and model moved to the device as ``attacks.observation.observe`` does),
+  each, its tensors and model moved to the device as ``attacks.inversion.observation.observe`` does),
   ``--ig-iterations`` Adam steps, one start; images/s = 16 ÷ seconds.
 
     python bench/device.py [--threads 1] [--arch cnn28] [--ig-iterations 50]

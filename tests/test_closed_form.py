@@ -1,4 +1,4 @@
-"""The closed-form stage of the gradient attacks (``attacks.closed_form``): what an upload fixes exactly
+"""The closed-form stage of the gradient attacks (``attacks.inversion.closed_form``): what an upload fixes exactly
 equals the truth, and the attack built on it is judged right by the forward check."""
 from __future__ import annotations
 

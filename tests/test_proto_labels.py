@@ -1,4 +1,4 @@
-"""Prototype inversion (attacks/proto.py) and label-distribution inference (attacks/labels.py).
+"""Prototype inversion (attacks/inversion/proto.py) and label-distribution inference (attacks/inversion/labels.py).
 
 Small fixed-seed cases on the 8x8 ``digits`` set, against the real FedPAC / FedProto /
 FedeCouple / FedAvg / FedPer / FedRep methods where the test needs a method's real upload.

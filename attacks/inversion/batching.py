@@ -11,10 +11,10 @@ rounding) to computing them one by one.
 How the optimiser is batched depends on the attack:
 
 * Adam (Inverting Gradients) is element-wise: one Adam over the stacked variables *is* one Adam per
-  target (``attacks.ig``).
+  target (``attacks.inversion.ig``).
 * L-BFGS (DLG, iDLG) is not: its history and step size couple all the variables it optimises.
   ``BatchedLBFGS`` is torch's L-BFGS with one state per target and the arithmetic vectorised over
-  the targets; every running target takes part in every batched evaluation (``attacks.dlg``).
+  the targets; every running target takes part in every batched evaluation (``attacks.inversion.dlg``).
 
 Equal "to float rounding" is all one can promise: batched kernels round differently from
 one-image kernels (≈1e-7 relative on the objective and its gradient). Where an optimisation

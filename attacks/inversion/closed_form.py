@@ -2,7 +2,7 @@
 
 Each method declares, beside its replay, what its upload gives away in closed form
 (``Method.closed_form``); ``derive`` computes it from the observation alone and every gradient
-attack uses it through ``attacks.observation.GradientMatcher`` (recorded in the trace under
+attack uses it through ``attacks.inversion.forward_model.GradientMatcher`` (recorded in the trace under
 ``closed_form``):
 
 * ``"last-linear"`` — when the extractor takes **one unaugmented SGD step on one image** (the
@@ -35,7 +35,7 @@ attack uses it through ``attacks.observation.GradientMatcher`` (recorded in the 
 * ``"labels"`` (and every method whose upload holds the classifier's update or class counts) —
   the per-class label counts of the images one step trained on (``label_counts``): from an
   uploaded ``class_counts`` field where there is one (exact), else for one image iDLG's rule on the
-  classifier's weight update (``attacks.dlg.idlg_labels``), else, for one plain step of a
+  classifier's weight update (``attacks.inversion.dlg.idlg_labels``), else, for one plain step of a
   classifier sent in the download, from its bias update: Δb = −lr·(p̄ − n/B), so
   n̂ = B·(p̂ + Δb/lr) with p̂ the downloaded model's mean prediction, estimated at the public pixel
   mean image (exact after rounding whenever |p̂ − p̄| < 1/(2B)); rounded to B by largest
@@ -240,7 +240,7 @@ def label_counts(obs: Observation, update, model) -> tuple[torch.Tensor | None, 
 
 def derive(obs: Observation, update, model, mode: str) -> ClosedForm:
     """The closed-form facts ``obs.method`` declares (``Method.closed_form``) that this observation
-    holds, from the observation alone (``update``: its ``attacks.observation.UpdateTarget``)."""
+    holds, from the observation alone (``update``: its ``attacks.inversion.observation.UpdateTarget``)."""
     declared = tuple(getattr(obs.method, "closed_form", ()))
     out = ClosedForm(trace={"declared": list(declared)})
     if "last-linear" in declared:

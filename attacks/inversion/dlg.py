@@ -13,7 +13,7 @@ improvement over 15 steps; this also ends a start whose L-BFGS has met its own g
 as every later step then returns at once): DLG on these models either converges or stalls. Pixels
 are not constrained during the optimisation (as in DLG); the result is clamped to [0, 1].
 
-The observed "gradient" comes from ``attacks.observation.GradientMatcher``: the upload's update
+The observed "gradient" comes from ``attacks.inversion.forward_model.GradientMatcher``: the upload's update
 Δ read as g = −Δ/(lr·steps) ("scaled-gradient"), or T local SGD steps replayed on the dummy
 ("replay"). When the hyperparameters are unknown only the direction of Δ is known: the objective
 then fits the scale in closed form, ‖a − s·b‖² with s = max(⟨a, b⟩, 0)/‖b‖².
@@ -29,7 +29,7 @@ sums are taken, B labels spread over them in proportion to |row sum| (a heuristi
 Without a classifier update (private head) iDLG falls back to DLG's joint label and says so.
 
 **Many targets.** ``plan``/``plan_idlg`` prepare a list of observations. Targets that share a
-model (``attacks.batching``) are optimised together: torch's L-BFGS algorithm with one state per
+model (``attacks.inversion.batching``) are optimised together: torch's L-BFGS algorithm with one state per
 target, vectorised (``BatchedLBFGS``), their objectives evaluated in one ``torch.func.vmap`` call.
 One target (``dlg``, or a group of one) runs torch's own ``LBFGS`` (``_optimise_one``), which
 ``BatchedLBFGS`` reproduces.
@@ -95,7 +95,7 @@ def idlg_labels(weight_gradient: torch.Tensor, count: int = 1) -> tuple[torch.Te
 
 def counted_labels(matcher: GradientMatcher, budget: Budget) -> torch.Tensor | None:
     """For a batch of several images, labels from the closed-form per-class counts
-    (``attacks.closed_form.label_counts``), class by class; None for one image (iDLG's rule) or
+    (``attacks.inversion.closed_form.label_counts``), class by class; None for one image (iDLG's rule) or
     without counts."""
     counts = matcher.closed.label_counts
     b = matcher.originals or max(1, int(budget.batch))
@@ -199,7 +199,7 @@ def _start(setup: _Setup, seed: int, restart: int) -> tuple[torch.Tensor, torch.
 def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int]) -> list[AttackResult]:
     """DLG's L-BFGS on targets that share a model (``setups[0]``'s), all at once.
 
-    Per target what ``_optimise_one`` does with torch's L-BFGS (``attacks.batching.BatchedLBFGS``):
+    Per target what ``_optimise_one`` does with torch's L-BFGS (``attacks.inversion.batching.BatchedLBFGS``):
     up to ``budget.iterations`` steps from each of ``budget.restarts`` starts, the lowest-objective
     iterate kept, a start ended early when it converged, stalled or diverged."""
     if len(setups) == 1:
@@ -392,7 +392,7 @@ def _optimise_group(budget: Budget, setups: Sequence[_Setup], seeds: Sequence[in
 def plan(observations: Sequence[Observation], budget: Budget, mode: str = "auto", batched: bool = True, *,
          fixed_labels: bool = False, name: str = "dlg") -> tuple[list[Batch], dict]:
     """DLG (or iDLG with ``fixed_labels``) on many targets: one ``Batch`` per group of targets that
-    share a model (``attacks.batching``), each optimised together by ``BatchedLBFGS``."""
+    share a model (``attacks.inversion.batching``), each optimised together by ``BatchedLBFGS``."""
     prepare = functools.partial(_setup, budget=budget, mode=mode, fixed_labels=fixed_labels, name=name)
     return plan_by_model(prepare, functools.partial(_optimise_group, budget), observations, batched)
 

@@ -7,7 +7,7 @@ Two checks per target:
   client's true images, true batch order and true augmentation draws, against the update the
   server observed: cosine and relative error of Δ over the attacked weights. About 1 (and 0) when
   the replay is the client's computation; this measures the method's replay, not the attack's
-  guesses. Where the attack used a head-free closed form (``attacks.closed_form``) instead of the
+  guesses. Where the attack used a head-free closed form (``attacks.inversion.closed_form``) instead of the
   replay, that computation on the true image.
 * ``objective_truth`` / ``objective_reconstruction``: the attack's own data-matching term (DLG's
   distance, IG's 1 − cosine; the image prior is left out so that a smoothness prior cannot decide
@@ -56,7 +56,7 @@ def replay_agreement(obs: Observation, images: torch.Tensor, labels: torch.Tenso
 
 
 def head_free_agreement(matcher: GradientMatcher, images: torch.Tensor) -> dict:
-    """``replay_agreement`` for a head-free closed form (``attacks.closed_form``): its update on the
+    """``replay_agreement`` for a head-free closed form (``attacks.inversion.closed_form``): its update on the
     client's true image (the signal read from the observed update) against the observed update."""
     with torch.no_grad():
         dummy = matcher.dummy(images, torch.zeros(len(images), dtype=torch.int64))
@@ -146,7 +146,7 @@ def check(obs: Observation, mode: str, kind: str, result: AttackResult, images: 
 
 
 def prototype_check(obs: Observation, result: AttackResult, images: torch.Tensor, labels: torch.Tensor) -> dict:
-    """The forward check of prototype inversion (``attacks.proto``): per inverted class, its data term
+    """The forward check of prototype inversion (``attacks.inversion.proto``): per inverted class, its data term
     (the objective without TV) at the client's true images of that class (their mean feature is the
     prototype when the extractor is the one that computed it) against the kept set's; summed over
     the classes. ``mis_specified``: the truth matches worse than the reconstruction (the inverted

@@ -213,7 +213,7 @@ class GradientMatcher:
         self._set_up_closed_form()
 
     def _set_up_closed_form(self) -> None:
-        """The method's closed-form stage (``attacks.closed_form``): its exact facts become extra
+        """The method's closed-form stage (``attacks.inversion.closed_form``): its exact facts become extra
         matching terms after the targets (``extra_weights``), and with a head-free last linear layer
         the dummy's update is computed with the layer's known error signal instead of a stand-in head."""
         self.notes += self.closed.notes
@@ -513,7 +513,7 @@ class GradientMatcher:
         """Whether ``other``'s dummy quantity is the same function of (x, y) as this one's: same
         before-state, buffers, attacked parameters, mode, hyperparameters and architecture (and, in
         the method mode, the same download and kept model). Targets that share a model can be
-        attacked in one batched optimisation (``attacks.batching``)."""
+        attacked in one batched optimisation (``attacks.inversion.batching``)."""
         if self.model_key != other.model_key or type(self.model) is not type(other.model):
             return False
         # buffers too: functional_call takes them (e.g. the normalisation's mean and std) from one model

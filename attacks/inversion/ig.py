@@ -8,7 +8,7 @@ with ĝ and g the dummy's and the observed gradient-like update over *all attack
 (one cosine of the concatenated vectors, the paper's "equal weights"), and TV the anisotropic
 total variation, mean |x[i+1, j] − x[i, j]| + mean |x[i, j+1] − x[i, j]| (over batch and
 channels). The cosine ignores the update's scale, so the attack works whether or not the learning
-rate is known. ``g`` comes from ``attacks.observation.GradientMatcher`` (scaled-gradient, replay or
+rate is known. ``g`` comes from ``attacks.inversion.forward_model.GradientMatcher`` (scaled-gradient, replay or
 method mode, named in the trace); in the method mode ĝ and g are the replayed and the observed
 update Δ, and each statistic the method uploads adds its relative squared error to the objective.
 
@@ -26,10 +26,10 @@ round 0, one image, one step, 1000 iterations: 21.8 / 33.9 / 30.1 dB) and is rep
 (BENCHMARKS.md, with the whole sweep).
 
 Many targets: ``plan`` groups the targets that share a model
-(``attacks.batching``) as one stacked batch; Adam and the sign step are element-wise, so each target
+(``attacks.inversion.batching``) as one stacked batch; Adam and the sign step are element-wise, so each target
 gets the same optimisation as alone. One target is simply a batch of one.
 
-Labels: for one image with a classifier update, iDLG's rule (``attacks.dlg.idlg_labels``);
+Labels: for one image with a classifier update, iDLG's rule (``attacks.inversion.dlg.idlg_labels``);
 otherwise label logits are optimised jointly with the images (same optimiser), as in the authors'
 code for batches.
 """
@@ -273,7 +273,7 @@ def _optimise_group(budget: Budget, tv_weight: float, lr: float, setups: Sequenc
 def plan(observations: Sequence[Observation], budget: Budget, mode: str = "auto", batched: bool = True,
          tv_weight: float = TV_WEIGHT, lr: float = LR) -> tuple[list[Batch], dict]:
     """IG on many targets: one ``Batch`` per group of targets that share a model
-    (``attacks.batching``), optimised as one stacked Adam: the same optimisation per target as one by
+    (``attacks.inversion.batching``), optimised as one stacked Adam: the same optimisation per target as one by
     one, each evaluation equal to float rounding (which the sign step can occasionally flip)."""
     prepare = functools.partial(_setup, budget=budget, mode=mode, tv_weight=tv_weight, lr=lr)
     return plan_by_model(prepare, functools.partial(_optimise_group, budget, tv_weight, lr), observations, batched)

@@ -17,7 +17,7 @@ finds, named in ``trace["source"]``:
    (``prototype_keys+classifier_update``).
 4. ``classifier_update`` — the classifier's update Δ = upload − before. For a classifier the
    server sends every round (FedAvg), "before" is this round's download, as for every gradient
-   attack (``attacks.observation.update_target``). For a classifier the client keeps across rounds
+   attack (``attacks.inversion.observation.update_target``). For a classifier the client keeps across rounds
    (FedeCouple's personal classifier, ``persistent_groups``), "before" is the federation's
    *initial* classifier (``observation.make_model()``, known to the server; every method here
    starts client state from it): the update then spans the client's whole training history on
@@ -152,7 +152,7 @@ def classifier_scores(observation: Observation, reference: str = "auto") -> tupl
     """(s_k, what was used, notes) from the classifier's update, or None when there is none usable.
 
     ``reference`` is the before-state the update is measured from: ``"round"`` — this round's
-    before-state as every gradient attack uses it (``attacks.observation.update_target``);
+    before-state as every gradient attack uses it (``attacks.inversion.observation.update_target``);
     ``"initial"`` — the federation's initial classifier (``observation.make_model()``);
     ``"auto"`` — ``initial`` for a classifier the client keeps across rounds (its whole training
     history on its own labels, see the module docstring), ``round`` otherwise."""

@@ -360,7 +360,7 @@ class Method:
     # the phases of ``local_phases`` whose SGD steps train the extractor
     extractor_phases: ClassVar[tuple[str, ...]] = ("local",)
     # what an upload of this method fixes in closed form, before any optimisation (read and computed
-    # by ``attacks.closed_form``): "last-linear" (when the extractor takes one unaugmented SGD step on
+    # by ``attacks.inversion.closed_form``): "last-linear" (when the extractor takes one unaugmented SGD step on
     # one image, the update of its last linear layer gives that layer's input and its error signal
     # δ exactly: weight row / bias entry), "labels" (the classifier's update gives the labels),
     # "statistics" (FedPAC's h and prototypes of a one-image client are its features),

@@ -44,7 +44,7 @@ class ReplayContext:
 
     ``before``: every model parameter at the start of local training as the server knows it (the
     download; for the parameters a client keeps across rounds, its previous upload of them; else the
-    initial weights, see ``attacks.observation.update_target``). ``kept``: the client's own last
+    initial weights, see ``attacks.inversion.observation.update_target``). ``kept``: the client's own last
     model as the server knows it (its previous upload where it has one, else the initial weights),
     which FedeCouple's classifier phase runs on. ``download``: what the server sent (global
     prototypes, a personalised head, ...). ``steps``: the local SGD steps in order. ``copies``: how
