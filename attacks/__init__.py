@@ -8,8 +8,14 @@ is scored (``attacks.metrics``). Importing this package registers the attacks be
 Membership-inference attacks (``fedsec mia``) score records from a model's outputs instead; they
 register a ``MembershipSpec`` (``register_membership``) the same way.
 
-Adding an attack: one file that defines its functions and calls ``register(AttackSpec(...))`` (or
-``register_membership``), plus one import line here.
+The families are folders: ``attacks.inversion`` (a curious server rebuilds images or labels from an
+upload), ``attacks.membership`` (membership inference and its scoring) and ``attacks.malicious`` (a
+server that crafts the download). Shared by all: ``base``, ``registry``, ``metrics``, ``statistics``,
+and the harness that attacks a recorded run (``recorded``: ``RecordedRun``, ``ThreatModel``;
+``harness``: ``attack_recorded``).
+
+Adding an attack: one file in its family's folder that defines its functions and calls
+``register(AttackSpec(...))`` (or ``register_membership``), plus one import line here.
 """
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ import torch
 
 from fedecouple.engine import VictimSetting, derive_seed
 
+from . import plan
 from .base import AttackResult, Budget, NotApplicable
 from .inversion.batching import Batch
 from .metrics import (SUMMARY_KEYS, leakage_statistics, prediction_accuracy, psnr, score_images,
@@ -158,8 +159,6 @@ def _attack_targets(run: RecordedRun, spec: AttackSpec, jobs: list[Target], budg
     """Attack every job: planned once by ``attacks.plan`` (targets that share a model are optimised
     together when batched), each batch run by ``run.backend.map`` (here, or as a Ray task)."""
     from tqdm import tqdm
-
-    from . import plan
 
     seeds = [derive_seed(seed, j.round, j.client, 0xA7) % 2**31 for j in jobs]
     batches, failed = plan(spec.name, [j.observation for j in jobs], budget, mode, batched)

@@ -45,7 +45,8 @@ import torch
 
 import attacks
 from attacks.base import Budget
-from attacks.harness import IMAGE_COLUMNS, LABEL_COLUMNS, AttackOutcome, attack_recorded
+from attacks.harness import IMAGE_COLUMNS, LABEL_COLUMNS  # noqa: F401  (re-exported: the report's columns)
+from attacks.harness import AttackOutcome, attack_recorded
 from attacks.inversion.observation import AUGMENTATION_MODELS, MODES
 from attacks.recorded import RecordedRun, ThreatModel, auxiliary_data
 from attacks.registry import AttackSpec
@@ -60,8 +61,6 @@ from . import io
 from .runner import Prepared, RunConfig, build_federation, prepare
 from .versions import provenance
 
-__all__ = ["IMAGE_COLUMNS", "LABEL_COLUMNS", "AttackSettings", "AttackArguments", "TrainingCache", "run_attack",
-           "write_attack", "train_recorded", "recording_federation", "pick_targets", "check_applicable"]
 # training and attacks run small models at small batches: on a shared 2-core machine one thread was
 # 6-8x faster than two for IG on the 28x28 CNN (measured, see BENCHMARKS.md)
 ATTACK_THREADS = 1
@@ -120,9 +119,10 @@ class AttackSettings:
             spec=self.spec,
             threat=ThreatModel(hyperparameters_known=self.hyperparameters_known, head_known=self.head_known,
                                augmentations=self.augmentations, aux_data=self.aux_data, mode=self.mode,
-                               craft=self.craft if self.spec.malicious else None),
-            budget=self.budget(), victim=VictimSetting(self.victim_batch, self.victim_steps) if self.victim_batch > 0
-            else None, seed=self.seed, batched=self.batched, threads=self.threads)
+                               craft=self.craft),
+            budget=self.budget(),
+            victim=VictimSetting(self.victim_batch, self.victim_steps) if self.victim_batch > 0 else None,
+            seed=self.seed, batched=self.batched, threads=self.threads)
 
     def resolved(self, seed: int = 0, threads: int | None = None) -> "AttackSettings":
         """Defaults filled in and every value checked (one-line ``UserError``s): the attack's declared
@@ -282,16 +282,16 @@ def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | No
         kept = trainings.get(key, settings.rounds) if key is not None else None
         if kept is None:
             fed, run, targets = train_recorded(prep, settings, interceptors, progress)
-            context = {"train_seconds": round(time.perf_counter() - start, 2), "config": config.to_dict(),
-                       **device_record(config.federation.device)}
+            seconds, shared = round(time.perf_counter() - start, 2), {}
             if key is not None:
-                trainings.put(key, (fed, run, context["train_seconds"]))
+                trainings.put(key, (fed, run, seconds))
         else:
             fed, run, seconds = kept
             torch.set_num_threads(settings.threads)
-            context = {"train_seconds": seconds, "training_shared": True, "config": config.to_dict(),
-                       **device_record(config.federation.device)}
+            shared = {"training_shared": True}
             targets = choose_targets(fed.sample_clients, settings)  # the kept record was made for other settings
+        context = {"train_seconds": seconds, **shared, "config": config.to_dict(),
+                   **device_record(config.federation.device)}
         try:
             if dp is not None:
                 from .defenses.dp import privacy_report
