@@ -228,6 +228,36 @@ def test_the_harness_reads_ground_truth_only_after_the_attack(monkeypatch, tmp_p
     assert summary["images_scored"] == 2 and summary["config"]["rounds"] == 1
 
 
+def test_the_threat_model_builds_the_whole_observation():
+    """``RecordedRun.observe``: every switch of the ``ThreatModel`` (and the victim setting) is in the
+    Observation it returns; nothing is set on it afterwards."""
+    from attacks.recorded import ThreatModel
+    from fedsec.attack import AttackSettings, recording_federation
+    from fedsec.runner import RunConfig, prepare
+
+    config = RunConfig.of(method="fedavg", dataset="digits", clients=3, rounds=1, threads=TEST_THREADS)
+    settings = AttackSettings("dlg", victim_batch=2, victim_steps=3).resolved(0, TEST_THREADS)
+    fed, run, targets = recording_federation(prepare(config), settings)
+    fed.run(1)
+    fed.close()
+    r, c = 0, targets[0][0]
+    args = settings.split()
+    assert (args.victim.batch, args.victim.steps) == (2, 3) and fed.victim.targets == {(0, t) for t in targets[0]}
+    honest = run.observe(r, c, args.threat, args.victim)
+    hp = honest.known_hyperparameters
+    assert (hp.lr, hp.steps, hp.batch_size, hp.samples) == (run.train.lr, 3, 2, 2)
+    assert honest.head_known and honest.copies == "free" and honest.known_schedule is None
+    assert honest.auxiliary is None and honest.round_prototypes is None and honest.crafted is None
+    oracle = run.observe(r, c, ThreatModel(head_known=False, augmentations="oracle"), args.victim)
+    truth = run.ground_truth.schedule(r, c)
+    assert not oracle.head_known and len(truth) == 3
+    assert [s.members for s in oracle.known_schedule.steps] == [tuple(int(p) for p in t.positions) for t in truth]
+    blind = run.observe(r, c, ThreatModel(hyperparameters_known=False, augmentations="family"))
+    assert blind.known_hyperparameters is None and blind.copies == "family"
+    with pytest.raises(ValueError, match="was not recorded"):
+        run.observe(5, c, args.threat)
+
+
 # ------------------------------------------------------------------------------------------------
 # CLI
 
