@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import attacks
+from attacks.recorded import RecordedRun
 from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.engine import GroundTruth
 from fedecouple.errors import UserError
@@ -40,7 +41,6 @@ from reports.audit import SEVERITIES, audit_markdown
 from reports.formatting import forward_check_verdict, interval_text
 
 from . import io
-from attacks.recorded import RecordedRun
 from .runner import RunConfig, build_federation, prepare
 from .versions import provenance
 
