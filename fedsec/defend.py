@@ -51,6 +51,7 @@ from typing import Callable
 import pandas as pd
 
 import attacks
+from attacks.verdicts import LEAK_GAP_DB
 from fedecouple.channel import ServerChannel
 from fedecouple.errors import UserError
 from fedecouple.methods.base import KINDS
@@ -58,7 +59,6 @@ from reports.tradeoff import BASELINE, VALUE_MEANING, tradeoff_markdown, tradeof
 
 from . import io, runner
 from .attack import AttackSettings, check_applicable, model_for, parse_attacks, run_attack
-from .audit import LEAK_GAP_DB
 from .defenses.dp import DPConfig, DPMethod, check_dp_model, privacy_report
 from .defenses.filters import Exclude, FilterChain, GaussianNoise, NormClip, Prune, Quantize
 from .resumable import ResumableStage
