@@ -280,7 +280,6 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     or with an explicit --victim-batch B the textbook setting (16 clients). Explicit flags win.
     """
     from .attack import AttackSettings, default_out, parse_rounds, run_attack
-
     from .runner import shared_datasets
 
     train_rounds = opts["rounds"] if explicit(ctx, "rounds") else None
@@ -524,24 +523,8 @@ def mia(ctx, attack_list, reference_runs, gamma, temperature, offline_a, dp_nois
     config = config_from_options(ctx, **opts)
     out = out or f"runs/mia-{config.method}"
     summary = run_mia(config, settings, out, echo=click.echo, command=console.command_line("mia"))
-    click.echo(f"{config.method}: target accuracy {summary['target_accuracy']:.4f}; "
-               f"{summary['records']['members']} members / {summary['records']['nonmembers']} non-members "
-               f"over {summary['records']['clients']} clients")
-    for target, info in summary["targets"].items():
-        if not info["available"]:
-            click.echo(f"  {target}: not applicable ({info['note']})")
-            continue
-        parts = []
-        for name, m in info["attacks"].items():
-            if "auc" in m:
-                tpr = m.get("tpr_at_1pct_fpr")
-                tpr_text = f"{tpr:.3f}" if isinstance(tpr, float) else "refused"
-                parts.append(f"{name} AUC {m['auc']:.3f} TPR@1%FPR {tpr_text}")
-        click.echo(f"  {target}: " + "; ".join(parts))
-    if "dp" in summary:
-        click.echo(f"  DP-SGD sigma {summary['dp']['noise_multiplier']}: accounted epsilon "
-                   f"{summary['dp']['epsilon_accounted_max']:.3g} at delta {summary['dp']['delta']:g}")
-    click.echo(f"→ {out}/summary.json, {out}/mia.csv, {out}/mia.md, {out}/roc.png")
+    for line in console.mia_lines(config.method, summary, out):
+        click.echo(line)
 
 
 cli.add_command(flower)

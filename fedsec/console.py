@@ -1,5 +1,5 @@
-"""What the commands print: the one-line attack headline, its notes, the audit line, and the
-command line a report records. Each command of ``fedsec.cli`` and ``fedsec.flower.cli`` prints through
+"""What the commands print: the one-line attack headline, its notes, the audit lines, the
+membership-inference lines, and the command line a report records. Each command of ``fedsec.cli`` and ``fedsec.flower.cli`` prints through
 these (they return text; the caller echoes it)."""
 from __future__ import annotations
 
@@ -52,6 +52,30 @@ def audit_lines(name: str, result: dict, out) -> list[str]:
     return [f"{name}: {summary['upload_kib_per_client_round']:.1f} KiB up per client and round; "
             + ", ".join(f"{n} {s}" for s, n in summary["findings_by_severity"].items() if n) + f" findings → {out}",
             *(f"  [{f['severity']}] {f['code']}: {f['finding']}" for f in result["findings"])]
+
+
+def mia_lines(method: str, summary: dict, out) -> list[str]:
+    """A membership-inference audit: the target's accuracy and records, each model's AUC and TPR at
+    1 % FPR per attack, the accounted ε with DP, and where the outputs are."""
+    records = summary["records"]
+    lines = [f"{method}: target accuracy {summary['target_accuracy']:.4f}; {records['members']} members / "
+             f"{records['nonmembers']} non-members over {records['clients']} clients"]
+    for target, info in summary["targets"].items():
+        if not info["available"]:
+            lines.append(f"  {target}: not applicable ({info['note']})")
+            continue
+        parts = []
+        for name, m in info["attacks"].items():
+            if "auc" in m:
+                tpr = m.get("tpr_at_1pct_fpr")
+                tpr_text = f"{tpr:.3f}" if isinstance(tpr, float) else "refused"
+                parts.append(f"{name} AUC {m['auc']:.3f} TPR@1%FPR {tpr_text}")
+        lines.append(f"  {target}: " + "; ".join(parts))
+    if "dp" in summary:
+        lines.append(f"  DP-SGD sigma {summary['dp']['noise_multiplier']}: accounted epsilon "
+                     f"{summary['dp']['epsilon_accounted_max']:.3g} at delta {summary['dp']['delta']:g}")
+    lines.append(f"→ {out}/summary.json, {out}/mia.csv, {out}/mia.md, {out}/roc.png")
+    return lines
 
 
 def command_line(command: str, argv: list[str] | None = None) -> str | None:
