@@ -108,12 +108,14 @@ def run_one(spec: RunSpec, dataset: ImageDataset) -> dict:
     fed.run()
     signals = collect_signals(fed, recorder, spec)
     io.save_torch(Path(spec.folder) / "signals.pt", signals)
-    record = {"name": spec.name, "federation_seed": spec.federation_seed, "rounds": fed.completed_rounds, "seconds": round(time.perf_counter() - start, 2),
+    record = {"name": spec.name, "fingerprint": spec.fingerprint(), "federation_seed": spec.federation_seed,
+              "rounds": fed.completed_rounds, "seconds": round(time.perf_counter() - start, 2),
               "mean_accuracy": summarize(fed.metrics)["mean_accuracy"],
               "training_records": int(spec.trained.sum()), "notes": signals_notes(signals)}
     if spec.dp is not None:
         record["dp"] = privacy_report(fed.clients, spec.dp)
-    return spec.stage().finish(io.finite(record))
+    spec.stage().finish(io.finite(record))  # last: the run is complete
+    return record
 
 
 def signals_notes(signals: dict) -> list[str]:
