@@ -172,10 +172,7 @@ def score_label_distribution(predicted: torch.Tensor, true_counts: torch.Tensor)
 # how sure: intervals and success rates over the scored images
 
 
-SUCCESS_MARGIN_DB = 6.0
-SUCCESS_SSIM = 0.5
-SUCCESS_RULE = f"PSNR at least {SUCCESS_MARGIN_DB:g} dB above the prior (the data set's mean image) on that image"
-SUCCESS_RULE_SSIM = f"SSIM at least {SUCCESS_SSIM:g}"
+from .verdicts import SUCCESS_MARGIN_DB, SUCCESS_RULE, SUCCESS_RULE_SSIM, SUCCESS_SSIM  # noqa: E402
 
 
 def rate_interval(hits: np.ndarray, clusters: np.ndarray, seed: int = 0) -> tuple[float, float]:

@@ -32,13 +32,14 @@ import torch.nn.functional as F
 
 import attacks
 from attacks.recorded import RecordedRun
+from attacks.verdicts import LEAK_GAP_DB, at_chance, forward_check_verdict, presence_is_low, psnr_gap
 from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.engine import GroundTruth
 from fedecouple.errors import UserError
 from fedecouple.methods.base import FieldSpec
 from fedecouple.models import group_of, set_params
 from reports.audit import SEVERITIES, audit_markdown
-from reports.formatting import forward_check_verdict, interval_text
+from reports.formatting import interval_text
 
 from . import io
 from .runner import RunConfig, build_federation, prepare
@@ -46,7 +47,6 @@ from .versions import provenance
 
 AUDIT_COLUMNS = ["method", "round", "client", "field", "kind", "shape", "dtype", "bytes"]
 KIB = 1024.0
-LEAK_GAP_DB = 3.0  # measured leakage less than this far above the prior is at chance level: "low"
 
 
 def classify_field(name: str, manifest: list[FieldSpec]) -> FieldSpec | None:
@@ -104,23 +104,6 @@ def paper_communication_kib(num_classes: int) -> float:
 def _finding(severity: str, code: str, sentence: str, **evidence) -> dict:
     assert severity in SEVERITIES
     return {"severity": severity, "code": code, "finding": sentence, "evidence": evidence}
-
-
-def psnr_gap(summary: dict | None) -> float | None:
-    """Mean PSNR minus mean prior PSNR of an attack summary (None when not measured)."""
-    if not summary or summary.get("mean_psnr") is None or summary.get("mean_prior_psnr") is None:
-        return None
-    return float(summary["mean_psnr"]) - float(summary["mean_prior_psnr"])
-
-
-def at_chance(summary: dict | None) -> bool | None:
-    """Whether an attack's measured leakage is at chance level (within LEAK_GAP_DB of the prior). Never
-    for a mis-specified attack (its forward model was wrong) nor for one whose optimiser stopped short of
-    the truth (a lower bound): neither is evidence of low leakage."""
-    gap = psnr_gap(summary)
-    if gap is None or (summary or {}).get("mis_specified") or (summary or {}).get("not_converged_targets"):
-        return None
-    return gap < LEAK_GAP_DB
 
 
 def _measured(summary: dict) -> str:
@@ -271,7 +254,7 @@ def _label_findings(run: RecordedRun, manifest: list[FieldSpec], uploads: list, 
                                  "server which classes each client has.", fields=[s.name for s in per_class],
                                  uploads_where_keys_equal_true_classes=f"{agree}/{len(uploads)}"))
     if "classifier" in kinds and not kinds & {"class_counts", "statistic"}:
-        findings.append(_finding("medium" if presence is None or presence >= 0.8 else "low",
+        findings.append(_finding("low" if presence_is_low(presence) else "medium",
                                  "LABELS_INFERABLE_FROM_UPDATE",
                                  "The uploaded classifier's update reveals which classes the client trained on"
                                  + (f" (measured class-presence accuracy {presence:.2f})." if presence is not None else "."),

@@ -1,4 +1,6 @@
-"""The ``fedsec`` command line: a thin shell over library functions in ``fedsec`` and ``attacks``."""
+"""The ``fedsec`` command line: a thin shell over library functions in ``fedsec`` and ``attacks``.
+Flags become settings here; presets merge in ``fedsec.presets``; what a command prints is written by
+``fedsec.console``."""
 from __future__ import annotations
 
 import sys
@@ -11,12 +13,13 @@ from fedecouple.data import DATASETS, SCHEMES
 from fedecouple.errors import UserError
 from fedecouple.methods import METHODS
 from fedecouple.models import ARCHITECTURES
-from reports.formatting import forward_check_verdict, interval_text
 from reports.tradeoff import VALUE_MEANING
 
+from . import console, presets
+from .flower.cli import flower  # the group imports Flower only when a command runs
 from .options import (COUNT, NON_NEGATIVE, POSITIVE, SEED, LiveChoice, Number, device_option, pop_threat_model,
                       restarts_option, threat_model_options)
-from .runner import AUDIT_FEDERATION, PAPER_FEDERATION, RunConfig
+from .runner import RunConfig
 
 HYPERPARAMETER_FLAGS = ("lam", "mu", "tau", "teacher", "center_reduction")
 ABLATION_FLAGS = ("no_glf", "no_gfa", "no_gpc", "no_da")
@@ -147,14 +150,7 @@ def config_from_options(ctx: click.Context, **opts) -> RunConfig:
         hp[key.strip().replace("-", "_")] = _parse_value(value.strip())
     for k in HYPERPARAMETER_FLAGS:
         opts.pop(k, None)
-    preset = opts.pop("preset", None)
-    for key, value in {"paper": PAPER_FEDERATION, "audit": AUDIT_FEDERATION}.get(preset, {}).items():
-        if not explicit(ctx, key):
-            opts[key] = value
-    if preset == "paper":
-        if opts["method"] in METHODS:  # compare/report set methods later: each gets its own preset there
-            for hk, hv in METHODS[opts["method"]].paper_preset.items():
-                hp.setdefault(hk, hv)
+    presets.merge_federation(opts.pop("preset", None), opts, hp, lambda name: explicit(ctx, name))
     return RunConfig.of(**opts, hyperparameters=hp)
 
 
@@ -284,19 +280,15 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     or with an explicit --victim-batch B the textbook setting (16 clients). Explicit flags win.
     """
     from .attack import AttackSettings, default_out, parse_rounds, run_attack
+    from .runner import shared_datasets
 
     train_rounds = opts["rounds"] if explicit(ctx, "rounds") else None
     if opts.get("preset") == "audit":  # the audit's plan for this attack, under explicit flags
-        from .report import audit_preset
-
-        textbook = explicit(ctx, "victim_batch") and victim_batch and attacks.get(attack).kind == "gradient"
-        plan = audit_preset().for_attack(f"{attack}@{'textbook' if textbook else 'real'}"
-                                         if attacks.get(attack).kind == "gradient" else attack)
-        attack_rounds = attack_rounds if explicit(ctx, "attack_rounds") else ",".join(map(str, plan.rounds))
-        targets = targets if explicit(ctx, "targets") else plan.targets
-        iterations = iterations if explicit(ctx, "iterations") else plan.iterations
-        restarts = restarts if explicit(ctx, "restarts") else plan.restarts
-        victim_batch = victim_batch if explicit(ctx, "victim_batch") else plan.victim_batch
+        planned = presets.attack_plan(attack, {"attack_rounds": attack_rounds, "targets": targets,
+                                               "iterations": iterations, "restarts": restarts,
+                                               "victim_batch": victim_batch}, lambda name: explicit(ctx, name))
+        attack_rounds, targets, iterations, restarts, victim_batch = (
+            planned[k] for k in ("attack_rounds", "targets", "iterations", "restarts", "victim_batch"))
     threat = pop_threat_model(opts)
     config = config_from_options(ctx, **opts)
     settings = AttackSettings(attack=attack, rounds=tuple(parse_rounds(attack_rounds)), targets=targets,
@@ -304,16 +296,11 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
                               victim_steps=victim_steps, seed=attack_seed, train_rounds=train_rounds, craft=craft,
                               download_check=download_check, **threat)
     out = out or default_out(attack, config.method)
-    from .compare import shared_datasets
-
     with shared_datasets():  # the estimate and the attack read the data set once
         click.echo(f"estimated time: {attack_estimate(config, settings)} (fedsec.estimate)", err=True)
         summary = run_attack(config, settings, out=out)
-    click.echo(attack_headline(summary, out))
-    for note in summary["notes"][:3]:
-        click.echo(f"  note: {note}")
-    if len(summary["notes"]) > 3:
-        click.echo(f"  ({len(summary['notes']) - 3} more notes in {out}/summary.json)")
+    for line in console.attack_lines(summary, out):
+        click.echo(line)
 
 
 def attack_estimate(config: RunConfig, settings) -> str:
@@ -328,26 +315,6 @@ def attack_estimate(config: RunConfig, settings) -> str:
     work = estimate.attack_work(config.method, config.data.clients, estimate.training_images(prep), resolved,
                                 resolved.rounds_to_train)
     return estimate.describe(estimate.seconds(work))
-
-
-def attack_headline(summary: dict, out) -> str:
-    """One line of an attack summary for the terminal."""
-    def fmt(x, unit=""):
-        return "n/a" if x is None else f"{x:.2f}{unit}"
-
-    where = f"{summary['attack']} on {summary['method']}"
-    if attacks.get(summary["attack"]).scoring == "labels":
-        return f"{where}: class-presence accuracy {fmt(summary['class_presence_accuracy'])}  → {out}"
-    modes = ",".join(summary["threat_model"]["modes_used"]) or "n/a"
-    ci, rate, rate_ci = summary.get("mean_psnr_ci") or (None, None), summary.get("success_rate"), summary.get("success_rate_ci")
-    recovered = (f", recovered {100 * rate:.0f} %{interval_text(*rate_ci, digits=0, scale=100)}"
-                 if rate is not None and rate_ci else "")
-    verdict = forward_check_verdict(summary.get("mis_specified_targets"), summary.get("not_converged_targets"),
-                                    len(summary.get("per_target") or []))
-    return (f"{where} ({modes}): mean PSNR {fmt(summary['mean_psnr'], ' dB')}{interval_text(*ci)} "
-            f"(prior {fmt(summary['mean_prior_psnr'], ' dB')}, max {fmt(summary['max_psnr'], ' dB')}), "
-            f"label accuracy {fmt(summary['label_accuracy'])}, n = {summary['images_scored']} images over "
-            f"{summary.get('n_targets', 0)} targets{recovered}  → {out}{' — ' + verdict if verdict else ''}")
 
 
 @cli.command()
@@ -373,11 +340,8 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
         raise UserError(f"--evidence-iterations must be at least 1, got {evidence_iterations}")
     out = out or f"runs/audit-{config.method}"
     result = run_audit(config, out, evidence=evidence, evidence_iterations=evidence_iterations)
-    summary = result["summary"]
-    click.echo(f"{config.method}: {summary['upload_kib_per_client_round']:.1f} KiB up per client and round; "
-               + ", ".join(f"{n} {s}" for s, n in summary["findings_by_severity"].items() if n) + f" findings → {out}")
-    for f in result["findings"]:
-        click.echo(f"  [{f['severity']}] {f['code']}: {f['finding']}")
+    for line in console.audit_lines(config.method, result, out):
+        click.echo(line)
 
 
 @cli.command()
@@ -435,17 +399,8 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
         if explicit(ctx, flag):
             raise UserError(f"report takes --{flag}s, not --{flag}")
     method_list = rep.parse_methods(methods)
-    if opts.get("preset") == "audit":  # the audit's plan, under explicit flags
-        attack_list = rep.parse_attacks(attacks if explicit(ctx, "attacks") else ",".join(rep.AUDIT_ATTACKS))
-        settings = rep.audit_preset(rep.parse_iterations(iterations))
-        if explicit(ctx, "attack_rounds"):
-            settings.rounds = tuple(rep.parse_rounds(attack_rounds))
-        if explicit(ctx, "targets"):
-            settings.targets, settings.targets_by = targets, {}
-    else:
-        attack_list = rep.parse_attacks(attacks)
-        settings = rep.ReportSettings(rounds=tuple(rep.parse_rounds(attack_rounds)), targets=targets,
-                                      iterations=rep.parse_iterations(iterations))
+    attack_list, settings = presets.report_plan(opts.get("preset"), attacks, attack_rounds, targets, iterations,
+                                                lambda name: explicit(ctx, name))
     opts["method"] = None  # set per method; keeps --preset's FedeCouple values from other methods
     base = config_from_options(ctx, **opts)
     mia_settings = None
@@ -454,7 +409,7 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
 
         mia_settings = MiaSettings()
     result = rep.build_report(base, method_list, out, attacks=attack_list, settings=settings, reuse=reuse,
-                              command=rep.command_line(), mia=mia_settings)
+                              command=console.command_line("report"), mia=mia_settings)
     click.echo(rep.headline_markdown(result["summary"], result["cells"], method_list))
     click.echo(f"→ {Path(out) / 'report.html'}, {Path(out) / 'report.md'}, {Path(out) / 'summary.csv'}, "
                f"{Path(out) / 'results.csv'}")
@@ -502,8 +457,6 @@ def defend(ctx, defense, values, attack_list, baseline, max_grad_norm, delta, ac
 
     Example: fedsec defend --method fedper --defense dp --values 0.5,1,2 --attacks dlg,ig --rounds 3 --out runs/dp-fedper
     """
-    import shlex
-
     from .defend import DefendSettings, defend as run_defend
 
     config = config_from_options(ctx, **opts)
@@ -515,9 +468,8 @@ def defend(ctx, defense, values, attack_list, baseline, max_grad_norm, delta, ac
 
     from reports.tradeoff import value_line
 
-    command = "fedsec " + shlex.join(sys.argv[1:]) if len(sys.argv) > 1 and sys.argv[1] == "defend" else None
     frame = run_defend(config, settings, out, on_value=lambda row: click.echo("  " + value_line(row)),
-                       command=command)
+                       command=console.command_line("defend"))
     click.echo(f"{len(frame)} values → {out}/tradeoff.csv, {out}/tradeoff.md, {out}/tradeoff.png")
 
 
@@ -558,8 +510,6 @@ def mia(ctx, attack_list, reference_runs, gamma, temperature, offline_a, dp_nois
 
     Example: fedsec mia --method fedper --clients 20 --rounds 5 --reference-runs 4 --out runs/mia-fedper
     """
-    import shlex
-
     from .mia import MiaSettings, parse_attacks, parse_offline_a, run_mia
 
     settings = MiaSettings(attacks=parse_attacks(attack_list), reference_runs=reference_runs, gamma=gamma,
@@ -572,29 +522,10 @@ def mia(ctx, attack_list, reference_runs, gamma, temperature, offline_a, dp_nois
                         "give a number instead, e.g. --offline-a 0.3")
     config = config_from_options(ctx, **opts)
     out = out or f"runs/mia-{config.method}"
-    command = "fedsec " + shlex.join(sys.argv[1:]) if len(sys.argv) > 1 and sys.argv[1] == "mia" else None
-    summary = run_mia(config, settings, out, echo=click.echo, command=command)
-    click.echo(f"{config.method}: target accuracy {summary['target_accuracy']:.4f}; "
-               f"{summary['records']['members']} members / {summary['records']['nonmembers']} non-members "
-               f"over {summary['records']['clients']} clients")
-    for target, info in summary["targets"].items():
-        if not info["available"]:
-            click.echo(f"  {target}: not applicable ({info['note']})")
-            continue
-        parts = []
-        for name, m in info["attacks"].items():
-            if "auc" in m:
-                tpr = m.get("tpr_at_1pct_fpr")
-                tpr_text = f"{tpr:.3f}" if isinstance(tpr, float) else "refused"
-                parts.append(f"{name} AUC {m['auc']:.3f} TPR@1%FPR {tpr_text}")
-        click.echo(f"  {target}: " + "; ".join(parts))
-    if "dp" in summary:
-        click.echo(f"  DP-SGD sigma {summary['dp']['noise_multiplier']}: accounted epsilon "
-                   f"{summary['dp']['epsilon_accounted_max']:.3g} at delta {summary['dp']['delta']:g}")
-    click.echo(f"→ {out}/summary.json, {out}/mia.csv, {out}/mia.md, {out}/roc.png")
+    summary = run_mia(config, settings, out, echo=click.echo, command=console.command_line("mia"))
+    for line in console.mia_lines(config.method, summary, out):
+        click.echo(line)
 
-
-from .flower.cli import flower  # noqa: E402  (the group imports Flower only when a command runs)
 
 cli.add_command(flower)
 

@@ -17,9 +17,8 @@ atomically after every run, so they always describe the finished runs.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pandas as pd
 
@@ -29,6 +28,7 @@ from fedecouple.methods import METHODS
 from reports.accuracy import accuracy_markdown
 
 from . import io, runner
+from .resumable import TrainRun
 from .runner import RunConfig
 
 def parse_list(text: str, what: str) -> list[str]:
@@ -72,27 +72,6 @@ def run_dir(out: Path, method: str, seed: int) -> Path:
     return out / method / f"seed{seed}"
 
 
-def run_status(path: Path, config: RunConfig) -> str:
-    """``new`` (nothing there), ``done``, ``partial`` (same config, checkpointed) or ``other``."""
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        return "new"
-    try:
-        stored = RunConfig.from_dict(io.read_json(cfg_file)["config"])
-    except (ValueError, KeyError, TypeError, OSError):
-        return "other"
-    if stored.result_key() != config.result_key():  # settings that never change a result may differ
-        return "other"
-    summary = path / "summary.json"
-    if summary.exists():
-        try:
-            if int(io.read_json(summary).get("rounds", -1)) >= config.federation.rounds:
-                return "done"
-        except (ValueError, TypeError, OSError):
-            pass
-    return "partial" if (path / "checkpoint.pt").exists() else "new"
-
-
 def accuracy_tables(rows: list[dict], methods: list[str]) -> tuple[pd.DataFrame, str]:
     """(per-run frame in method then seed order, its Markdown summary)."""
     frame = pd.DataFrame(rows, columns=["method", "seed", "mean_accuracy", "std_accuracy"])
@@ -100,25 +79,6 @@ def accuracy_tables(rows: list[dict], methods: list[str]) -> tuple[pd.DataFrame,
     frame = frame.sort_values(["method", "seed"], key=lambda col: col.map(order) if col.name == "method" else col,
                               kind="stable").reset_index(drop=True)
     return frame, accuracy_markdown(frame, methods)
-
-
-@contextmanager
-def shared_datasets() -> Iterator[None]:
-    """Load each data set once for all runs of a comparison (runs only read the tensors)."""
-    original = runner.load_dataset
-    cache: dict = {}
-
-    def cached(name, data_dir=None, download=False):
-        key = (name, str(data_dir))
-        if key not in cache:
-            cache[key] = original(name, data_dir, download)
-        return cache[key]
-
-    runner.load_dataset = cached
-    try:
-        yield
-    finally:
-        runner.load_dataset = original
 
 
 def compare(base: RunConfig, methods: list[str], seeds: list[int], out: str | Path,
@@ -146,17 +106,17 @@ def compare(base: RunConfig, methods: list[str], seeds: list[int], out: str | Pa
     for m, s, cfg in plan:
         runner.build_method(cfg)
         cfg.federation.validate(cfg.data.clients)
-        if run_status(run_dir(out, m, s), cfg) == "other":
+        if TrainRun(run_dir(out, m, s), cfg).status() == "other":
             raise UserError(f"{run_dir(out, m, s)} holds a run with a different configuration; "
                             f"use another --out or remove that folder")
 
     rows: list[dict] = []
     bar = tqdm(total=len(plan) * base.federation.rounds, unit="round", desc="compare", disable=not progress)
     try:
-        with shared_datasets():
+        with runner.shared_datasets():
             for m, s, cfg in plan:
                 path = run_dir(out, m, s)
-                status = run_status(path, cfg)
+                status = TrainRun(path, cfg).status()
                 bar.set_postfix_str(f"{m} seed {s}")
                 if status == "done":
                     summary = io.read_json(path / "summary.json")

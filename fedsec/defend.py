@@ -8,8 +8,8 @@ For each value of the defense (plus, by default, a no-defense baseline) it
    ``fedsec attack`` harness: round 0; DLG/IG in the textbook victim setting — each attacked
    client trains ``victim_steps`` step(s) on ``victim_batch`` image(s) — and the label attack on
    the method's real local training);
-3. writes ``done.json`` last (the value's row); a rerun skips values that have one, and inside an
-   unfinished value skips the parts whose ``summary.json`` exists.
+3. writes ``done.json`` last (the value's row, ``fedsec.resumable``); a rerun skips values that have
+   one, and inside an unfinished value skips the parts whose ``summary.json`` exists.
 
 After every value ``tradeoff.csv`` (one row per finished value), ``tradeoff.png`` (accuracy
 against mean PSNR per attack, and against ε for DP) and ``tradeoff.md`` (a Markdown section a
@@ -51,6 +51,7 @@ from typing import Callable
 import pandas as pd
 
 import attacks
+from attacks.verdicts import LEAK_GAP_DB
 from fedecouple.channel import ServerChannel
 from fedecouple.errors import UserError
 from fedecouple.methods.base import KINDS
@@ -58,9 +59,9 @@ from reports.tradeoff import BASELINE, VALUE_MEANING, tradeoff_markdown, tradeof
 
 from . import io, runner
 from .attack import AttackSettings, check_applicable, model_for, parse_attacks, run_attack
-from .audit import LEAK_GAP_DB
 from .defenses.dp import DPConfig, DPMethod, check_dp_model, privacy_report
 from .defenses.filters import Exclude, FilterChain, GaussianNoise, NormClip, Prune, Quantize
+from .resumable import ResumableStage
 from .runner import Prepared, RunConfig
 
 DEFENSES = tuple(VALUE_MEANING)
@@ -68,11 +69,11 @@ STAT_DEFAULTS = {"stat_noise_multiplier": None, "stat_clip": None, "counts": "no
 COLUMNS = ["defense", "value", "accuracy", "accuracy_std", "epsilon", "epsilon_attacked"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class DefendSettings:
     defense: str
-    values: list
-    attacks: list[str] = field(default_factory=lambda: ["dlg", "ig", "labels"])
+    values: list | str
+    attacks: list[str] | str = field(default_factory=lambda: ["dlg", "ig", "labels"])
     baseline: bool = True
     max_grad_norm: float = 1.0
     delta: float = 1e-5
@@ -291,7 +292,7 @@ def attack_defended(prep: Prepared, settings: DefendSettings, value, attack: str
     chains, dp = _defenses(settings, value, prep)
     attack_settings = settings.for_attack(attack)
     if settings.defense == "download-check":  # the attack's own check sits after a malicious server
-        attack_settings.download_check, chains = bool(chains), []
+        attack_settings, chains = replace(attack_settings, download_check=bool(chains)), []
     return run_attack(prep.config, attack_settings, out=out, progress=False, interceptors=chains, dp=dp)
 
 
@@ -420,14 +421,18 @@ def _open_sweep(out: Path, key: dict, settings: DefendSettings) -> None:
     io.write_json(stored, {"key": key, "values": [str(v) for v in settings.values]})
 
 
-def _stored_row(path: Path, key: dict) -> dict | None:
-    done = path / "done.json"
-    if not done.exists():
+def value_stage(path: Path, key: dict) -> ResumableStage:
+    """One value of the sweep: its ``done.json`` holds the sweep's ``key`` and the value's row."""
+    return ResumableStage(path, key, identity_field="key")
+
+
+def _stored_row(stage: ResumableStage) -> dict | None:
+    if stage.holds_other():
+        raise UserError(f"{stage.path} was computed with different settings; use another --out or remove it")
+    if not stage.complete():
         return None
-    record = io.read_json(done)
-    if record.get("key") != key:
-        raise UserError(f"{path} was computed with different settings; use another --out or remove it")
-    return {k: (math.inf if v == "inf" else float("nan") if v is None else v) for k, v in record["row"].items()}
+    row = stage.record()["row"]
+    return {k: (math.inf if v == "inf" else float("nan") if v is None else v) for k, v in row.items()}
 
 
 def defend(config: RunConfig, settings: DefendSettings, out: str | Path, progress: bool = True,
@@ -435,8 +440,8 @@ def defend(config: RunConfig, settings: DefendSettings, out: str | Path, progres
     """Run the sweep into ``out`` (resumable); returns the trade-off frame."""
     from tqdm import tqdm
 
-    settings.values = parse_values(settings.defense, settings.values)
-    settings.attacks = parse_defend_attacks(settings.attacks)
+    settings = replace(settings, values=parse_values(settings.defense, settings.values),
+                       attacks=parse_defend_attacks(settings.attacks))
     prep = validate(config, settings)
     out = Path(out)
     key = settings.key(config)
@@ -448,12 +453,13 @@ def defend(config: RunConfig, settings: DefendSettings, out: str | Path, progres
     try:
         for value in bar:
             path = out / ("baseline" if value == BASELINE else value_slug(value))
-            row = _stored_row(path, key)
+            stage = value_stage(path, key)
+            row = _stored_row(stage)
             if row is None:
                 row = run_value(prep, settings, value, path,
                                 on_part=lambda part, v=value: bar.set_postfix_str(f"{v}: {part}"))
-                stored = {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in row.items()}
-                io.write_json(path / "done.json", {"key": key, "row": io.finite(stored)})
+                stage.finish({"row": io.finite({k: ("inf" if isinstance(v, float) and math.isinf(v) else v)
+                                                for k, v in row.items()})})
             rows.append(row)
             frame = tradeoff_frame(rows, settings)
             io.write_csv(out / "tradeoff.csv", frame)

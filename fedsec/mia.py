@@ -206,11 +206,10 @@ def check_reusable(specs: list[RunSpec]) -> int:
     """How many runs are already done; a run folder finished under another configuration is an error."""
     done = 0
     for spec in specs:
-        path = Path(spec.folder) / "done.json"
-        if path.exists() and done_record(spec) is None:
+        if spec.stage().holds_other():
             raise UserError(f"{spec.folder} holds a run of a different configuration; use another --out "
                             f"(or delete that folder)")
-        done += path.exists()
+        done += done_record(spec) is not None
     return done
 
 

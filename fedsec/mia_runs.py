@@ -18,7 +18,8 @@ for each audited record (every record of every client: its training and held-out
 "Public data" for a probe head: the records of the *other* clients that this run did not train
 on (the target's held-out splits; a reference run's OUT halves), so a probe never saw the records
 it scores. The run folder holds ``signals.pt`` and, written last, ``done.json`` (with a
-fingerprint of everything that determines the run), so a finished run is reused on rerun.
+fingerprint of everything that determines the run: ``RunSpec.stage``, a ``fedsec.resumable``
+stage), so a finished run is reused on rerun.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from fedecouple.models import SplitModel, set_params
 
 from . import io
 from .defenses.dp import DPConfig, DPMethod, privacy_report
+from .resumable import ResumableStage
 from .runner import RunConfig, build_method
 
 KINDS = ("personal", "global", "upload")
@@ -73,14 +75,17 @@ class RunSpec:
                           sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()
 
+    def stage(self) -> ResumableStage:
+        """The run's folder as a resumable stage: complete when its ``done.json`` holds this fingerprint
+        and ``signals.pt`` exists."""
+        return ResumableStage(Path(self.folder), self.fingerprint(), required=("signals.pt",),
+                              identity_field="fingerprint")
+
 
 def done_record(spec: RunSpec) -> dict | None:
     """The run's ``done.json`` if it finished with the same fingerprint, else None."""
-    path = Path(spec.folder) / "done.json"
-    if not path.exists():
-        return None
-    record = io.read_json(path)
-    return record if record.get("fingerprint") == spec.fingerprint() else None
+    stage = spec.stage()
+    return stage.record() if stage.complete() else None
 
 
 def load_signals(spec: RunSpec) -> dict[str, torch.Tensor]:
@@ -109,7 +114,7 @@ def run_one(spec: RunSpec, dataset: ImageDataset) -> dict:
               "training_records": int(spec.trained.sum()), "notes": signals_notes(signals)}
     if spec.dp is not None:
         record["dp"] = privacy_report(fed.clients, spec.dp)
-    io.write_json(Path(spec.folder) / "done.json", io.finite(record))
+    spec.stage().finish(io.finite(record))  # last: the run is complete
     return record
 
 

@@ -7,11 +7,13 @@ an interrupted run and ends with the same ``metrics.csv``).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pandas as pd
 import torch
@@ -139,6 +141,45 @@ def build_method(config: RunConfig) -> Method:
     return make_method(config.method, **config.hyperparameters)
 
 
+class DatasetCache:
+    """Data sets loaded once and shared by every run that reads them (runs only read the tensors)."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[tuple[str, str], ImageDataset] = {}
+
+    def load(self, name: str, data_dir=None, download: bool = False) -> ImageDataset:
+        key = (name, str(data_dir))
+        if key not in self._loaded:
+            self._loaded[key] = load_dataset(name, data_dir, download)
+        return self._loaded[key]
+
+
+# the cache ``prepare`` reads from while a ``shared_datasets()`` block runs (None: load every time)
+_DATASETS: contextvars.ContextVar[DatasetCache | None] = contextvars.ContextVar("fedsec_datasets", default=None)
+
+
+@contextlib.contextmanager
+def shared_datasets() -> Iterator[DatasetCache]:
+    """Within the block every ``prepare`` loads each data set once (a comparison, a report, an attack
+    and its time estimate); a block inside another shares the outer block's cache."""
+    cache = _DATASETS.get()
+    if cache is not None:
+        yield cache
+        return
+    token = _DATASETS.set(DatasetCache())
+    try:
+        yield _DATASETS.get()
+    finally:
+        _DATASETS.reset(token)
+
+
+def _load(data: DataConfig) -> ImageDataset:
+    cache = _DATASETS.get()
+    if cache is None:
+        return load_dataset(data.dataset, data.data_dir, data.download)
+    return cache.load(data.dataset, data.data_dir, data.download)
+
+
 @dataclass
 class Prepared:
     config: RunConfig
@@ -166,7 +207,7 @@ def prepare(config: RunConfig) -> Prepared:
     if execution.backend == "ray" and device.startswith("cuda:"):
         raise UserError(f"--device {device} with --backend ray: Ray gives each task the GPU it reserved; "
                         f"use --device cuda")
-    dataset = load_dataset(data.dataset, data.data_dir, data.download)
+    dataset = _load(data)
     # before anything trains or is written (report, defend and attack start here)
     ModelSpec.for_data(dataset, config.federation.arch, config.federation.model).check()
     partition = make_partition(dataset.labels.numpy(), data.clients, data.partition,

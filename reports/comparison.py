@@ -11,7 +11,8 @@ Inputs
              ``a_status`` (``done`` or ``not applicable: <reason>`` / ``unavailable: <reason>``),
              ``a_mean_psnr, a_median_psnr, a_max_psnr, a_prior_psnr, a_ssim, a_label_accuracy``
              (the reconstructions' predicted labels), ``a_class_presence_accuracy`` (label
-             attacks), ``a_images``; then ``findings_high, findings_medium, findings_low,
+             attacks), ``a_images``, ``a_lower_bound`` (the caller's LOWER BOUND verdict: at or below the
+             prior while the optimiser stopped short); then ``findings_high, findings_medium, findings_low,
              findings_info``.
 ``results``  one row per scored image (and, for ``labels``, per class): at least ``method,
              attack, psnr, prior_psnr`` for image attacks.
@@ -41,7 +42,7 @@ import pandas as pd
 
 from .audit import SEVERITIES
 from .figures import png_bytes
-from .formatting import finite_or_none, interval_text, is_lower_bound, is_true
+from .formatting import finite_or_none, interval_text, is_true
 
 PLOT_PSNR = "psnr_by_method.png"
 PLOT_SCATTER = "accuracy_vs_leakage.png"
@@ -99,9 +100,9 @@ def mis_specified(row: Mapping, attack: str) -> bool:
 def stopped_short(row: Mapping, attack: str) -> bool:
     """Whether the attack ended below the prior on images whose truth its own objective prefers
     (``not_converged`` on some target): a lower bound set by the attack's budget, not a measure of
-    the method's privacy."""
-    return is_lower_bound(row.get(f"{attack}_mean_psnr"), row.get(f"{attack}_prior_psnr"),
-                          finite_or_none(row.get(f"{attack}_not_converged_targets")))
+    the method's privacy. The caller decided it (the LOWER BOUND rule lives with the attacks,
+    ``attacks.verdicts``) and passes it as the summary's ``<attack>_lower_bound`` flag."""
+    return is_true(row.get(f"{attack}_lower_bound"))
 
 
 def psnr_cell(row: Mapping, attack: str) -> str:

@@ -15,7 +15,9 @@ import pandas as pd
 import pytest
 
 from fedsec import report as rep
+from fedsec import runner
 from fedsec.cli import main
+from fedsec.report import stages as report_stages
 from fedsec.runner import RunConfig
 from helpers import TEST_THREADS
 
@@ -39,17 +41,17 @@ def build(out, **kw):
 
 
 class Calls:
-    """Counts the stage functions fedsec.report calls; ``crash`` maps (kind, method) to an exception."""
+    """Counts the stage functions fedsec.report's stages call; ``crash`` maps (kind, method) to an exception."""
 
     def __init__(self, monkeypatch, crash: dict | None = None):
         self.count = {"train": [], "audit": [], "attack": []}
         self.crash = crash or {}
-        real_train, real_audit, real_attack = rep.runner.train, rep.run_audit, rep.run_attack
+        real_train, real_audit, real_attack = runner.train, report_stages.run_audit, report_stages.run_attack
 
         def train(config, out, *a, **k):
             return self._call("train", config.method, lambda: real_train(config, out, *a, **k), out)
 
-        real_train_federation = rep.runner.train_federation
+        real_train_federation = runner.train_federation
 
         def train_federation(fed, prep, out):  # the train stage that records rounds for the attacks
             return self._call("train", prep.config.method, lambda: real_train_federation(fed, prep, out), out)
@@ -61,10 +63,10 @@ class Calls:
             return self._call("attack", f"{config.method}/{settings.attack}",
                               lambda: real_attack(config, settings, *a, **k), k.get("out"))
 
-        monkeypatch.setattr(rep.runner, "train", train)
-        monkeypatch.setattr(rep.runner, "train_federation", train_federation)
-        monkeypatch.setattr(rep, "run_audit", audit)
-        monkeypatch.setattr(rep, "run_attack", attack)
+        monkeypatch.setattr(runner, "train", train)
+        monkeypatch.setattr(runner, "train_federation", train_federation)
+        monkeypatch.setattr(report_stages, "run_audit", audit)
+        monkeypatch.setattr(report_stages, "run_attack", attack)
 
     # the first file each kind of stage writes, half-written, as a crash in the middle leaves it
     PARTIAL = {"train": ("config.json", '{"config": {"meth'), "audit": ("audit.csv", "method,round,cli"),

@@ -82,3 +82,46 @@ def private_imports_between_modules(package: str = "fedsec") -> list[str]:
 
 def test_fedsec_modules_do_not_import_each_others_private_helpers():
     assert private_imports_between_modules() == []
+
+
+def _imported_modules(path: Path, tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the module at ``path``."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found += [(node.lineno, f"{module}.{a.name}" if not node.module else module) for a in node.names]
+    return found
+
+
+def test_nothing_imports_the_command_line():
+    """``fedsec.cli`` is the top of the tree: no module imports it back (no circle with ``fedsec.flower.cli``);
+    what the commands print lives in ``fedsec.console``, the presets in ``fedsec.presets``."""
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {name}" for package in ("fedsec", "attacks", "reports")
+             for path, tree in _modules(package) for line, name in _imported_modules(path, tree)
+             if name == "fedsec.cli" or name.startswith("fedsec.cli.")]
+    assert wrong == []
+
+
+VERDICT_CONSTANTS = ("SUCCESS_MARGIN_DB", "LEAK_GAP_DB", "PRESENCE_THRESHOLD", "SUCCESS_RULE")
+
+
+def test_the_verdict_rules_have_one_home():
+    """The success rule, the leak gap, the presence threshold and the LOWER BOUND rule are defined in
+    ``attacks/verdicts.py`` only (the others import them; ``reports`` receives what they decided)."""
+    defined = []
+    for package in ("fedsec", "attacks", "reports"):
+        for path, tree in _modules(package):
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Assign):
+                    defined += [(t.id, path.relative_to(ROOT).as_posix()) for t in node.targets
+                                if isinstance(t, ast.Name) and t.id in VERDICT_CONSTANTS]
+                elif isinstance(node, ast.FunctionDef) and node.name in ("is_lower_bound", "at_chance", "psnr_gap"):
+                    defined.append((node.name, path.relative_to(ROOT).as_posix()))
+    assert {where for _, where in defined} == {"attacks/verdicts.py"}
+    assert sorted(name for name, _ in defined) == sorted(VERDICT_CONSTANTS + ("at_chance", "is_lower_bound",
+                                                                             "psnr_gap"))

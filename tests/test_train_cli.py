@@ -86,3 +86,18 @@ def test_issue_acceptance_fedecouple_mnist5k_pathological(tmp_path):
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "acc" / "summary.json").read_text())
     assert summary["mean_accuracy"] >= 0.80
+
+
+def test_runs_inside_shared_datasets_read_one_loaded_data_set():
+    """``runner.shared_datasets`` (compare, report, attack): every ``prepare`` in the block gets the same
+    tensors, loaded once; outside the block each ``prepare`` loads its own."""
+    from fedsec import runner
+
+    fedper = RunConfig.of(method="fedper", dataset="digits", clients=2, rounds=1)
+    fedavg = fedper.updated(method="fedavg")
+    with runner.shared_datasets() as cache:
+        first, second = runner.prepare(fedper).dataset, runner.prepare(fedavg).dataset
+        with runner.shared_datasets() as inner:  # a nested block shares the outer cache
+            assert inner is cache and runner.prepare(fedper).dataset is first
+    assert first is second and first is cache.load("digits")
+    assert runner.prepare(fedper).dataset is not first

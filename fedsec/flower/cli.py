@@ -77,7 +77,7 @@ def attack(app_dir, nodes, run_config, ray_cpus, threads, flower_log, device, at
 
     require_flwr()
     from ..attack import AttackSettings, parse_rounds
-    from ..cli import attack_headline
+    from ..console import attack_lines
     from .app import parse_run_config
     from .harness import attack_app, default_out
 
@@ -88,11 +88,8 @@ def attack(app_dir, nodes, run_config, ray_cpus, threads, flower_log, device, at
     out = out or default_out("attack", app_dir, attack_name)
     summary = attack_app(app_dir, settings, nodes=nodes, run_config=parse_run_config(run_config), out=out,
                          ray_cpus=ray_cpus, quiet=not flower_log, device=device)
-    click.echo(f"{summary['run']}: {attack_headline(summary, out)}")
-    for note in summary["notes"][:3]:
-        click.echo(f"  note: {note}")
-    if len(summary["notes"]) > 3:
-        click.echo(f"  ({len(summary['notes']) - 3} more notes in {out}/summary.json)")
+    for line in attack_lines(summary, out, prefix=f"{summary['run']}: "):
+        click.echo(line)
 
 
 @flower.command()
@@ -123,9 +120,7 @@ def audit(app_dir, nodes, run_config, ray_cpus, threads, flower_log, device, rou
     result = audit_app(app_dir, nodes=nodes, run_config=parse_run_config(run_config), rounds=rounds,
                        evidence=evidence, evidence_iterations=evidence_iterations, out=out, ray_cpus=ray_cpus,
                        threads=threads, quiet=not flower_log, device=device)
-    summary = result["summary"]
-    click.echo(f"{summary['run']} ({summary['method']}): {summary['upload_kib_per_client_round']:.1f} KiB up per "
-               f"client and round; " + ", ".join(f"{n} {s}" for s, n in summary["findings_by_severity"].items() if n)
-               + f" findings → {out}")
-    for finding in result["findings"]:
-        click.echo(f"  [{finding['severity']}] {finding['code']}: {finding['finding']}")
+    from ..console import audit_lines
+
+    for line in audit_lines(f"{result['summary']['run']} ({result['summary']['method']})", result, out):
+        click.echo(line)

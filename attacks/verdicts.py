@@ -1,0 +1,75 @@
+"""The verdict rules, in one place: when a reconstructed image counts as recovered (the success
+rule), when measured leakage is at chance level (the leak gap), when a result is only a lower bound
+(the LOWER BOUND rule), when a label attack's class-presence accuracy is low (the presence
+threshold), and the forward-model check in words.
+
+Read by the attacks' scoring (``attacks.metrics``), the audit's severities (``fedsec.audit``), the
+report (``fedsec.report``) and the console (``fedsec.console``). ``reports`` imports nothing of
+``attacks``: it receives what these rules decided (the report's ``<cell>_lower_bound`` flags, the
+``success_rule`` and ``leak_gap_db`` values in its ``meta``). Standard library only.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# an image counts as recovered when its PSNR is this far above the prior's on that image
+SUCCESS_MARGIN_DB = 6.0
+SUCCESS_SSIM = 0.5
+SUCCESS_RULE = f"PSNR at least {SUCCESS_MARGIN_DB:g} dB above the prior (the data set's mean image) on that image"
+SUCCESS_RULE_SSIM = f"SSIM at least {SUCCESS_SSIM:g}"
+# measured leakage less than this far above the prior is at chance level: a finding's severity "low"
+LEAK_GAP_DB = 3.0
+# a label attack's class-presence accuracy below this does not make labels inferable: "low"
+PRESENCE_THRESHOLD = 0.8
+
+
+def _number(x: Any) -> float | None:
+    """A finite float, or None for anything else (missing, text, NaN, infinite): table cells are loose."""
+    try:
+        value = float(x)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(value) or math.isinf(value) else value
+
+
+def is_lower_bound(mean_psnr: Any, prior_psnr: Any, stopped_short: Any) -> bool:
+    """The LOWER BOUND rule: at or below the prior on average while the optimiser stopped short of the
+    truth (``not_converged``) on some target; then the PSNR is set by the attack's budget, not by the
+    method."""
+    mean, prior = _number(mean_psnr), _number(prior_psnr)
+    return bool(stopped_short) and mean is not None and prior is not None and mean <= prior
+
+
+def psnr_gap(summary: dict | None) -> float | None:
+    """Mean PSNR minus mean prior PSNR of an attack summary (None when not measured)."""
+    if not summary or summary.get("mean_psnr") is None or summary.get("mean_prior_psnr") is None:
+        return None
+    return float(summary["mean_psnr"]) - float(summary["mean_prior_psnr"])
+
+
+def at_chance(summary: dict | None) -> bool | None:
+    """Whether an attack's measured leakage is at chance level (within LEAK_GAP_DB of the prior). Never
+    for a mis-specified attack (its forward model was wrong) nor for one whose optimiser stopped short of
+    the truth (a lower bound): neither is evidence of low leakage."""
+    gap = psnr_gap(summary)
+    if gap is None or (summary or {}).get("mis_specified") or (summary or {}).get("not_converged_targets"):
+        return None
+    return gap < LEAK_GAP_DB
+
+
+def presence_is_low(accuracy: float | None) -> bool:
+    """Whether a measured class-presence accuracy is below the presence threshold (None: not measured)."""
+    return accuracy is not None and accuracy < PRESENCE_THRESHOLD
+
+
+def forward_check_verdict(mis_specified_targets: Any, not_converged_targets: Any, n_targets: Any) -> str:
+    """The forward-model check in words, for the end of a result line: empty when clean."""
+    n = int(_number(n_targets) or 0)
+    wrong, short = int(_number(mis_specified_targets) or 0), int(_number(not_converged_targets) or 0)
+    if wrong:
+        return (f"MIS-SPECIFIED on {wrong} of {n} targets: the attack's forward model does not reproduce their uploads, "
+                f"so these numbers say nothing about the method")
+    if short:
+        return f"the optimiser stopped short of the truth on {short} of {n} targets: a lower bound"
+    return ""

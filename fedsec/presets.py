@@ -1,0 +1,59 @@
+"""``--preset paper|audit``: the values a preset sets, merged under what the user gave explicitly
+(a preset never overrides an explicit flag). ``is_explicit(name)`` says whether ``--name`` was given
+on the command line (the CLI passes click's answer)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import attacks
+from fedecouple.methods import METHODS
+
+from .runner import AUDIT_FEDERATION, PAPER_FEDERATION
+
+Explicit = Callable[[str], bool]
+FEDERATIONS = {"paper": PAPER_FEDERATION, "audit": AUDIT_FEDERATION}
+
+
+def merge_federation(preset: str | None, opts: dict, hyperparameters: dict, is_explicit: Explicit) -> None:
+    """Fill the train flags (``opts``) and, for ``paper``, the method's paper hyperparameters with the
+    preset's values where the user gave none."""
+    for key, value in FEDERATIONS.get(preset, {}).items():
+        if not is_explicit(key):
+            opts[key] = value
+    if preset == "paper" and opts["method"] in METHODS:  # compare/report set methods later: each its own preset
+        for key, value in METHODS[opts["method"]].paper_preset.items():
+            hyperparameters.setdefault(key, value)
+
+
+def attack_plan(attack: str, given: dict, is_explicit: Explicit) -> dict:
+    """``fedsec attack --preset audit``: the audit's plan for this attack (``report.audit_preset``'s
+    cell: ``<attack>@real``, or ``@textbook`` with an explicit ``--victim-batch``) under the explicit
+    flags. ``given`` and the result hold attack_rounds, targets, iterations, restarts, victim_batch."""
+    from .report import audit_preset
+
+    gradient = attacks.get(attack).kind == "gradient"
+    textbook = is_explicit("victim_batch") and given["victim_batch"] and gradient
+    plan = audit_preset().for_attack(f"{attack}@{'textbook' if textbook else 'real'}" if gradient else attack)
+    planned = {"attack_rounds": ",".join(map(str, plan.rounds)), "targets": plan.targets,
+               "iterations": plan.iterations, "restarts": plan.restarts, "victim_batch": plan.victim_batch}
+    return {k: given[k] if is_explicit(k) else v for k, v in planned.items()}
+
+
+def report_plan(preset: str | None, attack_text: str, attack_rounds: str, targets: int, iterations: str | None,
+                is_explicit: Explicit):
+    """(attacks, ``ReportSettings``) of ``fedsec report``: the audit's plan under the explicit flags
+    with ``--preset audit``, else the flags."""
+    from . import report as rep
+
+    if preset != "audit":
+        return rep.parse_attacks(attack_text), rep.ReportSettings(rounds=tuple(rep.parse_rounds(attack_rounds)),
+                                                                  targets=targets,
+                                                                  iterations=rep.parse_iterations(iterations))
+    attack_list = rep.parse_attacks(attack_text if is_explicit("attacks") else ",".join(rep.AUDIT_ATTACKS))
+    settings = rep.audit_preset(rep.parse_iterations(iterations))
+    if is_explicit("attack_rounds"):
+        settings = replace(settings, rounds=tuple(rep.parse_rounds(attack_rounds)))
+    if is_explicit("targets"):
+        settings = replace(settings, targets=targets, targets_by={})
+    return attack_list, settings

@@ -1,0 +1,155 @@
+"""``fedsec report``'s entry: validate everything, run (or resume, or reuse) the stages, then write
+the report files (``reports.comparison`` renders them)."""
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Callable, Iterable
+
+import attacks
+from attacks.metrics import PSNR_CAP_DB
+from attacks.verdicts import LEAK_GAP_DB, PRESENCE_THRESHOLD, SUCCESS_RULE
+from fedecouple.errors import UserError
+
+from .. import io, runner
+from ..attack import AttackSettings, parse_attacks, parse_rounds
+from ..compare import parse_methods, unused_hyperparameters
+from ..runner import RunConfig
+from ..versions import provenance
+from .settings import DEFAULT_ATTACKS, ReportSettings, attack_of
+from .stages import Stage, check_reuse_dirs, plan, run_stages
+from .tables import assemble, leakage_by_round, lower_bound_flags, method_comparisons, psnr_definition
+
+
+def validate(base: RunConfig, methods: list[str], attack_names: list[str], settings: ReportSettings, out: Path,
+             mia=None) -> tuple[ReportSettings, list[Stage]]:
+    """Every check that can fail on user input, before anything is written; returns the settings with
+    their rounds checked and the planned stages."""
+    if not methods:
+        raise UserError("--methods needs at least one method")
+    parse_methods(",".join(methods))
+    parse_attacks(attack_names)
+    unused = unused_hyperparameters(base, methods)
+    if unused:
+        raise UserError(f"no reported method takes hyperparameter {', '.join(unused)}")
+    if settings.targets < 1:
+        raise UserError(f"--targets must be at least 1, got {settings.targets}")
+    if (settings.restarts is not None and settings.restarts < 1) or settings.images < 1:
+        raise UserError("--restarts and --images must be at least 1")
+    settings = replace(settings, rounds=tuple(parse_rounds(settings.rounds)))
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory")
+    stages = plan(base, methods, settings.attack_plan(settings.keys(attack_names)), out, mia)
+    for st in stages:
+        runner.build_method(st.config)
+        st.config.federation.validate(st.config.data.clients)
+        if st.resumable.holds_other():
+            raise UserError(f"{st.path} holds a {st.name} stage with a different configuration; "
+                            f"use another --out (and --reuse {out} to keep what still matches) or remove that folder")
+    runner.prepare(stages[0].config)  # the data set loads (or fails) now
+    return settings, stages
+
+
+def build_report(base: RunConfig, methods: list[str], out: str | Path, attacks: Iterable[str] = DEFAULT_ATTACKS,
+                 settings: ReportSettings | None = None, reuse: Iterable[str | Path] = (), progress: bool = True,
+                 command: str | None = None, log: Callable[[str], None] | None = None, mia=None) -> dict:
+    """Run (or resume, or reuse) every stage, then write the report files; returns their paths and the
+    summary. ``mia`` (a ``fedsec.mia.MiaSettings``) adds a membership-inference stage per method."""
+    settings = settings or ReportSettings()
+    out = Path(out)
+    attack_names = parse_attacks(list(attacks))
+    methods = list(dict.fromkeys(methods))
+    reuse_dirs = check_reuse_dirs(reuse)
+    if mia is not None:
+        mia.validate()
+    with runner.shared_datasets(), _one_ray(base):  # every stage reads the same data set tensors (and one Ray)
+        settings, stages = validate(base, methods, attack_names, settings, out, mia)
+        records, failed, seconds = run_stages(stages, reuse_dirs, progress, log)
+    cells = {st.attack: st.attack_settings for st in stages if st.kind == "attack"}
+    keys = settings.keys(attack_names)
+    return {**_write_report(base, methods, keys, cells, out, stages, records, failed, seconds, command),
+            "cells": keys}
+
+
+@contextlib.contextmanager
+def _one_ray(base: RunConfig):
+    """With ``--backend ray`` (local), one Ray for the whole report: every stage's backend finds it
+    running and leaves it so (instead of each federation starting and stopping its own)."""
+    execution = base.execution
+    if execution.backend != "ray" or execution.ray_address:
+        yield
+        return
+    from fedecouple.backends import import_ray, start_local_ray
+
+    ray = import_ray()
+    started = not ray.is_initialized()
+    if started:
+        start_local_ray()
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _report_meta(base: RunConfig, methods: list[str], attack_names: list[str], cells: dict[str, AttackSettings],
+                 details: dict, records: list[dict], notes: list[str], command: str | None,
+                 mia_summaries: list[dict] = (), comparisons: list[str] = ()) -> dict:
+    return {
+        "title": f"Privacy comparison: {', '.join(methods)} on {base.data.dataset}",
+        "command": command, "methods": methods, "attacks": attack_names,
+        "image_attacks": [a for a in attack_names if attacks.get(attack_of(a)).rebuilds_images],
+        "label_attacks": [a for a in attack_names if not attacks.get(attack_of(a)).rebuilds_images],
+        "psnr_cap_db": PSNR_CAP_DB, "leak_gap_db": LEAK_GAP_DB, "success_rule": SUCCESS_RULE,
+        "config": {k: v for k, v in base.to_dict().items() if k != "method"},
+        "method_hyperparameters": {m: d["hyperparameters"] for m, d in details.items()},
+        "seeds": {"seed": base.federation.seed,
+                  "seed is used for": "the partition, the initial model, local training, the attacks' starting "
+                                      "points and the choice of attacked clients (the same for every method)",
+                  "attacked clients": {f"{m} / {a}": "; ".join(f"round {r}: client {', '.join(map(str, cs))}"
+                                                                for r, cs in (t or {}).items())
+                                       for m, d in details.items() for a, t in d["targets"].items()}},
+        "attack_settings": {a: asdict(cells[a]) for a in attack_names},
+        "mia": list(mia_summaries),
+        "comparisons": comparisons,
+        **provenance(), "psnr_definition": psnr_definition(), "stages": records, "notes": notes,
+        "findings_note": ("Findings come from `fedsec audit` (without its own evidence attacks); where this report "
+                          "measured the matching attack, its numbers are shown and the severity follows the audit's "
+                          f"rule (leakage within {LEAK_GAP_DB:.0f} dB of the prior, or class-presence accuracy "
+                          f"below {PRESENCE_THRESHOLD:g}, is low)."),
+    }
+
+
+def _write_report(base: RunConfig, methods: list[str], attack_names: list[str], cells: dict, out: Path,
+                  stages: list[Stage], records: list[dict], failed: dict, seconds: float, command: str | None) -> dict:
+    """Assemble the tables from the stage folders and write every report file."""
+    from reports.comparison import render
+
+    summary, results, findings, grids, details = assemble(stages, methods, attack_names, out)
+    mia_summaries = details.pop("mia", [])
+    for (m, name), reason in failed.items():
+        if name.startswith("attack-"):
+            summary.loc[summary["method"] == m, f"{name[len('attack-'):]}_status"] = f"failed: {reason}"
+    stage_versions = {json.dumps(v, sort_keys=True) for d in details.values() for v in d["versions"] if v}
+    notes = [f"{len(stages)} stages in {seconds:.0f} s this run "
+             f"({sum(r['source'] == 'computed' for r in records)} computed, "
+             f"{sum(r['source'] == 'done earlier' for r in records)} done earlier, "
+             f"{sum(r['source'] == 'reused' for r in records)} reused)."]
+    notes += [f"FAILED: {m} {name}: {reason} (rerun with the same --out to retry)" for (m, name), reason in failed.items()]
+    if len(stage_versions) > 1:
+        notes.append("Some stages were computed with other package versions; each stage's done.json records its own.")
+    by_round = leakage_by_round(results, methods, attack_names, seed=base.federation.seed)
+    meta = _report_meta(base, methods, attack_names, cells, details, records, notes, command, mia_summaries,
+                        method_comparisons(summary, results, methods, attack_names))
+    meta["by_round"] = by_round.to_dict("records") if by_round["round"].nunique() > 1 else []
+    paths = {}
+    for name, content in render(lower_bound_flags(summary, attack_names), results, findings, grids, meta).items():
+        (io.write_bytes if isinstance(content, bytes) else io.write_text)(out / name, content)
+        paths[name] = out / name
+    for name, frame in (("results.csv", results), ("summary.csv", summary), ("findings.csv", findings),
+                        ("by_round.csv", by_round)):
+        io.write_csv(out / name, frame)
+        paths[name] = out / name
+    return {"paths": paths, "summary": summary, "stages": records, "failed": failed}

@@ -1,0 +1,257 @@
+"""``fedsec report``'s stages: plan them, find them done (or in an earlier run), run them.
+
+Each stage is a ``fedsec.resumable.ResumableStage`` in ``out/<method>/<stage>/``: complete when its
+``done.json`` (written last) holds the stage's identity — its config and settings, without the
+settings that never change a result (``fedsec.runner.RESULT_NEUTRAL``) — and its result files exist.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from fedecouple.errors import UserError
+
+from .. import estimate, runner
+from ..attack import AttackSettings, TrainingCache, check_applicable, recording_federation, run_attack, training_key
+from ..audit import run_audit
+from ..compare import method_config
+from ..resumable import ResumableStage, TrainRun, marked_folders
+from ..runner import RunConfig
+from ..versions import provenance
+
+# the files each kind of stage must hold, besides its done.json, to count as complete
+REQUIRED = {"train": ("summary.json", "metrics.csv"), "audit": ("summary.json", "findings.json"),
+            "attack": ("summary.json", "attack.csv"), "mia": ("summary.json", "mia.csv")}
+
+
+@dataclass(frozen=True)
+class Stage:
+    method: str
+    name: str  # train | audit | attack-<cell> | mia
+    attack: str | None  # the cell (ig, ig@real) of an attack stage
+    config: RunConfig
+    identity: dict
+    path: Path
+    mia: object = None  # the MiaSettings of a membership-inference stage
+    attack_settings: AttackSettings | None = None  # the cell's, shared by its stages (one per method)
+
+    @property
+    def kind(self) -> str:
+        return "attack" if self.attack else self.name
+
+    @property
+    def resumable(self) -> ResumableStage:
+        return ResumableStage(self.path, self.identity, REQUIRED[self.kind])
+
+
+def stage_identity(kind: str, config: RunConfig, settings=None) -> dict:
+    """What a stage's result depends on (stored in its done.json; a stage is reused only when equal)."""
+    if kind == "mia":
+        return json.loads(json.dumps({"stage": "mia", "config": config.result_key(), "settings": asdict(settings)},
+                                     sort_keys=True, default=list))
+    if kind == "attack":
+        # an attack stage trains max(attack rounds) + 1 rounds whatever --rounds says
+        config = config.updated(rounds=max(settings.rounds) + 1)
+        return json.loads(json.dumps({"stage": "attack", "attack": settings.attack, "config": config.result_key(),
+                                      "settings": asdict(settings)}, sort_keys=True))
+    return {"stage": kind, "config": config.result_key()}
+
+
+def plan(base: RunConfig, methods: list[str], cells: dict[str, AttackSettings], out: Path, mia=None) -> list[Stage]:
+    """Every stage, method by method: train, audit, one per cell (``ReportSettings.attack_plan``), mia."""
+    stages = []
+    for m in methods:
+        cfg = method_config(base, m, base.federation.seed)
+        stages.append(Stage(m, "train", None, cfg, stage_identity("train", cfg), out / m / "train"))
+        stages.append(Stage(m, "audit", None, cfg, stage_identity("audit", cfg), out / m / "audit"))
+        for a, settings in cells.items():
+            stages.append(Stage(m, f"attack-{a}", a, cfg, stage_identity("attack", cfg, settings),
+                                out / m / f"attack-{a}", attack_settings=settings))
+        if mia is not None:
+            stages.append(Stage(m, "mia", None, cfg, stage_identity("mia", cfg, mia), out / m / "mia", mia))
+    return stages
+
+
+# ----------------------------------------------------------------------------------------------
+# reuse of earlier runs
+# ----------------------------------------------------------------------------------------------
+def check_reuse_dirs(dirs: Iterable[str | Path]) -> list[Path]:
+    out = []
+    for d in dirs:
+        p = Path(d)
+        if not p.is_dir():
+            raise UserError(f"--reuse {d}: not a directory")
+        try:
+            next(iter(os.scandir(p)), None)
+        except OSError as exc:
+            raise UserError(f"--reuse {d}: cannot read it ({exc.strerror or exc})") from None
+        out.append(p)
+    return out
+
+
+def find_reusable(stage: Stage, done_dirs: list[Path], train_dirs: list[Path]) -> Path | None:
+    """A folder below ``--reuse`` holding this stage complete (or, for ``train``, a ``fedsec train`` run)."""
+    found = stage.resumable.find_complete(done_dirs)
+    if found is None and stage.kind == "train":
+        found = next((d for d in train_dirs if TrainRun(d, stage.config).status() == "done"), None)
+    return found
+
+
+# ----------------------------------------------------------------------------------------------
+# running stages
+# ----------------------------------------------------------------------------------------------
+def run_stage(stage: Stage, trainings: TrainingCache | None = None) -> tuple[str, str | None]:
+    """Run one stage into its folder; returns (status, reason). ``done.json`` is written last.
+    ``trainings`` lets consecutive attack stages with the same training share one federation."""
+    start = time.perf_counter()
+    path = stage.path
+    reason = None
+    if stage.kind == "train":
+        status = TrainRun(path, stage.config).status()
+        if status == "other" or (status == "new" and path.exists()):
+            shutil.rmtree(path)
+        if status != "done" and (trainings is None or status == "partial"):
+            runner.train(stage.config, path, resume=status == "partial")
+        elif status != "done":
+            _train_recorded_stage(stage, trainings)
+    else:
+        if path.exists():
+            shutil.rmtree(path)  # an incomplete stage is redone from scratch
+        if stage.kind == "audit":
+            kept = trainings.get(training_key(stage.config)) if trainings is not None else None
+            run_audit(stage.config, path, evidence=False, progress=False, recorded=None if kept is None else kept[1])
+        elif stage.kind == "mia":
+            from ..mia import run_mia
+
+            run_mia(stage.config, stage.mia, path, progress=False, echo=lambda text: None)
+        else:
+            reason = _attack_stage(stage, trainings)
+    status = "done" if reason is None else "not_applicable"
+    reason = None if reason is None else reason.strip().rstrip(".")
+    path.mkdir(parents=True, exist_ok=True)
+    stage.resumable.finish({"status": status, "reason": reason, "seconds": round(time.perf_counter() - start, 2),
+                            **provenance(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    return status, reason
+
+
+def _train_recorded_stage(stage: Stage, trainings: TrainingCache) -> None:
+    """The train stage with the channel recording every round: the federation is kept in
+    ``trainings`` for the method's audit and real-training attack stages (same ``training_key``)."""
+    start = time.perf_counter()
+    prep = runner.prepare(stage.config)
+    fed, run, _ = recording_federation(prep)
+    try:
+        runner.train_federation(fed, prep, stage.path)
+    except BaseException:
+        fed.close()
+        raise
+    trainings.put(training_key(stage.config), (fed, run, round(time.perf_counter() - start, 2)))
+
+
+def _attack_stage(stage: Stage, trainings: TrainingCache | None = None) -> str | None:
+    """Run an attack stage; the reason it does not apply (known before training), or None."""
+    settings = stage.attack_settings
+    try:
+        check_applicable(settings.spec, runner.prepare(stage.config))
+        summary = run_attack(stage.config, settings, out=stage.path, progress=False, trainings=trainings)
+    except UserError as exc:
+        return str(exc)
+    scored = summary.get("images_scored", 0) if settings.spec.rebuilds_images else len(summary.get("label_scores") or [])
+    if scored:
+        return None
+    notes = summary.get("notes") or ["nothing could be scored"]
+    return notes[0].split(": ", 1)[-1] if notes[0].startswith("round ") else notes[0]
+
+
+def run_stages(stages: list[Stage], reuse_dirs: list[Path], progress: bool,
+               log: Callable[[str], None] | None) -> tuple[list[dict], dict, float]:
+    """Each stage: done earlier, copied from a reuse folder, or computed (a failure is recorded and
+    the next stage runs). Returns (records, failures, seconds)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(stages), desc="report", unit="stage", disable=None if progress else True, file=sys.stderr,
+               leave=False)  # the bar only on a terminal; the per-stage lines always
+
+    def say(text: str) -> None:
+        if log is not None:
+            log(text)
+        elif progress:
+            tqdm.write(text, file=sys.stderr)
+
+    done_dirs, train_dirs = marked_folders(reuse_dirs) if reuse_dirs else ([], [])
+    todo = [st for st in stages if not st.resumable.complete() and find_reusable(st, done_dirs, train_dirs) is None]
+    if todo:
+        say(f"{len(todo)} of {len(stages)} stages to compute: {estimate.describe(estimate_seconds(todo))} "
+            f"on a 2-core machine like the one the rates were measured on (fedsec.estimate)")
+    records: list[dict] = []
+    failed: dict[tuple[str, str], str] = {}
+    trainings = TrainingCache()
+    t0 = time.perf_counter()
+    try:
+        for i, st in enumerate(stages, 1):
+            if i > 1 and st.method != stages[i - 2].method:
+                trainings.close()  # a method's trainings serve only its own stages
+            bar.set_postfix_str(f"{st.method} {st.name}")
+            label = f"[{i:>{len(str(len(stages)))}}/{len(stages)}] {st.method} {st.name}"
+            records.append(_one_stage(st, label, done_dirs, train_dirs, failed, say, trainings))
+            bar.update(1)
+    finally:
+        trainings.close()
+        bar.close()
+    return records, failed, time.perf_counter() - t0
+
+
+def estimate_seconds(stages: list[Stage]) -> float:
+    """The wall time ``stages`` (those still to compute) should take (``fedsec.estimate``); a training
+    shared between stages counts once."""
+    images = estimate.training_images(runner.prepare(stages[0].config))
+    trained: set[str] = set()
+    total = 0.0
+    for st in stages:
+        cfg = st.config
+        a = st.attack_settings.resolved(cfg.federation.seed) if st.kind == "attack" else None
+        if a is not None:
+            try:
+                check_applicable(a.spec, runner.prepare(cfg))
+            except UserError:  # found before anything trains: costs nothing
+                continue
+        key = training_key(cfg) if a is None else training_key(cfg.updated(rounds=a.rounds_to_train), a)
+        rounds = 0 if key in trained else (cfg.federation.rounds if a is None else a.rounds_to_train)
+        trained.add(key)
+        work = (estimate.StageWork(st.method, cfg.data.clients, rounds, images) if a is None
+                else estimate.attack_work(st.method, cfg.data.clients, images, a, rounds))
+        total += estimate.seconds(work)
+    return total
+
+
+def _one_stage(st: Stage, label: str, done_dirs, train_dirs, failed: dict, say,
+               trainings: TrainingCache | None = None) -> dict:
+    stage = st.resumable
+    stage.clear_partial_copy()
+    source = "computed"
+    if stage.complete():
+        source = "done earlier"
+    elif (found := find_reusable(st, done_dirs, train_dirs)) is not None:
+        stage.copy_from(found, {"status": "done", "seconds": None}, reused_from=str(found.resolve()))
+        source = f"reused {found}"
+    else:
+        say(f"{label}: running ...")
+        try:
+            run_stage(st, trainings)
+        except Exception as exc:  # noqa: BLE001 - recorded, reported, retried by the next run
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            failed[(st.method, st.name)] = reason
+            say(f"{label}: FAILED ({reason}); rerun with the same --out to retry it")
+            return {"method": st.method, "stage": st.name, "status": "failed", "seconds": None, "source": "-"}
+    done = stage.record() or {}
+    status, reason, secs = done.get("status", "?"), done.get("reason"), done.get("seconds")
+    say(f"{label}: {status.replace('_', ' ')}" + (f" ({reason})" if reason else "")
+        + (f" in {secs:.1f} s" if source == "computed" and secs is not None else f" [{source}]"))
+    return {"method": st.method, "stage": st.name, "status": status.replace("_", " "), "seconds": secs,
+            "source": source if not source.startswith("reused") else "reused"}
