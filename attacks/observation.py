@@ -513,29 +513,22 @@ class GradientMatcher:
             out = [gradients[n] for n in self.names]
         if last is not None:
             out.append(self._linear_input(self.update.before, x)[0])
-        return out + self._feature_means(x, y, target) + self._row_space_share(x, target)
+        return out + self._feature_means(x, y, target) + self._row_space_share(x, target, z, copies)
 
-    def _row_space_share(self, x: torch.Tensor, target: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _row_space_share(self, x: torch.Tensor, target: list[torch.Tensor], z: torch.Tensor | None = None,
+                         copies: list | None = None) -> list[torch.Tensor]:
         """The mean share of the squared feature norms of the dummy images the classifier phase trained on
         (under the client's kept extractor, which that phase ran on) outside the classifier update's row
         space (``target[-1]``)."""
         if not self.closed.row_space_rank:
             return []
         basis = target[-1]
-        feats = replay_features(self.model, self.context.kept, x[self.classifier_rows()])
+        copies = self._copies(x, z) if copies is None else copies
+        trained = [torch.cat([x[:self.originals][list(step.members)]] + ([] if c is None else [c]))
+                   for step, c in zip(self.context.steps, copies) if step.phase == "classifier"]
+        feats = replay_features(self.model, self.context.kept, torch.cat(trained))
         outside = feats - (feats @ basis) @ basis.T
         return [(outside.pow(2).sum(dim=1) / feats.pow(2).sum(dim=1).clamp_min(1e-12)).mean()]
-
-    def classifier_rows(self) -> list[int]:
-        """The dummy images the classifier phase trained on (its steps' originals and their free augmented
-        copies): the copies of later phases' steps need not lie in the classifier update's row space."""
-        rows, used = [], 0
-        for step, augmented in zip(self.context.steps, self.augmented):
-            if step.phase == "classifier":
-                rows += list(step.members) + ([self.originals + used + k for k in range(len(step.members))]
-                                              if augmented and self.copy_model == "free" else [])
-            used += len(step.members) if augmented else 0
-        return sorted(set(rows))
 
     def _feature_means(self, x: torch.Tensor, y: torch.Tensor, target: list[torch.Tensor]) -> list[torch.Tensor]:
         """The dummy's class-mean features under the extractors the closed form names (the uploaded one

@@ -123,14 +123,13 @@ def test_fedecouple_features_lie_in_the_classifier_update_row_space(digits, da):
     matcher = GradientMatcher(obs, "auto")
     assert matcher.closed.row_space_rank == (2 if da else 1)
     records = fed.ground_truth.schedule(0, 0)
-    copies = true_copies(matcher, image, records, [0]) or []
-    truth = torch.cat([image] + [c for c in copies if c is not None])
-    assert len(truth) == (4 if da else 1)  # with DA one copy per step: classifier, GLF, extractor
-    assert matcher.classifier_rows() == ([0, 1] if da else [0])
-    (share,) = matcher._row_space_share(truth, matcher.target)
+    copies = true_copies(matcher, image, records, [0])
+    assert da == (copies is not None and sum(c is not None for c in copies) == 3)  # classifier, GLF, extractor
+    (share,) = matcher._row_space_share(image, matcher.target, copies=copies)
     assert float(share) < 1e-5
-    (noise,) = matcher._row_space_share(torch.rand(len(truth), 1, 8, 8, generator=torch.Generator().manual_seed(0)),
-                                        matcher.target)
+    noise = torch.rand(1, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    noise_copies = None if copies is None else [None if c is None else noise for c in copies]
+    (noise,) = matcher._row_space_share(noise, matcher.target, copies=noise_copies)
     assert float(noise) > 100 * float(share) and float(noise) > 1e-3
 
 
