@@ -361,15 +361,20 @@ class GradientMatcher:
             out = [gradients[n] for n in self.names]
         if last is not None:
             out.append(self._linear_input(self.update.before, x)[0])
-        return out + self._feature_means(x, y, target) + self._row_space_share(x, target)
+        return out + self._feature_means(x, y, target) + self._row_space_share(x, target, z, copies)
 
-    def _row_space_share(self, x: torch.Tensor, target: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The mean share of the dummy images' squared feature norms (under the client's kept extractor,
-        which the classifier phase ran on) outside the classifier update's row space (``target[-1]``)."""
+    def _row_space_share(self, x: torch.Tensor, target: list[torch.Tensor], z: torch.Tensor | None = None,
+                         copies: list | None = None) -> list[torch.Tensor]:
+        """The mean share of the squared feature norms of the dummy images the classifier phase trained on
+        (under the client's kept extractor, which that phase ran on) outside the classifier update's row
+        space (``target[-1]``)."""
         if not self.closed.row_space_rank:
             return []
         basis = target[-1]
-        feats = replay_features(self.model, self.context.kept, x)
+        copies = self._copies(x, z) if copies is None else copies
+        trained = [torch.cat([x[:self.originals][list(step.members)]] + ([] if c is None else [c]))
+                   for step, c in zip(self.context.steps, copies) if step.phase == "classifier"]
+        feats = replay_features(self.model, self.context.kept, torch.cat(trained))
         outside = feats - (feats @ basis) @ basis.T
         return [(outside.pow(2).sum(dim=1) / feats.pow(2).sum(dim=1).clamp_min(1e-12)).mean()]
 
@@ -484,10 +489,9 @@ class GradientMatcher:
         group instead was 1.6 dB worse on FedeCouple on the tuning federation: BENCHMARKS.md.)"""
         (dummy, target), extra = self._split(dummy, target)
         if self.mode != "method":
-            return 1.0 - F.cosine_similarity(flat(dummy), flat(target), dim=0, eps=1e-20) + extra
+            return one_minus_cosine(flat(dummy), flat(target)) + extra
         weights = [i for g in self.groups[:self.weight_groups] for i in g]
-        total = 1.0 - F.cosine_similarity(flat([dummy[i] for i in weights]), flat([target[i] for i in weights]),
-                                          dim=0, eps=1e-20)
+        total = one_minus_cosine(flat([dummy[i] for i in weights]), flat([target[i] for i in weights]))
         for g in self.groups[self.weight_groups:]:
             total = total + _relative_error(flat([dummy[i] for i in g]), flat([target[i] for i in g]))
         return total + extra
@@ -570,6 +574,12 @@ def gradient_distance(dummy: list[torch.Tensor], target: list[torch.Tensor], sca
     bb = sum((b * b).sum() for b in target)
     s = dot.clamp_min(0.0) / bb.clamp_min(1e-30)
     return sum(((a - s * b) ** 2).sum() for a, b in zip(dummy, target))
+
+
+def one_minus_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """1 − cos(a, b) as ½‖a/‖a‖ − b/‖b‖‖²: the same value and gradient, but without the cancellation of
+    1 − (a float32 cosine near 1), so that a match to float rounding reads ≈ 0, not ±1e-5."""
+    return 0.5 * (a / a.norm().clamp_min(1e-20) - b / b.norm().clamp_min(1e-20)).pow(2).sum()
 
 
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
