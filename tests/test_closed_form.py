@@ -159,7 +159,7 @@ def test_fedecouple_without_da_gives_the_image_feature_in_closed_form(digits):
     weight gradient e·fᵀ and the bias gradient e, so the classifier update's weight rows over its bias
     entries (``linear_input``) are the image's feature under the kept extractor, and the rank-1 row
     space the attack holds the dummy's features to is that feature's direction."""
-    from attacks.closed_form import linear_input
+    from attacks.inversion.closed_form import linear_input
     from fedecouple.methods.replay import features
 
     victim = VictimSetting(batch=1, steps=1, targets={(0, 0)})
@@ -184,7 +184,7 @@ def test_fedecouple_without_da_gives_the_image_feature_in_closed_form(digits):
 def test_one_minus_cosine_is_the_cosine_distance_without_cancellation():
     """IG's data term: equal to 1 − cos (float64, to float32 summation rounding) for unrelated vectors, and ≈ 0 (never negative) for a
     vector against itself and a positive multiple of it, where a float32 1 − cos is off by ~1e-6."""
-    from attacks.observation import one_minus_cosine
+    from attacks.inversion.forward_model import one_minus_cosine
 
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(200_000, generator=gen), torch.randn(200_000, generator=gen)
