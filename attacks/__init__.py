@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from . import dlg, ig, labels, lira, malicious, mia_threshold, proto, rmia  # noqa: F401  (each registers its attacks)
+from . import fedavg_leakage  # noqa: F401  (registers fedavg-leak; after ig, whose helpers it uses)
 from .base import AttackResult, Budget, LocalHyperparameters, NotApplicable, Observation
 from .batching import Batch, plan_one_by_one, run_plan
 from .registry import ATTACKS, MEMBERSHIP, AttackSpec, MembershipSpec, get, names, register, unregister
