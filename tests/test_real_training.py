@@ -169,3 +169,24 @@ def test_the_attacks_objective_is_zero_at_the_truth_in_its_true_slots(digits, me
     other = images[index].flip(-1)  # other images with the same labels in the same places
     assert matching_term(setup.matcher, "cosine", other, F.one_hot(labels[index], 10).float(),
                          copies=true_copies(setup.matcher, images.flip(-1), records, where)) > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# leakage vs client size: the report's pure functions (reports/client_size.py)
+
+
+def test_the_largest_exposed_size_is_the_largest_n_whose_interval_clears_the_prior():
+    from reports.client_size import client_size_figure, client_size_table, largest_exposed
+
+    rows = [{"method": "fedavg", "attack": "fedavg-leak", "train_images": n, "mean_psnr": m, "mean_psnr_low": lo,
+             "mean_psnr_high": hi, "prior_psnr": 11.5, "success_rate": 0.5, "n_images": 8, "n_targets": 4,
+             "seconds": 1.0}
+            for n, m, lo, hi in [(4, 25.0, 20.0, 30.0), (10, 14.0, 12.0, 16.0), (25, 12.0, 10.0, 14.0)]]
+    rows.append({"method": "fedproto", "attack": "proto", "train_images": 4, "mean_psnr": 12.0, "mean_psnr_low": 11.0,
+                 "mean_psnr_high": 13.0, "prior_psnr": 11.5, "success_rate": 0.0, "n_images": 4, "n_targets": 4,
+                 "seconds": 1.0})
+    assert largest_exposed(rows) == {"fedavg": 10, "fedproto": None}
+    table = client_size_table(rows + [{"method": "fedpac", "train_images": 180, "note": "not run (time)"}])
+    assert "| fedavg | fedavg-leak | 10 | 14.00 [12.00, 16.00] | 11.50 | 50 % |" in table
+    assert "fedavg: exposed up to N = 10" in table and "not run (time)" in table
+    assert client_size_figure(rows).startswith(b"\x89PNG")
