@@ -26,6 +26,7 @@ from .inversion import dlg, ig, labels  # noqa: F401
 from . import malicious  # noqa: F401
 from .inversion import proto  # noqa: F401
 from .membership import lira, mia_threshold, rmia  # noqa: F401
+from .inversion import fedavg_leakage  # noqa: F401  (registers fedavg-leak; after ig, whose helpers it uses)
 from .base import AttackResult, Budget, LocalHyperparameters, NotApplicable, Observation
 from .inversion.batching import Batch, plan_one_by_one, run_plan
 from .registry import ATTACKS, MEMBERSHIP, AttackSpec, MembershipSpec, get, names, register, unregister

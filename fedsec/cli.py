@@ -64,7 +64,10 @@ def train_options(func):
                      help="weak: percent of each client's data drawn uniformly over all classes (0-100)."),
         click.option("--samples-per-client", type=COUNT, default=None,
                      help="weak: samples per client, train+test [default: min(600, 80% of an equal share)]; other "
-                          "partitions: each client's training images capped at this many (seeded sample) [all]."),
+                          "partitions: the older name of --train-images."),
+        click.option("--train-images", type=COUNT, default=None,
+                     help="Every client trains on exactly this many images (a seeded sample of its training split; "
+                          "any partition; a client holding fewer is an error) [all]."),
         click.option("--beta", type=POSITIVE, default=0.1, show_default=True, help="dirichlet: concentration (> 0)."),
         click.option("--clients", type=COUNT, default=10, show_default=True, help="Number of clients N."),
         click.option("--rounds", type=COUNT, default=3, show_default=True, help="Communication rounds."),

@@ -50,6 +50,7 @@ class DataConfig:
     classes_per_client: int = 3
     s: float = 20.0
     samples_per_client: int | None = None
+    train_images: int | None = None  # every client trains on exactly this many images (any partition)
     beta: float = 0.1
     test_fraction: float = 0.25
     clients: int = 10
@@ -71,7 +72,7 @@ class ExecutionConfig:
 RESULT_NEUTRAL = ("data_dir", "download", "threads", "backend", "ray_address")
 # settings left out of a result's key at these values, so results written before they existed
 # (CPU runs of the built-in architectures) keep the keys they had
-OMITTED_AT_DEFAULT = {"device": "cpu", "model": None}
+OMITTED_AT_DEFAULT = {"device": "cpu", "model": None, "train_images": None}
 
 
 @dataclass
@@ -195,6 +196,9 @@ def prepare(config: RunConfig) -> Prepared:
     if data.clients < 1:
         raise UserError(f"--clients must be at least 1, got {data.clients}")
     config.federation.validate(data.clients)
+    if data.train_images is not None and data.samples_per_client is not None and data.partition != "weak":
+        raise UserError(f"give --train-images or --samples-per-client, not both: outside the weak partition "
+                        f"--samples-per-client is the older name of --train-images")
     if execution.backend not in BACKENDS:
         raise UserError(f"unknown backend {execution.backend!r}; choose one of: {', '.join(BACKENDS)}")
     if execution.ray_address and execution.backend != "ray":
@@ -213,7 +217,8 @@ def prepare(config: RunConfig) -> Prepared:
     partition = make_partition(dataset.labels.numpy(), data.clients, data.partition,
                                num_classes=dataset.num_classes, classes_per_client=data.classes_per_client,
                                s=data.s, samples_per_client=data.samples_per_client, beta=data.beta,
-                               test_fraction=data.test_fraction, seed=config.federation.seed)
+                               test_fraction=data.test_fraction, seed=config.federation.seed,
+                               train_images=data.train_images)
     return Prepared(config, dataset, partition, method)
 
 

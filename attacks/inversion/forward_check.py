@@ -73,7 +73,13 @@ def slot_positions(matcher: GradientMatcher, n: int, records: list) -> list[int]
     setting, oracle, plain modes); in real local training, the image at that place of the client's
     true batch. None when the attack's steps do not line up with the client's."""
     slots = matcher.originals if matcher.originals is not None else n
-    if matcher.epoch_copies == 1 and slots == n:
+    hp = matcher.hyperparameters
+    # real local training laid out by the attack (``plan_layout``): slot s is the image at place s of
+    # the client's shuffle, even when the slots are as many as the images (one epoch, n a multiple of
+    # the batch size); taking slot s for image s there scored the truth in the wrong batches
+    shuffled = (hp is not None and hp.steps_per_phase is None and matcher.originals is not None
+                and getattr(matcher.observation, "known_schedule", None) is None)
+    if not shuffled and matcher.epoch_copies == 1 and slots == n:
         return list(range(n))
     steps = matcher.context.steps if matcher.mode == "method" else None
     if steps is None:  # the plain replay: step s uses slots s·bs … (s+1)·bs − 1

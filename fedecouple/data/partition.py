@@ -166,14 +166,18 @@ def split_train_test(labels: np.ndarray, indices: np.ndarray, test_fraction: flo
 
 def make_partition(labels, num_clients: int, scheme: str, *, num_classes: int | None = None,
                    classes_per_client: int = 3, s: float = 20.0, samples_per_client: int | None = None,
-                   beta: float = 0.1, test_fraction: float = 0.25, seed: int = 0) -> Partition:
+                   beta: float = 0.1, test_fraction: float = 0.25, seed: int = 0,
+                   train_images: int | None = None) -> Partition:
     """Partition ``labels`` (array-like of class ids) into ``num_clients`` clients.
 
     ``samples_per_client``: for ``weak`` it counts train + test (the paper's setting); its default is
     600 (the paper's) capped at 80 % of an equal share of the pool so that the draw without
-    replacement can succeed. For the other schemes it caps each client's *training* set at that many
-    images (a seeded sample of its split; the test split is kept), e.g. the small clients a
-    malicious-server attack is measured on; None keeps them whole.
+    replacement can succeed. For the other schemes it is the older name of ``train_images``.
+
+    ``train_images``: every client trains on exactly that many images, on any scheme: a seeded sample
+    of its training split (the test split is kept), e.g. the small clients a gradient attack on real
+    local training or a malicious-server attack is measured on; a client whose split holds fewer is
+    an error naming the fix. None keeps the training sets whole.
     """
     labels = np.asarray(labels, dtype=np.int64)
     num_classes = int(num_classes if num_classes is not None else labels.max() + 1)
@@ -196,13 +200,24 @@ def make_partition(labels, num_clients: int, scheme: str, *, num_classes: int | 
         raise UserError(f"unknown partition {scheme!r}; choose one of: {', '.join(SCHEMES)}")
     train, test = zip(*(split_train_test(labels, p, test_fraction, rng) for p in parts))
     train = list(train)
-    if scheme != "weak" and samples_per_client is not None:
-        train = cap_training_sets(train, samples_per_client, rng)
+    cap, flag = ((train_images, "--train-images") if train_images is not None else
+                 (samples_per_client, "--samples-per-client") if scheme != "weak" else (None, ""))
+    if cap is not None:
+        train = cap_training_sets(train, cap, rng, flag, scheme)
     return Partition(scheme, num_classes, train, list(test))
 
 
-def cap_training_sets(train: list[np.ndarray], cap: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Each client's training indices cut to at most ``cap`` (a seeded sample, kept sorted)."""
+def cap_training_sets(train: list[np.ndarray], cap: int, rng: np.random.Generator, flag: str = "--train-images",
+                      scheme: str = "") -> list[np.ndarray]:
+    """Each client's training indices cut to exactly ``cap`` (a seeded sample, kept sorted); a client
+    whose split holds fewer is a ``UserError`` naming the fix."""
     if cap < 1:
-        raise UserError(f"--samples-per-client must be at least 1, got {cap}")
+        raise UserError(f"{flag} must be at least 1, got {cap}")
+    short = [(c, len(t)) for c, t in enumerate(train) if len(t) < cap]
+    if short:
+        c, have = short[0]
+        fix = ("raise --samples-per-client (train + test per client)" if scheme == "weak" else
+               "use --partition iid or weak, or fewer --clients")
+        raise UserError(f"{flag} {cap}: client {c} has only {have} training images ({len(short)} client(s) short); "
+                        f"lower {flag} or {fix}")
     return [np.sort(rng.permutation(t)[:cap]) if len(t) > cap else t for t in train]

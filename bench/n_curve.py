@@ -1,0 +1,105 @@
+"""Leakage vs client size (issue 24): for clients of N training images (``--train-images N``), one
+local epoch in batches of 10, the strongest attack on real local training against each method.
+
+    python bench/n_curve.py [--sizes 4,10,25,50,100,180] [--methods fedavg,fedecouple,fedper,fedpac,fedproto]
+                            [--targets 4] [--iterations I] [--out n_curve.csv] [--figure n_curve.png]
+
+``client_size_curve`` is the library function (the report can call it); each finished cell is
+appended to ``--out`` at once, so an interrupted sweep keeps what it measured and a rerun skips the
+cells already there. The table and figure are ``reports.client_size``'s. FedProto uploads no weights:
+its cell is prototype inversion (``proto``), the attack that applies to it.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import time
+from pathlib import Path
+
+SIZES = (4, 10, 25, 50, 100, 180)
+METHODS = ("fedavg", "fedecouple", "fedper", "fedpac", "fedproto")
+ATTACK_FOR = {"fedproto": "proto"}  # a method without weights gets the attack that applies to it
+COLUMNS = ("method", "attack", "train_images", "mean_psnr", "mean_psnr_low", "mean_psnr_high", "prior_psnr",
+           "success_rate", "label_count_error", "n_images", "n_targets", "mis_specified_targets", "seconds", "note")
+
+
+def measure_cell(method: str, n: int, *, batch_size: int = 10, epochs: int = 1, targets: int = 4,
+                 iterations: int | None = None, seed: int = 0, dataset: str = "mnist5k", clients: int = 10,
+                 threads: int = 1) -> dict:
+    """One (method, N) cell: a one-round federation of ``clients`` clients of exactly ``n`` training
+    images (weak partition), ``targets`` of them attacked in round 0; the summary's figures as a row."""
+    from fedecouple.errors import UserError
+    from fedsec.attack import AttackSettings, run_attack
+    from fedsec.runner import RunConfig
+
+    attack = ATTACK_FOR.get(method, "fedavg-leak")
+    config = RunConfig.of(method=method, dataset=dataset, partition="weak", train_images=n, clients=clients,
+                          rounds=1, batch_size=batch_size, local_epochs=epochs, seed=seed, threads=threads)
+    settings = AttackSettings(attack=attack, victim_batch=0, targets=targets, iterations=iterations,
+                              images=n if attack == "proto" else None)
+    started = time.perf_counter()
+    row = {"method": method, "attack": attack, "train_images": n}
+    try:
+        summary = run_attack(config, settings, progress=False)
+    except UserError as exc:
+        return {**row, "note": str(exc), "seconds": round(time.perf_counter() - started, 1)}
+    low, high = summary.get("mean_psnr_ci") or (None, None)
+    errors = [t.get("label_count_error") for t in summary.get("per_target", []) if t.get("label_count_error") is not None]
+    return {**row, "mean_psnr": summary.get("mean_psnr"), "mean_psnr_low": low, "mean_psnr_high": high,
+            "prior_psnr": summary.get("mean_prior_psnr"), "success_rate": summary.get("success_rate"),
+            "label_count_error": max(errors) if errors else None, "n_images": summary.get("n_images"),
+            "n_targets": summary.get("n_targets"), "mis_specified_targets": summary.get("mis_specified_targets"),
+            "seconds": round(time.perf_counter() - started, 1), "note": ""}
+
+
+def client_size_curve(sizes=SIZES, methods=METHODS, out: str | Path | None = None, **cell_options) -> list[dict]:
+    """Every (method, N) cell, in order of N; with ``out`` each cell is appended to that CSV as it
+    finishes and the cells already in it are read back instead of measured again."""
+    done: dict[tuple[str, int], dict] = {}
+    if out is not None and Path(out).exists():
+        with open(out, newline="", encoding="utf-8") as fh:
+            done = {(r["method"], int(r["train_images"])): r for r in csv.DictReader(fh)}
+    rows = []
+    for n in sizes:
+        for method in methods:
+            row = done.get((method, int(n)))
+            if row is None:
+                row = measure_cell(method, int(n), **cell_options)
+                if out is not None:
+                    _append(Path(out), row)
+            rows.append(row)
+    return rows
+
+
+def _append(path: Path, row: dict) -> None:
+    new = not path.exists()
+    with open(path, "a", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerow({k: row.get(k) for k in COLUMNS})
+
+
+def main() -> None:
+    import torch
+
+    from reports.client_size import client_size_figure, client_size_table
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--targets", type=int, default=4)
+    parser.add_argument("--iterations", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path("n_curve.csv"))
+    parser.add_argument("--figure", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = client_size_curve([int(s) for s in args.sizes.split(",")], args.methods.split(","), out=args.out,
+                             targets=args.targets, iterations=args.iterations)
+    print(client_size_table(rows))
+    if args.figure is not None:
+        args.figure.write_bytes(client_size_figure(rows))
+
+
+if __name__ == "__main__":
+    main()

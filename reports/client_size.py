@@ -1,0 +1,76 @@
+"""Leakage as a function of how many images a client trains on (issue 24): pure rendering of the
+cells ``bench/n_curve.py`` measures (rows in, Markdown text or PNG bytes out; nothing touches the
+disk). A row: method, attack, train_images (N), mean_psnr, mean_psnr_low/high (its interval),
+prior_psnr, success_rate, n_images, n_targets, seconds, and ``note`` (why a cell has no figure)."""
+from __future__ import annotations
+
+import math
+
+from .figures import png_bytes
+from .formatting import finite_or_none, interval_text
+
+
+def largest_exposed(rows: list[dict]) -> dict[str, int | None]:
+    """Per method, the largest N whose mean-PSNR interval lies above the prior (lower bound > prior):
+    "clients holding at most N images are exposed"; None where no measured N is."""
+    out: dict[str, int | None] = {}
+    for row in rows:
+        method = row["method"]
+        out.setdefault(method, None)
+        low, prior = finite_or_none(row.get("mean_psnr_low")), finite_or_none(row.get("prior_psnr"))
+        if low is not None and prior is not None and low > prior:
+            out[method] = max(out[method] or 0, int(row["train_images"]))
+    return out
+
+
+def client_size_table(rows: list[dict]) -> str:
+    """A Markdown table, one line per (method, N), and the largest exposed N per method under it."""
+    lines = ["| method | attack | N | mean PSNR [95 % interval] | prior | recovered | images (clients) | seconds |",
+             "|---|---|---:|---|---:|---:|---|---:|"]
+    for row in sorted(rows, key=lambda r: (r["method"], int(r["train_images"]))):
+        mean = finite_or_none(row.get("mean_psnr"))
+        if mean is None:
+            lines.append(f"| {row['method']} | {row.get('attack', '')} | {row['train_images']} | "
+                         f"{row.get('note') or 'not measured'} | | | | |")
+            continue
+        rate = finite_or_none(row.get("success_rate"))
+        lines.append(f"| {row['method']} | {row.get('attack', '')} | {row['train_images']} | {mean:.2f}"
+                     f"{interval_text(row.get('mean_psnr_low'), row.get('mean_psnr_high'))} | "
+                     f"{finite_or_none(row.get('prior_psnr')) or float('nan'):.2f} | "
+                     f"{'n/a' if rate is None else f'{100 * rate:.0f} %'} | {row.get('n_images')} "
+                     f"({row.get('n_targets')}) | {float(row.get('seconds') or 0):.0f} |")
+    exposed = largest_exposed(rows)
+    lines.append("")
+    lines += [f"- {m}: " + (f"exposed up to N = {n} (interval above the prior)" if n is not None
+                            else "no measured N has its interval above the prior") for m, n in exposed.items()]
+    return "\n".join(lines)
+
+
+def client_size_figure(rows: list[dict], title: str = "Leakage vs client size") -> bytes:
+    """Mean PSNR with its interval against N (log axis), one line per method, its prior dashed."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for k, method in enumerate(methods):
+        mine = sorted((r for r in rows if r["method"] == method and finite_or_none(r.get("mean_psnr")) is not None),
+                      key=lambda r: int(r["train_images"]))
+        if not mine:
+            continue
+        n = [int(r["train_images"]) for r in mine]
+        mean = [float(r["mean_psnr"]) for r in mine]
+        low = [m - (finite_or_none(r.get("mean_psnr_low")) or m) for m, r in zip(mean, mine)]
+        high = [(finite_or_none(r.get("mean_psnr_high")) or m) - m for m, r in zip(mean, mine)]
+        colour = f"C{k % 10}"
+        ax.errorbar(n, mean, yerr=[low, high], marker="o", capsize=3, color=colour, label=method)
+        prior = [finite_or_none(r.get("prior_psnr")) for r in mine]
+        ax.plot(n, [math.nan if p is None else p for p in prior], linestyle="--", color=colour, alpha=0.6)
+    ax.set_xscale("log")
+    ax.set_xlabel("training images per client (N)")
+    ax.set_ylabel("mean PSNR (dB); dashed: prior")
+    ax.set_title(title)
+    if methods:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return png_bytes(fig, 120)
