@@ -29,8 +29,9 @@ attack uses it through ``attacks.inversion.forward_model.GradientMatcher`` (reco
   lie in the span of the features fᵢ it was trained on (under the extractor the phase ran on: the
   client's kept one): rank 1 per image, 2 with one augmented copy. The span's basis (the update's
   leading right singular vectors, as many as images the phase trained on) is read from the update
-  and the dummy's features there are held to it: the term is the share of each dummy feature's
-  squared norm outside the span, weight ``ROW_SPACE_WEIGHT``. Only in the method mode, with the
+  and the features of the dummy images that phase trained on (its step's images and their augmented
+  copies; with DA the later phases' copies are not in the span) are held to it: the term is the share
+  of each such feature's squared norm outside the span, weight ``ROW_SPACE_WEIGHT``. Only in the method mode, with the
   victim's steps (``steps_per_phase``) and one classifier step.
 
 * ``"labels"`` (and every method whose upload holds the classifier's update or class counts) —
@@ -66,9 +67,9 @@ RANK1_TOLERANCE = 1e-3
 # weight of each class-mean feature term (FedPAC's h/p and prototypes). Chosen on the tuning
 # federation (seed 1, round 0, FedPAC; BENCHMARKS.md "Attack strength (issue 26)")
 STATISTICS_WEIGHT = 1.0
-# weight of the share of the dummy's features outside the classifier update's row space. Set, not
-# compared: on the tuning federation (seed 1, round 0, FedeCouple) weight 1 gave 16.6 dB, no better
-# than before the term; the weight-0 run was not finished (BENCHMARKS.md "Attack strength (issue 26)")
+# weight of the share of the classifier batch's features outside the classifier update's row space.
+# Chosen on the tuning federation (seed 1, round 0, FedeCouple with DA, one start): weight 0 17.95 dB,
+# weight 1 19.07 dB (BENCHMARKS.md "Attack strength (issue 26)")
 ROW_SPACE_WEIGHT = 1.0
 
 
