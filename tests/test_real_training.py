@@ -76,7 +76,7 @@ def test_the_truth_is_scored_in_its_true_batches_when_the_slots_are_as_many_as_t
 
 
 # ------------------------------------------------------------------------------------------------
-# the FedAvg leakage attack (Dimitrov et al. 2022): attacks/fedavg_leakage.py
+# the FedAvg leakage attack (Dimitrov et al. 2022): attacks/inversion/fedavg_leakage.py
 
 
 def test_the_epoch_order_term_is_zero_exactly_when_the_copies_hold_the_same_images():

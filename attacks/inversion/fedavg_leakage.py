@@ -5,11 +5,11 @@ The attack simulates the client's local training (known learning rate, batch siz
 sample count: the "hyperparameters known" threat model) differentiably, from the before-state the
 server knows, on dummy images, and matches the simulated update to the observed one:
 
-* **the forward model** is the method's own (``attacks.observation.GradientMatcher``): plain
+* **the forward model** is the method's own (``attacks.inversion.forward_model.GradientMatcher``): plain
   cross-entropy SGD for FedAvg (``replay``), ``Method.replay`` for FedPer, FedRep, FedPAC and
   FedeCouple (``method``: phases, frozen parts, uploaded statistics, free augmented copies);
 * **the unknown batch order**: the client reshuffles every epoch, so each epoch gets its own copy of
-  the image set (``attacks.observation.plan_layout``: slot = place in that epoch's shuffle). The
+  the image set (``attacks.inversion.forward_model.plan_layout``: slot = place in that epoch's shuffle). The
   copies are tied by an **epoch-order-invariant term** (``epoch_order_term``): each later copy is
   matched one to one to the first (``scipy.optimize.linear_sum_assignment``), and the term is the
   mean squared distance of the matched images to their mean — zero exactly when every copy holds
@@ -25,7 +25,7 @@ server knows, on dummy images, and matches the simulated update to the observed 
   one assignment that keeps the counts exact;
 * **the objective**: 1 − cos(simulated Δ, observed Δ) over all attacked weights (plus the method's
   uploaded statistics, as in IG's method mode) + ``TV_WEIGHT``·TV + ``ORDER_WEIGHT``·order term,
-  minimised by Adam on the sign of the gradient (as ``attacks.ig``), learning rate ×0.1 at 3/8, 5/8
+  minimised by Adam on the sign of the gradient (as ``attacks.inversion.ig``), learning rate ×0.1 at 3/8, 5/8
   and 7/8 of the budget; a start stops once the objective improves by less than
   ``STALL_TOLERANCE`` over a window of the last phase (it stopped moving), and further starts are
   skipped once the data term is below ``SOLVED_DATA_TERM``.
