@@ -108,12 +108,9 @@ def test_fedpac_statistics_are_the_one_image_features(digits):
     assert 0.0 <= float(matcher.cosine_objective(dummy, matcher.target)) < 1e-9
 
 
-@pytest.mark.parametrize("da", [False, True])
-def test_fedecouple_features_lie_in_the_classifier_update_row_space(digits, da):
-    """The classifier phase's update spans the features it trained on (rank 1 per image, 2 with its
-    augmented copy): the features of the true image and of the copies the client trained on, under the
-    kept extractor, are in that span; a noise image's are not. Only the classifier phase's images are
-    held to it (with DA the later phases' copies are not)."""
+def _fedecouple_one_image(digits, da: bool):
+    """A FedeCouple round in which client 0 takes one step on one image: the federation, that image and
+    the attack's matcher for the client's upload."""
     victim = VictimSetting(batch=1, steps=1, targets={(0, 0)})
     fed = tiny_federation(digits, "fedecouple", clients=3, rounds=1, victim=victim, hp={"da": da})
     model = copy.deepcopy(fed.model)
@@ -121,7 +118,16 @@ def test_fedecouple_features_lie_in_the_classifier_update_row_space(digits, da):
     obs = observe(fed.channel.recorder, 0, 0, method=fed.method, make_model=lambda: copy.deepcopy(model),
                   image_shape=(1, 8, 8), num_classes=10, known_hyperparameters=ONE_IMAGE)
     image = digits.images[torch.from_numpy(fed.ground_truth.samples(0, 0))]
-    matcher = GradientMatcher(obs, "auto")
+    return fed, image, GradientMatcher(obs, "auto")
+
+
+@pytest.mark.parametrize("da", [False, True])
+def test_fedecouple_features_lie_in_the_classifier_update_row_space(digits, da):
+    """The classifier phase's update spans the features it trained on (rank 1 per image, 2 with its
+    augmented copy): the features of the true image and of the copies the client trained on, under the
+    kept extractor, are in that span; a noise image's are not. Only the classifier phase's images are
+    held to it (with DA the later phases' copies are not)."""
+    fed, image, matcher = _fedecouple_one_image(digits, da)
     assert matcher.closed.row_space_rank == (2 if da else 1)
     records = fed.ground_truth.schedule(0, 0)
     copies = true_copies(matcher, image, records, [0])
@@ -162,14 +168,7 @@ def test_fedecouple_without_da_gives_the_image_feature_in_closed_form(digits):
     from attacks.inversion.closed_form import linear_input
     from fedecouple.methods.replay import features
 
-    victim = VictimSetting(batch=1, steps=1, targets={(0, 0)})
-    fed = tiny_federation(digits, "fedecouple", clients=3, rounds=1, victim=victim, hp={"da": False})
-    model = copy.deepcopy(fed.model)
-    fed.run(1)
-    obs = observe(fed.channel.recorder, 0, 0, method=fed.method, make_model=lambda: copy.deepcopy(model),
-                  image_shape=(1, 8, 8), num_classes=10, known_hyperparameters=ONE_IMAGE)
-    image = digits.images[torch.from_numpy(fed.ground_truth.samples(0, 0))]
-    matcher = GradientMatcher(obs, "auto")
+    fed, image, matcher = _fedecouple_one_image(digits, False)
     with torch.no_grad():
         feature = features(matcher.model, matcher.context.kept, image)[0]
     delta = matcher.update.delta
