@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-# what an attack rebuilds, and so how its result is scored (``attacks.metrics.score_result``)
+# what an attack rebuilds, and so how its result is scored (``attacks.metrics.score_images``, called by ``attacks.harness``)
 KINDS = ("gradient", "image", "labels", "malicious")
 SCORINGS = ("images", "class-images", "labels")
 WEIGHT_KINDS = frozenset({"extractor", "classifier"})

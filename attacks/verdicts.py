@@ -43,9 +43,8 @@ def is_lower_bound(mean_psnr: Any, prior_psnr: Any, stopped_short: Any) -> bool:
 
 def psnr_gap(summary: dict | None) -> float | None:
     """Mean PSNR minus mean prior PSNR of an attack summary (None when not measured)."""
-    if not summary or summary.get("mean_psnr") is None or summary.get("mean_prior_psnr") is None:
-        return None
-    return float(summary["mean_psnr"]) - float(summary["mean_prior_psnr"])
+    mean, prior = _number((summary or {}).get("mean_psnr")), _number((summary or {}).get("mean_prior_psnr"))
+    return None if mean is None or prior is None else mean - prior
 
 
 def at_chance(summary: dict | None) -> bool | None:

@@ -4,7 +4,7 @@ local epoch in batches of 10, the strongest attack on real local training agains
     python bench/n_curve.py [--sizes 4,10,25,50,100,180] [--methods fedavg,fedecouple,fedper,fedpac,fedproto]
                             [--targets 4] [--iterations I] [--out n_curve.csv] [--figure n_curve.png]
 
-``client_size_curve`` is the library function (the report can call it); each finished cell is
+``client_size_curve`` is a function other scripts can call; each finished cell is
 appended to ``--out`` at once, so an interrupted sweep keeps what it measured and a rerun skips the
 cells already there. The table and figure are ``reports.client_size``'s. FedProto uploads no weights:
 its cell is prototype inversion (``proto``), the attack that applies to it.
@@ -84,6 +84,7 @@ def main() -> None:
     import torch
 
     from reports.client_size import client_size_figure, client_size_table
+    from fedsec import io
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
@@ -98,7 +99,7 @@ def main() -> None:
                              targets=args.targets, iterations=args.iterations)
     print(client_size_table(rows))
     if args.figure is not None:
-        args.figure.write_bytes(client_size_figure(rows))
+        io.write_bytes(args.figure, client_size_figure(rows))  # temp file + rename
 
 
 if __name__ == "__main__":

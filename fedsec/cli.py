@@ -63,7 +63,7 @@ def train_options(func):
         click.option("--s", "s", type=Number(float, 0, 100), default=20.0, show_default=True,
                      help="weak: percent of each client's data drawn uniformly over all classes (0-100)."),
         click.option("--samples-per-client", type=COUNT, default=None,
-                     help="weak: samples per client, train+test [default: min(600, 80% of an equal share)]; elsewhere = --train-images."),
+                     help="weak: samples per client, train+test [default: min(600, 80% of an equal share)]; elsewhere a cap on training images."),
         click.option("--train-images", type=COUNT, default=None,
                      help="Every client trains on exactly this many images (a seeded sample of its training split; "
                           "any partition; a client holding fewer is an error) [all]."),

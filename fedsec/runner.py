@@ -198,7 +198,7 @@ def prepare(config: RunConfig) -> Prepared:
     config.federation.validate(data.clients)
     if data.train_images is not None and data.samples_per_client is not None and data.partition != "weak":
         raise UserError(f"give --train-images or --samples-per-client, not both: outside the weak partition "
-                        f"--samples-per-client is the older name of --train-images")
+                        f"--samples-per-client caps the training set (at most N), --train-images fixes it (exactly N)")
     if execution.backend not in BACKENDS:
         raise UserError(f"unknown backend {execution.backend!r}; choose one of: {', '.join(BACKENDS)}")
     if execution.ray_address and execution.backend != "ray":

@@ -42,6 +42,17 @@ def test_samples_per_client_keeps_its_meaning_for_weak_and_is_the_older_name_out
     assert all(np.array_equal(a, b) for a, b in zip(older.train, newer.train))
 
 
+def test_samples_per_client_outside_weak_still_caps_at_most():
+    """Outside ``weak`` the older option caps (a client holding fewer keeps what it has, as before
+    --train-images existed); --train-images asks for exactly N and refuses a short client."""
+    labels = np.repeat(np.arange(10), 20)
+    capped = make_partition(labels, 4, "dirichlet", num_classes=10, beta=0.1, samples_per_client=40)
+    sizes = [len(t) for t in capped.train]
+    assert max(sizes) == 40 and min(sizes) < 40
+    with pytest.raises(UserError, match="--train-images 40: client"):
+        make_partition(labels, 4, "dirichlet", num_classes=10, beta=0.1, train_images=40)
+
+
 def test_both_size_options_outside_weak_are_one_line_exit_2(tmp_path, capsys):
     from fedsec.cli import main
 

@@ -172,7 +172,8 @@ def make_partition(labels, num_clients: int, scheme: str, *, num_classes: int | 
 
     ``samples_per_client``: for ``weak`` it counts train + test (the paper's setting); its default is
     600 (the paper's) capped at 80 % of an equal share of the pool so that the draw without
-    replacement can succeed. For the other schemes it is the older name of ``train_images``.
+    replacement can succeed. For the other schemes it caps each client's training set at that many
+    (at most; ``train_images`` asks for exactly that many).
 
     ``train_images``: every client trains on exactly that many images, on any scheme: a seeded sample
     of its training split (the test split is kept), e.g. the small clients a gradient attack on real
@@ -203,17 +204,18 @@ def make_partition(labels, num_clients: int, scheme: str, *, num_classes: int | 
     cap, flag = ((train_images, "--train-images") if train_images is not None else
                  (samples_per_client, "--samples-per-client") if scheme != "weak" else (None, ""))
     if cap is not None:
-        train = cap_training_sets(train, cap, rng, flag, scheme)
+        # the older name caps (at most N, as it always did); --train-images asks for exactly N
+        train = cap_training_sets(train, cap, rng, flag, scheme, exact=train_images is not None)
     return Partition(scheme, num_classes, train, list(test))
 
 
 def cap_training_sets(train: list[np.ndarray], cap: int, rng: np.random.Generator, flag: str = "--train-images",
-                      scheme: str = "") -> list[np.ndarray]:
-    """Each client's training indices cut to exactly ``cap`` (a seeded sample, kept sorted); a client
-    whose split holds fewer is a ``UserError`` naming the fix."""
+                      scheme: str = "", exact: bool = True) -> list[np.ndarray]:
+    """Each client's training indices cut to ``cap`` (a seeded sample, kept sorted). ``exact``: a client
+    whose split holds fewer is a ``UserError`` naming the fix; otherwise it keeps what it has."""
     if cap < 1:
         raise UserError(f"{flag} must be at least 1, got {cap}")
-    short = [(c, len(t)) for c, t in enumerate(train) if len(t) < cap]
+    short = [(c, len(t)) for c, t in enumerate(train) if len(t) < cap] if exact else []
     if short:
         c, have = short[0]
         fix = ("raise --samples-per-client (train + test per client)" if scheme == "weak" else
