@@ -36,7 +36,7 @@ def client_size_table(rows: list[dict]) -> str:
         rate = finite_or_none(row.get("success_rate"))
         lines.append(f"| {row['method']} | {row.get('attack', '')} | {row['train_images']} | {mean:.2f}"
                      f"{interval_text(row.get('mean_psnr_low'), row.get('mean_psnr_high'))} | "
-                     f"{finite_or_none(row.get('prior_psnr')) or float('nan'):.2f} | "
+                     f"{_or(row.get('prior_psnr'), float('nan')):.2f} | "
                      f"{'n/a' if rate is None else f'{100 * rate:.0f} %'} | {row.get('n_images')} "
                      f"({row.get('n_targets')}) | {float(row.get('seconds') or 0):.0f} |")
     exposed = largest_exposed(rows)
@@ -44,6 +44,12 @@ def client_size_table(rows: list[dict]) -> str:
     lines += [f"- {m}: " + (f"exposed up to N = {n} (interval above the prior)" if n is not None
                             else "no measured N has its interval above the prior") for m, n in exposed.items()]
     return "\n".join(lines)
+
+
+def _or(value, default: float) -> float:
+    """``value`` as a finite float, else ``default`` (a measured 0.0 stays 0.0)."""
+    number = finite_or_none(value)
+    return default if number is None else number
 
 
 def client_size_figure(rows: list[dict], title: str = "Leakage vs client size") -> bytes:
@@ -60,8 +66,8 @@ def client_size_figure(rows: list[dict], title: str = "Leakage vs client size") 
             continue
         n = [int(r["train_images"]) for r in mine]
         mean = [float(r["mean_psnr"]) for r in mine]
-        low = [m - (finite_or_none(r.get("mean_psnr_low")) or m) for m, r in zip(mean, mine)]
-        high = [(finite_or_none(r.get("mean_psnr_high")) or m) - m for m, r in zip(mean, mine)]
+        low = [m - _or(r.get("mean_psnr_low"), m) for m, r in zip(mean, mine)]
+        high = [_or(r.get("mean_psnr_high"), m) - m for m, r in zip(mean, mine)]
         colour = f"C{k % 10}"
         ax.errorbar(n, mean, yerr=[low, high], marker="o", capsize=3, color=colour, label=method)
         prior = [finite_or_none(r.get("prior_psnr")) for r in mine]
