@@ -69,14 +69,6 @@ def lira_online(phi_target, phi_in, phi_out) -> np.ndarray:
     return _log_normal(t, mu_in, global_std(pin)) - _log_normal(t, mu_out, global_std(pout))
 
 
-def lira_offline(phi_target, phi_out) -> np.ndarray:
-    """Offline (one-sided) LiRA: how far above the OUT references the target's φ lies, in global σ."""
-    t = np.asarray(phi_target, np.float64).ravel()
-    pout = np.asarray(phi_out, np.float64).reshape(len(t), -1)
-    mu_out = _nanmean(pout)
-    return (t - mu_out) / global_std(pout)
-
-
 def _nanmean(values: np.ndarray) -> np.ndarray:
     """Row means ignoring NaN; NaN (silently) for a row without any value."""
     with warnings.catch_warnings():
