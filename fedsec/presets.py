@@ -41,19 +41,23 @@ def attack_plan(attack: str, given: dict, is_explicit: Explicit) -> dict:
 
 
 def report_plan(preset: str | None, attack_text: str, attack_rounds: str, targets: int, iterations: str | None,
-                is_explicit: Explicit):
+                is_explicit: Explicit, malicious_sizes: str | None = None):
     """(attacks, ``ReportSettings``) of ``fedsec report``: the audit's plan under the explicit flags
     with ``--preset audit``, else the flags."""
     from . import report as rep
 
+    sizes = rep.parse_sizes(malicious_sizes)
     if preset != "audit":
         return rep.parse_attacks(attack_text), rep.ReportSettings(rounds=tuple(rep.parse_rounds(attack_rounds)),
                                                                   targets=targets,
-                                                                  iterations=rep.parse_iterations(iterations))
+                                                                  iterations=rep.parse_iterations(iterations),
+                                                                  malicious_sizes=sizes)
     attack_list = rep.parse_attacks(attack_text if is_explicit("attacks") else ",".join(rep.AUDIT_ATTACKS))
     settings = rep.audit_preset(rep.parse_iterations(iterations))
-    if is_explicit("attack_rounds"):
-        settings = replace(settings, rounds=tuple(rep.parse_rounds(attack_rounds)))
+    if is_explicit("malicious_sizes"):
+        settings = replace(settings, malicious_sizes=sizes)
+    if is_explicit("attack_rounds"):  # the malicious-server section's rounds too
+        settings = replace(settings, rounds=tuple(rep.parse_rounds(attack_rounds)), malicious_rounds=None)
     if is_explicit("targets"):
         settings = replace(settings, targets=targets, targets_by={})
     return attack_list, settings
