@@ -154,7 +154,16 @@ def share_by_size_figure(meta: Mapping) -> bytes:
             label = f"{method} ({attack})" + (", download check on" if check == "on" else "")
             ax.errorbar([int(r["train_images"]) for r in mine], share, yerr=[low, high], capsize=3,
                         color=f"C{k % 10}", label=label, **style)
+    sizes = sorted({int(r["train_images"]) for r in rows})
     ax.set_xscale("log")
+    if sizes:  # the measured N as plain numbers, not powers of ten
+        from matplotlib.ticker import NullLocator
+
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.xaxis.set_minor_locator(NullLocator())
+    unreached = sorted({r["method"] for r in section.get("rows", []) if r.get("status") == "refused"})
+    if unreached:
+        ax.text(0.01, 0.98, f"not reached: {', '.join(unreached)}", transform=ax.transAxes, va="top", fontsize=7)
     ax.set_ylim(-3, 103)
     ax.set_xlabel("training images per client (N)")
     ax.set_ylabel(f"images rebuilt at ≥ {section.get('rebuilt_db', 30.0):g} dB (%)")

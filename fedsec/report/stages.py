@@ -240,8 +240,9 @@ def estimate_seconds(stages: list[Stage]) -> float:
         key = training_key(cfg) if a is None else training_key(cfg.updated(rounds=a.rounds_to_train), a)
         rounds = 0 if key in trained else (cfg.federation.rounds if a is None else a.rounds_to_train)
         trained.add(key)
-        work = (estimate.StageWork(st.method, cfg.data.clients, rounds, images) if a is None
-                else estimate.attack_work(st.method, cfg.data.clients, images, a, rounds))
+        own = images if cfg.data.train_images is None else cfg.data.train_images * cfg.federation.train.local_epochs
+        work = (estimate.StageWork(st.method, cfg.data.clients, rounds, own) if a is None
+                else estimate.attack_work(st.method, cfg.data.clients, own, a, rounds))
         total += estimate.seconds(work)
     return total
 
