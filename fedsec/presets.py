@@ -28,13 +28,16 @@ def merge_federation(preset: str | None, opts: dict, hyperparameters: dict, is_e
 
 def attack_plan(attack: str, given: dict, is_explicit: Explicit) -> dict:
     """``fedsec attack --preset audit``: the audit's plan for this attack (``report.audit_preset``'s
-    cell: ``<attack>@real``, or ``@textbook`` with an explicit ``--victim-batch``) under the explicit
-    flags. ``given`` and the result hold attack_rounds, targets, iterations, restarts, victim_batch."""
+    cell: ``<attack>@real``, or ``@textbook`` with an explicit ``--victim-batch``; a malicious server's
+    attack: the malicious-server section's round and targets) under the explicit flags. ``given`` and the result hold attack_rounds, targets, iterations, restarts, victim_batch."""
     from .report import audit_preset
 
-    gradient = attacks.get(attack).kind == "gradient"
+    kind = attacks.get(attack).kind
+    gradient = kind == "gradient"
     textbook = is_explicit("victim_batch") and given["victim_batch"] and gradient
-    plan = audit_preset().for_attack(f"{attack}@{'textbook' if textbook else 'real'}" if gradient else attack)
+    preset = audit_preset()
+    plan = (preset.for_malicious(attack, False) if kind == "malicious"  # the section's round and targets
+            else preset.for_attack(f"{attack}@{'textbook' if textbook else 'real'}" if gradient else attack))
     planned = {"attack_rounds": ",".join(map(str, plan.rounds)), "targets": plan.targets,
                "iterations": plan.iterations, "restarts": plan.restarts, "victim_batch": plan.victim_batch}
     return {k: given[k] if is_explicit(k) else v for k, v in planned.items()}

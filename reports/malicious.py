@@ -132,15 +132,39 @@ def section_html(meta: Mapping, methods: list[str], plot: bytes | None, data_uri
 
 
 def share_by_size_figure(meta: Mapping) -> bytes:
-    """Share of the attacked clients' images rebuilt at ≥ 30 dB against N, one line per method and
-    attack (the check off; with it, crosses), with the 95 % intervals as error bars."""
+    """Two panels against N: the share of the attacked clients' images rebuilt at ≥ 30 dB, and at ≥
+    prior + 6 dB; one line per method and attack (the check off; with it, crosses on a dotted line),
+    with the 95 % intervals as error bars."""
     from matplotlib.figure import Figure
 
     section = meta.get("malicious") or {}
     rows = [r for r in section.get("rows", []) if r.get("status") == "done"
             and finite_or_none(r.get("rebuilt_30db_share")) is not None]
-    fig = Figure(figsize=(6.4, 4.2))
-    ax = fig.subplots()
+    fig = Figure(figsize=(10.0, 4.2))
+    axes = fig.subplots(1, 2, sharey=True)
+    rules = (("rebuilt_30db", f"rebuilt at ≥ {section.get('rebuilt_db', 30.0):g} dB"),
+             ("recovered", f"recovered at ≥ prior + {section.get('margin_db', 6.0):g} dB"))
+    for ax, (name, title) in zip(axes, rules):
+        _share_panel(ax, rows, name)
+        ax.set_title(title, fontsize=10)
+    axes[0].set_ylabel("attacked clients' images (%)")
+    unreached = sorted({r["method"] for r in section.get("rows", []) if r.get("status") == "refused"})
+    if unreached:
+        axes[0].text(0.01, 0.98, f"not reached: {', '.join(unreached)}", transform=axes[0].transAxes, va="top",
+                     fontsize=7)
+    if rows:
+        axes[1].legend(fontsize=7)
+    else:
+        axes[0].text(0.5, 0.5, "no method reached", ha="center", va="center", transform=axes[0].transAxes)
+    fig.suptitle("Malicious server: share of a client's images rebuilt", fontsize=10)
+    fig.tight_layout()
+    return png_bytes(fig, 100)
+
+
+def _share_panel(ax, rows: list[Mapping], name: str) -> None:
+    """One panel: ``<name>_share`` with its interval against N, one line per (method, attack, check)."""
+    from matplotlib.ticker import NullLocator
+
     lines = list(dict.fromkeys((r["method"], r["attack"]) for r in rows))
     for k, (method, attack) in enumerate(lines):
         for check, style in (("off", dict(marker="o", linestyle="-")), ("on", dict(marker="x", linestyle=":"))):
@@ -148,29 +172,22 @@ def share_by_size_figure(meta: Mapping) -> bytes:
                            and r["download_check"] == check), key=lambda r: int(r["train_images"]))
             if not mine:
                 continue
-            share = [100 * float(r["rebuilt_30db_share"]) for r in mine]
-            low = [s - 100 * (finite_or_none(r.get("rebuilt_30db_ci_low")) or s / 100) for s, r in zip(share, mine)]
-            high = [100 * (finite_or_none(r.get("rebuilt_30db_ci_high")) or s / 100) - s for s, r in zip(share, mine)]
+            share = [100 * float(r[f"{name}_share"]) for r in mine]
+            low = [s - 100 * _or(r.get(f"{name}_ci_low"), s / 100) for s, r in zip(share, mine)]
+            high = [100 * _or(r.get(f"{name}_ci_high"), s / 100) - s for s, r in zip(share, mine)]
             label = f"{method} ({attack})" + (", download check on" if check == "on" else "")
             ax.errorbar([int(r["train_images"]) for r in mine], share, yerr=[low, high], capsize=3,
                         color=f"C{k % 10}", label=label, **style)
     sizes = sorted({int(r["train_images"]) for r in rows})
     ax.set_xscale("log")
     if sizes:  # the measured N as plain numbers, not powers of ten
-        from matplotlib.ticker import NullLocator
-
         ax.set_xticks(sizes, [str(n) for n in sizes])
         ax.xaxis.set_minor_locator(NullLocator())
-    unreached = sorted({r["method"] for r in section.get("rows", []) if r.get("status") == "refused"})
-    if unreached:
-        ax.text(0.01, 0.98, f"not reached: {', '.join(unreached)}", transform=ax.transAxes, va="top", fontsize=7)
     ax.set_ylim(-3, 103)
     ax.set_xlabel("training images per client (N)")
-    ax.set_ylabel(f"images rebuilt at ≥ {section.get('rebuilt_db', 30.0):g} dB (%)")
-    ax.set_title("Malicious server: share of a client's images rebuilt", fontsize=10)
-    if lines:
-        ax.legend(fontsize=7)
-    else:
-        ax.text(0.5, 0.5, "no method reached", ha="center", va="center", transform=ax.transAxes)
-    fig.tight_layout()
-    return png_bytes(fig, 100)
+
+
+def _or(value, default: float) -> float:
+    """``value`` as a finite float, else ``default`` (a measured 0.0 stays 0.0)."""
+    number = finite_or_none(value)
+    return default if number is None else number
