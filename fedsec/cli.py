@@ -352,7 +352,8 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
               help="Comma-separated methods to compare (replaces --method).")
 @click.option("--attacks", default="dlg,ig,proto,labels", show_default=True, cls=ListedOption, listed=attacks.names,
               help="Comma-separated attacks. Where one does not apply to a method (e.g. dlg on fedproto) it is "
-                   "recorded as not applicable.")
+                   "recorded as not applicable. A malicious server's attacks (trap, binning) fill the report's "
+                   "\"Malicious server\" section (see --malicious-sizes).")
 @click.option("--attack-rounds", default="0", show_default=True,
               help="Rounds whose uploads are attacked (0 = the first, at the initial weights).")
 @click.option("--targets", type=COUNT, default=2, show_default=True, help="Clients attacked per attacked round.")
