@@ -425,7 +425,8 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, malicious_
                               command=console.command_line("report"), mia=mia_settings)
     click.echo(rep.headline_markdown(result["summary"], result["cells"], method_list))
     click.echo(f"→ {Path(out) / 'report.html'}, {Path(out) / 'report.md'}, {Path(out) / 'summary.csv'}, "
-               f"{Path(out) / 'results.csv'}")
+               f"{Path(out) / 'results.csv'}" + (f", {Path(out) / 'malicious.csv'} (the \"Malicious server\" section)"
+                                                  if len(result["malicious"]) else ""))
     if result["failed"]:
         click.echo(f"{len(result['failed'])} stage(s) failed (marked in the report); rerun the same command to retry "
                    "them", err=True)

@@ -103,6 +103,15 @@ def test_the_audit_preset_plans_trap_at_10_and_50_images_with_the_check_off_and_
     assert min(len(t) for t in prep.partition.train) >= 50
 
 
+def test_the_estimate_counts_no_rebuild_where_the_check_refuses_the_download():
+    from fedsec import estimate
+
+    off, on = (rep.ReportSettings(targets=4).for_malicious("trap", check).resolved(0) for check in (False, True))
+    rebuilt, refused = (estimate.seconds(estimate.attack_work("fedavg", 10, 50, s, 1)) for s in (off, on))
+    # 4 targets x 300 steps x 50 images at the measured rate, on top of the same training
+    assert rebuilt - refused == pytest.approx(4 * 300 * 50 * estimate.STEP_SECONDS["malicious"][None])
+
+
 @pytest.mark.parametrize("sizes, message", [
     ("0", "--malicious-sizes needs image counts of at least 1"),
     ("10,x", "--malicious-sizes expects comma-separated image counts"),
