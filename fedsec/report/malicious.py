@@ -63,7 +63,8 @@ def section_row(stage, size: int, check: bool, seed: int = 0) -> dict:
     crafts = getattr(settings.spec, "crafts", ()) or (None,)
     row = {"method": stage.method, "attack": settings.attack, "craft": settings.craft or crafts[0], "train_images": size,
            "download_check": "on" if check else "off", "status": done.get("status") or "failed",
-           "reason": done.get("reason"), "seconds": done.get("seconds")}
+           "reason": done.get("reason") or (None if done else "did not finish (rerun with the same --out to retry)"),
+           "seconds": done.get("seconds")}
     if row["status"] == "not_applicable":
         row["status"] = "refused"  # the attack cannot reach this method (known before training)
     if row["status"] != "done":
