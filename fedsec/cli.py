@@ -352,13 +352,18 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
               help="Comma-separated methods to compare (replaces --method).")
 @click.option("--attacks", default="dlg,ig,proto,labels", show_default=True, cls=ListedOption, listed=attacks.names,
               help="Comma-separated attacks. Where one does not apply to a method (e.g. dlg on fedproto) it is "
-                   "recorded as not applicable.")
+                   "recorded as not applicable. A malicious server's attacks (trap, binning) fill the report's "
+                   "\"Malicious server\" section (see --malicious-sizes).")
 @click.option("--attack-rounds", default="0", show_default=True,
               help="Rounds whose uploads are attacked (0 = the first, at the initial weights).")
 @click.option("--targets", type=COUNT, default=2, show_default=True, help="Clients attacked per attacked round.")
 @click.option("--iterations", default=None, metavar="N|ATTACK=N,...",
               help=f"Optimiser steps per reconstruction, for every attack (N) or per attack (dlg=300,ig=1000) "
                    f"[each attack's default: {attack_defaults()}].")
+@click.option("--malicious-sizes", default=None, metavar="N,N,...",
+              help="Malicious-server attacks (trap, binning, ...): the clients' numbers of training images the "
+                   "report's \"Malicious server\" section measures, each with the client-side download check off "
+                   "and on [10,50].")
 @click.option("--mia/--no-mia", default=False, show_default=True,
               help="Add a membership-inference stage per method (`fedsec mia` with its defaults: 4 shadow "
                    "federations per method, so about five times the training).")
@@ -369,7 +374,7 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
               help="Folder: <method>/<stage>/ stage folders, report.md, report.html, results.csv, summary.csv, "
                    "plots; rerun with the same --out to resume.")
 @click.pass_context
-def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse, out, **opts):
+def report(ctx, methods, attacks, attack_rounds, targets, iterations, malicious_sizes, mia, reuse, out, **opts):
     """Train, audit and attack several methods on the same partition and seeds; write one comparison.
 
     For each method: train (accuracy), audit (what is uploaded, findings), then each attack. Outputs
@@ -394,6 +399,12 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
     per image cell, each with its interval and share recovered. One start per reconstruction, 500
     IG steps (textbook) and 100 (real). Explicit flags win (--iterations ig@real=300, --attacks,
     --attack-rounds, --targets). The report prints its time estimate before it starts.
+
+    Malicious-server attacks (--attacks trap, binning, ...) get their own section instead of a headline
+    column: per method, clients of each --malicious-sizes N training images, the download check off and
+    on: the share of the attacked clients' images rebuilt (>= 30 dB, >= prior + 6 dB) with 95 %
+    intervals, the crafted and honest downloads the check refused (malicious.csv, malicious_by_size.png).
+    The audit preset adds trap on 4 clients of 10 and of 50 images at round 0.
     """
     from . import report as rep
 
@@ -402,7 +413,7 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
             raise UserError(f"report takes --{flag}s, not --{flag}")
     method_list = rep.parse_methods(methods)
     attack_list, settings = presets.report_plan(opts.get("preset"), attacks, attack_rounds, targets, iterations,
-                                                lambda name: explicit(ctx, name))
+                                                lambda name: explicit(ctx, name), malicious_sizes)
     opts["method"] = None  # set per method; keeps --preset's FedeCouple values from other methods
     base = config_from_options(ctx, **opts)
     mia_settings = None
@@ -414,7 +425,8 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, mia, reuse
                               command=console.command_line("report"), mia=mia_settings)
     click.echo(rep.headline_markdown(result["summary"], result["cells"], method_list))
     click.echo(f"→ {Path(out) / 'report.html'}, {Path(out) / 'report.md'}, {Path(out) / 'summary.csv'}, "
-               f"{Path(out) / 'results.csv'}")
+               f"{Path(out) / 'results.csv'}" + (f", {Path(out) / 'malicious.csv'} (the \"Malicious server\" section)"
+                                                  if len(result["malicious"]) else ""))
     if result["failed"]:
         click.echo(f"{len(result['failed'])} stage(s) failed (marked in the report); rerun the same command to retry "
                    "them", err=True)

@@ -23,7 +23,10 @@ DEFAULT_ROUND_SECONDS = 0.15
 # preset's run (BENCHMARKS.md)
 STEP_SECONDS = {"textbook": {"fedecouple": 0.0108, "fedpac": 0.0107, "fedper": 0.0014, None: 0.008},
                 "real": {"fedecouple": 0.0057, "fedpac": 0.0028, "fedper": 0.00094, None: 0.003},
-                "image": {"fedpac": 0.0195, "fedproto": 0.0316, None: 0.025}}
+                "image": {"fedpac": 0.0195, "fedproto": 0.0316, None: 0.025},
+                # a malicious server's image rebuild, per L-BFGS step and image the client trained on:
+                # FedAvg, clients of 50 images (150 s for 4 targets x 300 steps; 10 s at 10 images)
+                "malicious": {None: 0.0025}}
 # an L-BFGS step (DLG, iDLG) runs up to 20 evaluations, but most starts stall or converge and stop
 # well before the budget: per budgeted step ≈ 2.6 Adam steps in the main job's run (8 FedeCouple
 # targets, 300 steps budgeted: 69 s of attack; BENCHMARKS.md, "Issue 21")
@@ -53,9 +56,9 @@ def seconds(work: StageWork) -> float:
     """The stage's estimated wall time on the reference machine."""
     per_client = ROUND_SECONDS.get(work.method, DEFAULT_ROUND_SECONDS) * work.images_per_client / REFERENCE_IMAGES
     total = work.rounds * work.clients * per_client
-    if work.attack_kind in ("gradient", "image"):
-        rates = STEP_SECONDS["image" if work.attack_kind == "image" else work.setting or "textbook"]
-        images = work.images if work.attack_kind == "gradient" else 1.0
+    if work.attack_kind in ("gradient", "image", "malicious"):
+        rates = STEP_SECONDS[work.attack_kind if work.attack_kind != "gradient" else work.setting or "textbook"]
+        images = 1.0 if work.attack_kind == "image" else work.images
         total += work.targets * (TARGET_SECONDS + TARGET_SECONDS_PER_IMAGE * images
                                  + work.steps * images * rates.get(work.method, rates[None])
                                  * STEP_FACTOR.get(work.attack or "", 1.0))
@@ -73,9 +76,10 @@ def attack_work(method: str, clients: int, images_per_client: float, settings, t
     """The work of one attack run (``settings``: resolved ``AttackSettings``) that trains
     ``train_rounds`` rounds first (0: its training is shared)."""
     real = settings.victim_batch == 0
+    refused = settings.spec.kind == "malicious" and settings.download_check  # nothing uploaded, nothing rebuilt
     return StageWork(method, clients, train_rounds, images_per_client, attack_kind=settings.spec.kind,
                      setting="real" if real else "textbook", targets=settings.targets * len(settings.rounds),
-                     steps=settings.iterations * settings.restarts,
+                     steps=0 if refused else settings.iterations * settings.restarts,
                      images=images_per_client if real else settings.victim_batch, attack=settings.attack)
 
 

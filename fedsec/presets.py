@@ -28,32 +28,39 @@ def merge_federation(preset: str | None, opts: dict, hyperparameters: dict, is_e
 
 def attack_plan(attack: str, given: dict, is_explicit: Explicit) -> dict:
     """``fedsec attack --preset audit``: the audit's plan for this attack (``report.audit_preset``'s
-    cell: ``<attack>@real``, or ``@textbook`` with an explicit ``--victim-batch``) under the explicit
-    flags. ``given`` and the result hold attack_rounds, targets, iterations, restarts, victim_batch."""
+    cell: ``<attack>@real``, or ``@textbook`` with an explicit ``--victim-batch``; a malicious server's
+    attack: the malicious-server section's round and targets) under the explicit flags. ``given`` and the result hold attack_rounds, targets, iterations, restarts, victim_batch."""
     from .report import audit_preset
 
-    gradient = attacks.get(attack).kind == "gradient"
+    kind = attacks.get(attack).kind
+    gradient = kind == "gradient"
     textbook = is_explicit("victim_batch") and given["victim_batch"] and gradient
-    plan = audit_preset().for_attack(f"{attack}@{'textbook' if textbook else 'real'}" if gradient else attack)
+    preset = audit_preset()
+    plan = (preset.for_malicious(attack, False) if kind == "malicious"  # the section's round and targets
+            else preset.for_attack(f"{attack}@{'textbook' if textbook else 'real'}" if gradient else attack))
     planned = {"attack_rounds": ",".join(map(str, plan.rounds)), "targets": plan.targets,
                "iterations": plan.iterations, "restarts": plan.restarts, "victim_batch": plan.victim_batch}
     return {k: given[k] if is_explicit(k) else v for k, v in planned.items()}
 
 
 def report_plan(preset: str | None, attack_text: str, attack_rounds: str, targets: int, iterations: str | None,
-                is_explicit: Explicit):
+                is_explicit: Explicit, malicious_sizes: str | None = None):
     """(attacks, ``ReportSettings``) of ``fedsec report``: the audit's plan under the explicit flags
     with ``--preset audit``, else the flags."""
     from . import report as rep
 
+    sizes = rep.parse_sizes(malicious_sizes)
     if preset != "audit":
         return rep.parse_attacks(attack_text), rep.ReportSettings(rounds=tuple(rep.parse_rounds(attack_rounds)),
                                                                   targets=targets,
-                                                                  iterations=rep.parse_iterations(iterations))
+                                                                  iterations=rep.parse_iterations(iterations),
+                                                                  malicious_sizes=sizes)
     attack_list = rep.parse_attacks(attack_text if is_explicit("attacks") else ",".join(rep.AUDIT_ATTACKS))
     settings = rep.audit_preset(rep.parse_iterations(iterations))
-    if is_explicit("attack_rounds"):
-        settings = replace(settings, rounds=tuple(rep.parse_rounds(attack_rounds)))
+    if is_explicit("malicious_sizes"):
+        settings = replace(settings, malicious_sizes=sizes)
+    if is_explicit("attack_rounds"):  # the malicious-server section's rounds too
+        settings = replace(settings, rounds=tuple(rep.parse_rounds(attack_rounds)), malicious_rounds=None)
     if is_explicit("targets"):
         settings = replace(settings, targets=targets, targets_by={})
     return attack_list, settings

@@ -28,7 +28,8 @@ Outputs (``render`` returns ``{filename: str | bytes}``)
 -------------------------------------------------------
 ``report.md``, ``report.html`` (self-contained: images are base64 PNG data URIs, no external
 reference; every string taken from the data passes ``html.escape``), ``psnr_by_method.png`` and
-``accuracy_vs_leakage.png``.
+``accuracy_vs_leakage.png`` (and ``malicious_by_size.png`` with ``meta["malicious"]``: the
+malicious-server section, ``reports.malicious``).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ import pandas as pd
 from .audit import SEVERITIES
 from .figures import png_bytes
 from .formatting import finite_or_none, interval_text, is_true
+from .malicious import PLOT_MALICIOUS, section_html, section_markdown, share_by_size_figure
 
 PLOT_PSNR = "psnr_by_method.png"
 PLOT_SCATTER = "accuracy_vs_leakage.png"
@@ -410,6 +412,7 @@ def render_markdown(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mappin
                 f"![Leakage by round]({PLOT_BY_ROUND})", ""]
     if meta.get("comparisons"):
         out += ["## Which method leaks more", "", COMPARISON_NOTE.format(rule=success_rule(meta)), ""] + [f"* {_md_cell(c)}" for c in meta["comparisons"]] + [""]
+    out += section_markdown(meta, meta["methods"])
     out += _mia_markdown(meta)
     out += ["## PSNR definition", "", str(meta.get("psnr_definition", "")).strip(), ""]
     out += ["## Configuration", "", "Shared run configuration (every method: the same partition and seeds; only "
@@ -513,6 +516,7 @@ def render_html(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, m
     if meta.get("comparisons"):
         h += ["<h2>Which method leaks more</h2>", f'<p class="muted">{e(COMPARISON_NOTE.format(rule=success_rule(meta)))}</p>',
               "<ul>" + "".join(f"<li>{e(c)}</li>" for c in meta["comparisons"]) + "</ul>"]
+    h += section_html(meta, meta["methods"], plots.get(PLOT_MALICIOUS), data_uri)
     h += _mia_html(meta)
     h += ["<h2>PSNR definition</h2>", f"<pre>{e(str(meta.get('psnr_definition', '')).strip())}</pre>",
           "<h2>Configuration</h2>",
@@ -544,5 +548,7 @@ def render(summary: pd.DataFrame, results: pd.DataFrame, findings: pd.DataFrame,
         from .figures import leakage_by_round
 
         plots[PLOT_BY_ROUND] = leakage_by_round(results, meta["psnr_cap_db"])
+    if meta.get("malicious"):  # the malicious-server section's figure
+        plots[PLOT_MALICIOUS] = share_by_size_figure(meta)
     return {"report.md": render_markdown(summary, findings, grids, meta),
             "report.html": render_html(summary, findings, grids, meta, plots), **plots}

@@ -382,6 +382,11 @@ def test_preset_audit_on_the_command_line_prints_an_estimate_and_writes_both_set
     # one target of two images per round: too few for an interval, and the report says so instead of printing one
     assert cells["mean_psnr_ci_low"].isna().all() and cells["mean_psnr_ci_high"].isna().all()
     assert "too few targets for an interval" in (out / "report.md").read_text()
+    # the preset's malicious-server section: trap at 10 and 50 images, the check off and on
+    section = pd.read_csv(out / "malicious.csv")
+    assert list(zip(section["train_images"], section["download_check"])) == [(10, "off"), (10, "on"), (50, "off"),
+                                                                             (50, "on")]
+    assert "malicious.csv" in captured.out
 
 
 def test_leakage_by_round_crosses_out_the_rounds_an_attack_was_mis_specified():

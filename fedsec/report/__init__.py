@@ -32,6 +32,14 @@ folders (earlier report folders, or any folder below which they lie, or ``fedsec
 folders) are searched for complete stages with the same identity, which are copied instead of
 recomputed.
 
+The malicious-server section (``malicious``): every requested attack of kind ``malicious`` (``trap``,
+``binning``, ...) runs as its own stages, not as a headline cell: ``attack-<attack>@n<N>`` and
+``attack-<attack>@n<N>+check`` per method and client size N (``ReportSettings.malicious_sizes``),
+each a federation of clients of exactly N training images (``--train-images N``), the download
+check off and on. A method the crafted download cannot reach is recorded as not applicable with the
+reason, before training. Its rows go to ``malicious.csv``, the report's "Malicious server" section
+and ``malicious_by_size.png``.
+
 Top-level outputs in ``out`` (written atomically after the last stage): ``report.md``,
 ``report.html``, ``psnr_by_method.png``, ``accuracy_vs_leakage.png``, ``results.csv`` (every
 attack.csv concatenated: one row per method × attack × round × client × image; ``labels`` rows are
@@ -42,7 +50,8 @@ several rounds also a report section and ``leakage_by_round.png``). Before the f
 prints its time estimate (``fedsec.estimate``).
 
 The package, by job: ``settings`` (``ReportSettings``, the cells, ``--preset audit``), ``stages``
-(plan, resume, reuse, run), ``tables`` (the tables assembled from the stage folders) and ``build``
+(plan, resume, reuse, run), ``tables`` (the tables assembled from the stage folders), ``malicious``
+(the malicious-server section's rows) and ``build``
 (``build_report``: validate, run the stages, write the files).
 """
 from __future__ import annotations
@@ -50,13 +59,16 @@ from __future__ import annotations
 from ..attack import parse_attacks, parse_rounds
 from ..compare import parse_methods
 from .build import build_report, validate
-from .settings import (AUDIT_ATTACKS, AUDIT_ITERATIONS, AUDIT_ROUNDS, DEFAULT_ATTACKS, DEFAULT_METHODS,
-                       DEFAULT_TARGETS, VICTIM_SETTINGS, ReportSettings, attack_of, audit_preset, parse_iterations)
+from .malicious import SECTION_COLUMNS, section_table
+from .settings import (AUDIT_ATTACKS, AUDIT_ITERATIONS, AUDIT_ROUNDS, DEFAULT_ATTACKS, DEFAULT_MALICIOUS_SIZES,
+                       DEFAULT_METHODS, DEFAULT_TARGETS, VICTIM_SETTINGS, MaliciousCell, ReportSettings, attack_of,
+                       audit_preset, parse_iterations, parse_sizes)
 from .stages import Stage, plan, run_stage, stage_identity
 from .tables import RESULT_COLUMNS, assemble, headline_markdown, leakage_by_round, method_comparisons
 
-__all__ = ["AUDIT_ATTACKS", "AUDIT_ITERATIONS", "AUDIT_ROUNDS", "DEFAULT_ATTACKS", "DEFAULT_METHODS",
-           "DEFAULT_TARGETS", "RESULT_COLUMNS", "VICTIM_SETTINGS", "ReportSettings", "Stage", "assemble", "attack_of",
-           "audit_preset", "build_report", "headline_markdown", "leakage_by_round", "method_comparisons",
-           "parse_attacks", "parse_iterations", "parse_methods", "parse_rounds", "plan", "run_stage",
-           "stage_identity", "validate"]
+__all__ = ["AUDIT_ATTACKS", "AUDIT_ITERATIONS", "AUDIT_ROUNDS", "DEFAULT_ATTACKS", "DEFAULT_MALICIOUS_SIZES",
+           "DEFAULT_METHODS", "DEFAULT_TARGETS", "RESULT_COLUMNS", "SECTION_COLUMNS", "VICTIM_SETTINGS",
+           "MaliciousCell", "ReportSettings", "Stage", "assemble", "attack_of", "audit_preset", "build_report",
+           "headline_markdown", "leakage_by_round", "method_comparisons", "parse_attacks", "parse_iterations",
+           "parse_methods", "parse_rounds", "parse_sizes", "plan", "run_stage", "section_table", "stage_identity",
+           "validate"]

@@ -18,8 +18,9 @@ from ..attack import AttackSettings, parse_attacks, parse_rounds
 from ..compare import parse_methods, unused_hyperparameters
 from ..runner import RunConfig
 from ..versions import provenance
-from .settings import DEFAULT_ATTACKS, ReportSettings, attack_of
-from .stages import Stage, check_reuse_dirs, plan, run_stages
+from .settings import DEFAULT_ATTACKS, ReportSettings, attack_of, parse_sizes
+from .stages import Stage, check_reuse_dirs, plan, run_stages, sized_config
+from .malicious import malicious_meta, section_table
 from .tables import assemble, leakage_by_round, lower_bound_flags, method_comparisons, psnr_definition
 
 
@@ -38,10 +39,15 @@ def validate(base: RunConfig, methods: list[str], attack_names: list[str], setti
         raise UserError(f"--targets must be at least 1, got {settings.targets}")
     if (settings.restarts is not None and settings.restarts < 1) or settings.images < 1:
         raise UserError("--restarts and --images must be at least 1")
-    settings = replace(settings, rounds=tuple(parse_rounds(settings.rounds)))
+    settings = replace(settings, rounds=tuple(parse_rounds(settings.rounds)),
+                       malicious_sizes=parse_sizes(settings.malicious_sizes),
+                       malicious_rounds=settings.malicious_rounds and tuple(parse_rounds(settings.malicious_rounds)))
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a directory")
-    stages = plan(base, methods, settings.attack_plan(settings.keys(attack_names)), out, mia)
+    malicious = settings.malicious_cells(attack_names)
+    stages = plan(base, methods, settings.attack_plan(settings.keys(attack_names)), out, mia, malicious)
+    if malicious:
+        check_sizes(stages[0].config, settings.malicious_sizes)
     for st in stages:
         runner.build_method(st.config)
         st.config.federation.validate(st.config.data.clients)
@@ -50,6 +56,16 @@ def validate(base: RunConfig, methods: list[str], attack_names: list[str], setti
                             f"use another --out (and --reuse {out} to keep what still matches) or remove that folder")
     runner.prepare(stages[0].config)  # the data set loads (or fails) now
     return settings, stages
+
+
+def check_sizes(base: RunConfig, sizes: Iterable[int]) -> None:
+    """A one-line error when a ``--malicious-sizes`` value exceeds a client's training split."""
+    whole = runner.prepare(sized_config(base, 1).updated(train_images=None))
+    smallest = min(len(t) for t in whole.partition.train)
+    too_big = [n for n in sizes if n > smallest]
+    if too_big:
+        raise UserError(f"--malicious-sizes {too_big[0]}: the smallest client holds {smallest} training images on "
+                        f"this partition; choose sizes of at most {smallest} (or fewer --clients)")
 
 
 def build_report(base: RunConfig, methods: list[str], out: str | Path, attacks: Iterable[str] = DEFAULT_ATTACKS,
@@ -69,8 +85,12 @@ def build_report(base: RunConfig, methods: list[str], out: str | Path, attacks: 
         records, failed, seconds = run_stages(stages, reuse_dirs, progress, log)
     cells = {st.attack: st.attack_settings for st in stages if st.kind == "attack"}
     keys = settings.keys(attack_names)
-    return {**_write_report(base, methods, keys, cells, out, stages, records, failed, seconds, command),
-            "cells": keys}
+    malicious = settings.malicious_cells(attack_names)
+    section = section_table(stages, malicious, methods, base.federation.seed)
+    section_meta = malicious_meta(section, malicious) if malicious else None
+    return {**_write_report(base, methods, keys, cells, out, stages, records, failed, seconds, command,
+                            (section, section_meta)),
+            "cells": keys, "malicious": section}
 
 
 @contextlib.contextmanager
@@ -123,8 +143,10 @@ def _report_meta(base: RunConfig, methods: list[str], attack_names: list[str], c
 
 
 def _write_report(base: RunConfig, methods: list[str], attack_names: list[str], cells: dict, out: Path,
-                  stages: list[Stage], records: list[dict], failed: dict, seconds: float, command: str | None) -> dict:
-    """Assemble the tables from the stage folders and write every report file."""
+                  stages: list[Stage], records: list[dict], failed: dict, seconds: float, command: str | None,
+                  malicious: tuple = (None, None)) -> dict:
+    """Assemble the tables from the stage folders and write every report file (``malicious``: the
+    malicious-server section's rows and meta, ``fedsec.report.malicious``)."""
     from reports.comparison import render
 
     summary, results, findings, grids, details = assemble(stages, methods, attack_names, out)
@@ -144,12 +166,17 @@ def _write_report(base: RunConfig, methods: list[str], attack_names: list[str], 
     meta = _report_meta(base, methods, attack_names, cells, details, records, notes, command, mia_summaries,
                         method_comparisons(summary, results, methods, attack_names))
     meta["by_round"] = by_round.to_dict("records") if by_round["round"].nunique() > 1 else []
+    tables = {"results.csv": results, "summary.csv": summary, "findings.csv": findings, "by_round.csv": by_round}
+    section, section_meta = malicious
+    if section_meta is not None:
+        meta["malicious"] = section_meta
+        meta["attack_settings"].update({k: asdict(v) for k, v in cells.items() if k not in meta["attack_settings"]})
+        tables["malicious.csv"] = section
     paths = {}
     for name, content in render(lower_bound_flags(summary, attack_names), results, findings, grids, meta).items():
         (io.write_bytes if isinstance(content, bytes) else io.write_text)(out / name, content)
         paths[name] = out / name
-    for name, frame in (("results.csv", results), ("summary.csv", summary), ("findings.csv", findings),
-                        ("by_round.csv", by_round)):
+    for name, frame in tables.items():
         io.write_csv(out / name, frame)
         paths[name] = out / name
     return {"paths": paths, "summary": summary, "stages": records, "failed": failed}

@@ -15,6 +15,10 @@ DEFAULT_METHODS = ("fedecouple", "fedper", "fedpac", "fedproto")
 DEFAULT_ATTACKS = ("dlg", "ig", "proto", "labels")
 DEFAULT_TARGETS = 2
 VICTIM_SETTINGS = ("textbook", "real")
+# the malicious-server section: clients of these many training images, each with and without the
+# client-side download check (fedsec.defenses.download_check)
+DEFAULT_MALICIOUS_SIZES = (10, 50)
+CHECK_SETTINGS = (False, True)
 
 
 def attack_of(key: str) -> str:
@@ -40,11 +44,31 @@ class ReportSettings:
     victim_settings: tuple[str, ...] = ()
     textbook_batch: int = 1
     targets_by: dict[str, int] = field(default_factory=dict)  # per cell or attack; missing → targets
+    malicious_sizes: tuple[int, ...] = DEFAULT_MALICIOUS_SIZES  # the section's clients' training images
+    malicious_rounds: tuple[int, ...] | None = None  # the section's attacked rounds (None: ``rounds``)
 
     def keys(self, attack_names: Iterable[str]) -> list[str]:
-        """The report's cells: one per attack, or one per attack and victim setting (gradient attacks)."""
-        return [f"{a}@{v}" if v else a for a in attack_names
+        """The report's cells: one per attack, or one per attack and victim setting (gradient attacks).
+        A malicious server's attacks have their own section (``malicious_cells``), not cells."""
+        return [f"{a}@{v}" if v else a for a in attack_names if attacks.get(a).kind != "malicious"
                 for v in (self.victim_settings if attacks.get(a).kind == "gradient" and self.victim_settings else [""])]
+
+    def malicious_cells(self, attack_names: Iterable[str]) -> list["MaliciousCell"]:
+        """The malicious-server section's cells: every requested attack of kind ``malicious``, at each
+        of ``malicious_sizes``, without and with the client-side download check."""
+        return [MaliciousCell(a, int(n), check, self.for_malicious(a, check))
+                for a in attack_names if attacks.get(a).kind == "malicious"
+                for n in self.malicious_sizes for check in CHECK_SETTINGS]
+
+    def for_malicious(self, attack: str, check: bool) -> AttackSettings:
+        """The ``AttackSettings`` of a malicious-server cell: the clients' real local training, the
+        section's rounds, ``download_check`` on or off."""
+        spec = attacks.get(attack)
+        return AttackSettings(attack=attack, rounds=tuple(int(r) for r in (self.malicious_rounds or self.rounds)),
+                              targets=int(self.targets_by.get(attack, self.targets)),
+                              iterations=int(self.iterations.get(attack, spec.default_iterations)),
+                              restarts=spec.default_restarts if self.restarts is None else int(self.restarts),
+                              victim_batch=0, download_check=bool(check))
 
     def attack_plan(self, keys: Iterable[str]) -> dict[str, AttackSettings]:
         """{cell: its AttackSettings}: each built once, read by every stage, estimate and the report's meta."""
@@ -64,21 +88,56 @@ class ReportSettings:
                               victim_batch=victim, victim_steps=1)
 
 
+@dataclass(frozen=True)
+class MaliciousCell:
+    """One cell of the malicious-server section: ``attack`` against clients of ``size`` training
+    images, the download check on or off (``settings.download_check``)."""
+
+    attack: str
+    size: int
+    check: bool
+    settings: AttackSettings
+
+    @property
+    def key(self) -> str:
+        """The cell's name (its stage folder is ``attack-<key>``): ``trap@n10``, ``trap@n10+check``."""
+        return f"{self.attack}@n{self.size}" + ("+check" if self.check else "")
+
+
+def parse_sizes(text: str | Iterable[int] | None) -> tuple[int, ...]:
+    """``--malicious-sizes "10,50"`` → (10, 50): training images per client, sorted, unique, each ≥ 1."""
+    if text is None:
+        return DEFAULT_MALICIOUS_SIZES
+    items = [t.strip() for t in text.split(",")] if isinstance(text, str) else [str(t) for t in text]
+    try:
+        sizes = sorted({int(t) for t in items if t != ""})
+    except ValueError:
+        raise UserError(f"--malicious-sizes expects comma-separated image counts per client (e.g. 10,50), "
+                        f"got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise UserError(f"--malicious-sizes needs image counts of at least 1 per client (e.g. 10,50), got {text!r}")
+    return tuple(sizes)
+
+
 def audit_preset(iterations: dict[str, int] | None = None) -> ReportSettings:
     """``--preset audit``'s attack plan (the federation is ``runner.AUDIT_FEDERATION``): attacks at
     round 0 and at the last round, IG in the textbook setting (16 clients, one step on 2 images each)
     and on the clients' real local training (2 clients, every image they trained on), prototype
     inversion on 11 clients (3 prototypes each) and label inference on all 20: at least 32 images per
     image cell. One start per reconstruction; IG's budget is cut on the real local training, where
-    each step replays a whole epoch (or FedeCouple's three) on ~180 images."""
+    each step replays a whole epoch (or FedeCouple's three) on ~180 images. The malicious-server
+    section (``trap``): 4 clients of 10 and of 50 training images at round 0, the check off and on."""
     return ReportSettings(rounds=AUDIT_ROUNDS, victim_settings=VICTIM_SETTINGS, textbook_batch=2, restarts=1,
-                          targets_by={"ig@textbook": 16, "ig@real": 2, "proto": 11, "labels": 20},
+                          targets_by={"ig@textbook": 16, "ig@real": 2, "proto": 11, "labels": 20,
+                                      **{a: AUDIT_MALICIOUS_TARGETS for a in attacks.names("malicious")}},
+                          malicious_sizes=DEFAULT_MALICIOUS_SIZES, malicious_rounds=(0,),
                           iterations={**{k: v for k, v in AUDIT_ITERATIONS.items()
                                          if k not in (iterations or {}) and attack_of(k) not in (iterations or {})},
                                       **(iterations or {})})
 
 
-AUDIT_ATTACKS = ("ig", "proto", "labels")
+AUDIT_ATTACKS = ("ig", "proto", "labels", "trap")
+AUDIT_MALICIOUS_TARGETS = 4
 AUDIT_ROUNDS = (0, 19)
 AUDIT_ITERATIONS = {"ig@textbook": 500, "ig@real": 100, "proto": 300}
 

@@ -63,8 +63,11 @@ def stage_identity(kind: str, config: RunConfig, settings=None) -> dict:
     return {"stage": kind, "config": config.result_key()}
 
 
-def plan(base: RunConfig, methods: list[str], cells: dict[str, AttackSettings], out: Path, mia=None) -> list[Stage]:
-    """Every stage, method by method: train, audit, one per cell (``ReportSettings.attack_plan``), mia."""
+def plan(base: RunConfig, methods: list[str], cells: dict[str, AttackSettings], out: Path, mia=None,
+         malicious: Iterable = ()) -> list[Stage]:
+    """Every stage, method by method: train, audit, one per cell (``ReportSettings.attack_plan``), one
+    per malicious-server cell (``ReportSettings.malicious_cells``: its own federation of clients of
+    ``size`` training images), mia."""
     stages = []
     for m in methods:
         cfg = method_config(base, m, base.federation.seed)
@@ -73,9 +76,20 @@ def plan(base: RunConfig, methods: list[str], cells: dict[str, AttackSettings], 
         for a, settings in cells.items():
             stages.append(Stage(m, f"attack-{a}", a, cfg, stage_identity("attack", cfg, settings),
                                 out / m / f"attack-{a}", attack_settings=settings))
+        for cell in malicious:
+            sized = sized_config(cfg, cell.size)
+            stages.append(Stage(m, f"attack-{cell.key}", cell.key, sized, stage_identity("attack", sized, cell.settings),
+                                out / m / f"attack-{cell.key}", attack_settings=cell.settings))
         if mia is not None:
             stages.append(Stage(m, "mia", None, cfg, stage_identity("mia", cfg, mia), out / m / "mia", mia))
     return stages
+
+
+def sized_config(config: RunConfig, size: int) -> RunConfig:
+    """``config`` with every client training on exactly ``size`` images (``--train-images``; outside
+    ``weak``, where ``--samples-per-client`` counts train + test, the cap it replaces is dropped)."""
+    keep_cap = config.data.partition == "weak"
+    return config.updated(train_images=int(size), samples_per_client=config.data.samples_per_client if keep_cap else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,6 +176,8 @@ def _attack_stage(stage: Stage, trainings: TrainingCache | None = None) -> str |
         summary = run_attack(stage.config, settings, out=stage.path, progress=False, trainings=trainings)
     except UserError as exc:
         return str(exc)
+    if settings.download_check and summary.get("download_check"):
+        return None  # the check's decisions are the result, even where it left nothing to score
     scored = summary.get("images_scored", 0) if settings.spec.rebuilds_images else len(summary.get("label_scores") or [])
     if scored:
         return None
@@ -224,8 +240,9 @@ def estimate_seconds(stages: list[Stage]) -> float:
         key = training_key(cfg) if a is None else training_key(cfg.updated(rounds=a.rounds_to_train), a)
         rounds = 0 if key in trained else (cfg.federation.rounds if a is None else a.rounds_to_train)
         trained.add(key)
-        work = (estimate.StageWork(st.method, cfg.data.clients, rounds, images) if a is None
-                else estimate.attack_work(st.method, cfg.data.clients, images, a, rounds))
+        own = images if cfg.data.train_images is None else cfg.data.train_images * cfg.federation.train.local_epochs
+        work = (estimate.StageWork(st.method, cfg.data.clients, rounds, own) if a is None
+                else estimate.attack_work(st.method, cfg.data.clients, own, a, rounds))
         total += estimate.seconds(work)
     return total
 
