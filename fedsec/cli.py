@@ -363,7 +363,7 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
 @click.option("--malicious-sizes", default=None, metavar="N,N,...",
               help="Malicious-server attacks (trap, binning, ...): the clients' numbers of training images the "
                    "report's \"Malicious server\" section measures, each with the client-side download check off "
-                   "and on [10,50].")
+                   "and on; an error without such an attack in --attacks [10,50].")
 @click.option("--mia/--no-mia", default=False, show_default=True,
               help="Add a membership-inference stage per method (`fedsec mia` with its defaults: 4 shadow "
                    "federations per method, so about five times the training).")

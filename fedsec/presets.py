@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Callable
 
 import attacks
+from fedecouple.errors import UserError
 from fedecouple.methods import METHODS
 
 from .runner import AUDIT_FEDERATION, PAPER_FEDERATION
@@ -50,12 +51,15 @@ def report_plan(preset: str | None, attack_text: str, attack_rounds: str, target
     from . import report as rep
 
     sizes = rep.parse_sizes(malicious_sizes)
+    attack_list = rep.parse_attacks(attack_text if preset != "audit" or is_explicit("attacks")
+                                    else ",".join(rep.AUDIT_ATTACKS))
+    if malicious_sizes is not None and not any(attacks.get(a).kind == "malicious" for a in attack_list):
+        names = ", ".join(attacks.names("malicious"))
+        raise UserError(f"--malicious-sizes applies to the malicious-server attacks ({names}): add one to --attacks "
+                        f"or drop --malicious-sizes")
     if preset != "audit":
-        return rep.parse_attacks(attack_text), rep.ReportSettings(rounds=tuple(rep.parse_rounds(attack_rounds)),
-                                                                  targets=targets,
-                                                                  iterations=rep.parse_iterations(iterations),
-                                                                  malicious_sizes=sizes)
-    attack_list = rep.parse_attacks(attack_text if is_explicit("attacks") else ",".join(rep.AUDIT_ATTACKS))
+        return attack_list, rep.ReportSettings(rounds=tuple(rep.parse_rounds(attack_rounds)), targets=targets,
+                                               iterations=rep.parse_iterations(iterations), malicious_sizes=sizes)
     settings = rep.audit_preset(rep.parse_iterations(iterations))
     if is_explicit("malicious_sizes"):
         settings = replace(settings, malicious_sizes=sizes)

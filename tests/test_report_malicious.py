@@ -112,15 +112,16 @@ def test_the_estimate_counts_no_rebuild_where_the_check_refuses_the_download():
     assert rebuilt - refused == pytest.approx(4 * 300 * 50 * estimate.STEP_SECONDS["malicious"][None])
 
 
-@pytest.mark.parametrize("sizes, message", [
-    ("0", "--malicious-sizes needs image counts of at least 1"),
-    ("10,x", "--malicious-sizes expects comma-separated image counts"),
-    ("100000", "--malicious-sizes 100000: the smallest client holds"),
+@pytest.mark.parametrize("attack, sizes, message", [
+    ("trap", "0", "--malicious-sizes needs image counts of at least 1"),
+    ("trap", "10,x", "--malicious-sizes expects comma-separated image counts"),
+    ("trap", "100000", "--malicious-sizes 100000: the smallest client holds"),
+    ("ig", "10", "--malicious-sizes applies to the malicious-server attacks (trap, binning"),  # never ignored
 ])
-def test_bad_malicious_sizes_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, sizes, message):
+def test_bad_malicious_sizes_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, attack, sizes, message):
     out = tmp_path / "never"
     with pytest.raises(SystemExit) as exc:
-        main(["report", "--dataset", "digits", "--clients", "4", "--methods", "fedavg", "--attacks", "trap",
+        main(["report", "--dataset", "digits", "--clients", "4", "--methods", "fedavg", "--attacks", attack,
               "--malicious-sizes", sizes, "--threads", str(TEST_THREADS), "--out", str(out)])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and message in err and len(err.splitlines()) == 1, err
