@@ -164,6 +164,9 @@ class AttackSettings:
                                                       ("--images", self.images_per_target)) if value < 1]
         if bad:
             raise UserError(f"{', '.join(bad)}: must be at least 1")
+        if self.craft == "fishing" and min(self.rounds) < 1:
+            raise UserError(f"--attack-rounds {min(self.rounds)}: classifier fishing picks the class it fishes from "
+                            f"the client's earlier upload, which round 0 has none of; use --attack-rounds 1 or later")
         if self.train_rounds is not None and self.train_rounds <= max(self.rounds):
             raise UserError(f"--rounds {self.train_rounds} stops before attack round {max(self.rounds)} "
                             f"(rounds count from 0)")
@@ -238,7 +241,7 @@ def check_applicable(spec: AttackSpec, prep: Prepared) -> None:
     if spec.malicious and prep.method.communicates:  # first what a crafted download can reach
         from attacks.malicious import not_reachable
 
-        reason = not_reachable(prep.method, model)
+        reason = not_reachable(prep.method, model, spec.crafts[0])
     reason = reason or spec.not_applicable(prep.method.name, prep.method.upload_kinds(model))
     if reason is not None:
         raise UserError(reason)
@@ -397,17 +400,19 @@ def recording_federation(prep: Prepared, settings: AttackSettings | None = None,
 def _malicious_server(prep: Prepared, settings: AttackSettings, targets: dict, fed, run: RecordedRun):
     """The crafting interceptor for the attacked (round, client) pairs, last in the channel; it crafts
     from public images: ``--aux-data``, else the pooled data without the attacked clients' own."""
-    from .malicious import MaliciousServer, public_images
+    from .malicious import MaliciousServer, public_rows
 
     attacked = [prep.partition.train[c] for r in targets for c in targets[r]]
     exclude = np.concatenate(attacked) if attacked else np.zeros(0, dtype=np.int64)
     if settings.aux_data is not None:
-        pool = auxiliary_data(settings.aux_data, prep.dataset, exclude)[0]
-        public = public_images(pool, np.zeros(0, dtype=np.int64), settings.seed)
+        images, labels = auxiliary_data(settings.aux_data, prep.dataset, exclude)
+        rows = torch.from_numpy(public_rows(len(images), np.zeros(0, dtype=np.int64), settings.seed))
     else:
-        public = public_images(prep.dataset.images, exclude, settings.seed)
-    server = MaliciousServer(settings.craft, {(r, c) for r in targets for c in targets[r]}, run.make_model, public,
-                             prep.method.download_reaches, settings.seed)
+        images, labels = prep.dataset.images, prep.dataset.labels
+        rows = torch.from_numpy(public_rows(len(images), exclude, settings.seed))
+    server = MaliciousServer(settings.craft, {(r, c) for r in targets for c in targets[r]}, run.make_model,
+                             images[rows], prep.method.download_reaches, settings.seed, public_labels=labels[rows],
+                             method=prep.method)
     fed.channel.interceptors.append(server)
     return server
 
