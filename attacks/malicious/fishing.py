@@ -55,7 +55,7 @@ from torch.func import functional_call
 from ..base import AttackResult, Budget, NotApplicable, Observation
 from ..inversion.forward_model import one_minus_cosine
 from ..inversion.ig import LR, TV_WEIGHT, milestones, total_variation
-from ..metrics import SUCCESS_MARGIN_DB, psnr, rate_interval, ssim
+from ..metrics import PSNR_CAP_DB, SUCCESS_MARGIN_DB, mean_interval, psnr, rate_interval, ssim
 from .craft import load
 
 CRAFT = "fishing"
@@ -310,7 +310,8 @@ def _row(j: int, reconstruction: int, image, truth, label, prior, fished: bool, 
 def fishing_statistics(rows: list[dict], seed: int) -> dict:
     """Per attacked round (target): success when an isolated image was rebuilt at ≥ prior + 6 dB (a
     target with nothing isolated fails), its share with a 95 % interval, the mean PSNR of each
-    target's best isolated image (the prior where none), and k inferred against true."""
+    target's best isolated image (the prior where none; capped as every PSNR mean) with a 95 %
+    interval over targets, and k inferred against true."""
     targets: dict[str, list[dict]] = {}
     for r in rows:
         targets.setdefault(f"{r['round']}/{r['client']}", []).append(r)
@@ -323,10 +324,12 @@ def fishing_statistics(rows: list[dict], seed: int) -> dict:
         best.append(max(float(r["psnr"]) for r in fished) if fished else float(group[0]["prior_psnr"]))
         exact_k.append(int(group[0]["k_true"]) == int(group[0]["k_inferred"]))
     hits, clusters = np.array(success), np.array(list(targets))
+    interval, _ = mean_interval(np.minimum(np.array(best), PSNR_CAP_DB), clusters, seed=seed)
     return {"fishing_targets": len(targets), "fishing_success_share": float(hits.mean()),
             "fishing_success_share_ci": [float(v) for v in rate_interval(hits, clusters, seed)],
             "fishing_success_rule": "an image the craft isolated rebuilt at PSNR >= prior + 6 dB (per attacked "
                                     "round and client; nothing isolated = failure)",
-            "fishing_best_psnr_mean": float(np.mean(best)), "fishing_best_psnr": best,
+            "fishing_best_psnr_mean": float(np.mean(np.minimum(best, PSNR_CAP_DB))), "fishing_best_psnr_ci": interval,
+            "fishing_best_psnr": best,
             "fishing_one_isolated_share": float(np.mean([int(g[0]["k_true"]) == 1 for g in targets.values()])),
             "fishing_k_correct_share": float(np.mean(exact_k))}
