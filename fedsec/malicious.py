@@ -22,7 +22,7 @@ import torch
 
 from attacks.base import NotApplicable, Observation
 from attacks.inversion.labels import label_inference
-from attacks.malicious import FISHING, FishingRecord, craft, fishing_download
+from attacks.malicious import FISHING, craft, fishing_download
 from fedecouple.channel import Download, Interceptor, Upload
 from fedecouple.engine import derive_seed
 
