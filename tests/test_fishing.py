@@ -97,7 +97,8 @@ def test_images_of_other_classes_send_no_gradient_to_the_extractor():
 def test_feature_fishing_lets_through_only_the_class_t_images_below_the_threshold():
     data, model = _digits()
     make = _factory(model)
-    rows = torch.nonzero(data.labels == 4).flatten()[:3].tolist() + torch.nonzero(data.labels == 1).flatten()[:5].tolist()
+    rows = (torch.nonzero(data.labels == 4).flatten()[:3].tolist()
+            + torch.nonzero(data.labels == 1).flatten()[:5].tolist())
     images, labels = data.images[rows], data.labels[rows]
     sent, record = fishing_download(get_params(model), make(), data.images[1000:], data.labels[1000:],
                                     _counts(labels))
@@ -170,3 +171,21 @@ def test_fedsec_attack_fish_writes_the_fished_columns(tmp_path):
     assert set(rows["client"]) <= set(summary["targets"]["1"]) and len(rows) >= 2
     assert summary["fishing_targets"] == 2 and "fishing_success_share" in summary
     assert (rows["k_inferred"] == rows["k_true"]).all()  # one plain step: the bias update counts them
+
+
+def test_the_download_check_refuses_a_fishing_download_and_passes_a_trained_one():
+    from fedsec.defenses.download_check import inspect
+
+    data, model = _digits()
+    make = _factory(model)
+    honest = get_params(model)
+    own, own_labels = _batch_with_one_of(data, 7, others=(0, 1), per_other=4)
+    for k_images in (1, 3):  # class fishing, feature fishing
+        counts = _counts(own_labels)
+        counts[7] = k_images
+        crafted, _ = fishing_download(honest, make(), data.images[1000:], data.labels[1000:], counts)
+        reasons, stats = inspect(crafted, honest, make(), own)
+        assert any("classifier moved" in r for r in reasons) and stats["classifier_jump"] > 2.0
+    trained = _step(make, honest, own, own_labels)  # an honest round: the next download moved a little
+    reasons, stats = inspect(trained, honest, make(), own)
+    assert reasons == [] and stats["classifier_jump"] < 0.5

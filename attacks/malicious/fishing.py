@@ -121,8 +121,11 @@ def fishing_download(download: dict[str, torch.Tensor], model, public: torch.Ten
         features = model.features(public).double()
     c = model.num_classes
     weight, bias = torch.zeros(c, model.feature_dim), torch.full((c,), FISH_BIAS)
-    record = FishingRecord(sent, t, k, counts.tolist(), class_mean=public[public_labels == t].mean(0))
-    if k == 1:
+    own = public_labels == t
+    record = FishingRecord(sent, t, k, counts.tolist(), class_mean=public[own].mean(0) if bool(own.any()) else None)
+    if k > 1 and int(own.sum()) < 2:
+        record.notes.append(f"fewer than two public images of class {t}: class fishing only (no threshold)")
+    if k == 1 or int(own.sum()) < 2:
         weight[t], bias[t] = download["classifier.weight"][t], download["classifier.bias"][t]
     else:
         others = {j: int(round(float(counts[j]))) for j in range(c) if j != t and round(float(counts[j])) >= 1}
@@ -140,7 +143,8 @@ def feature_threshold(features: torch.Tensor, labels: torch.Tensor, t: int, k: i
     class-t images with ``others`` ({class: count}) all on the fished side (module docstring)."""
     own = features[labels == t]
     rest = {j: features[labels == j] for j in others if int((labels == j).sum()) > 0}
-    candidates = [torch.eye(features.shape[1], dtype=torch.float64), -torch.eye(features.shape[1], dtype=torch.float64)]
+    axes = torch.eye(features.shape[1], dtype=torch.float64)
+    candidates = [axes, -axes]
     if rest:
         pooled = torch.cat(list(rest.values()))
         spread = torch.cov(torch.cat([own - own.mean(0), pooled - pooled.mean(0)]).T)
@@ -228,7 +232,8 @@ def invert_fished(observation: Observation, record: FishingRecord, k: int, featu
     model = load(observation.make_model(), record.sent).to(torch.float32)
     params = {n: p.detach() for n, p in model.named_parameters()}
     names = [n for n in params if n.startswith("extractor.") and n in observation.upload]
-    names += [n for n in ("classifier.weight", "classifier.bias") if n in observation.upload]
+    if "classifier" not in observation.method.persistent_groups:  # else the upload holds the client's own head
+        names += [n for n in ("classifier.weight", "classifier.bias") if n in observation.upload]
     target = flat_list(_fished_update(observation, record, names))
     labels = torch.full((k,), record.target, dtype=torch.long)
     generator = torch.Generator().manual_seed(int(seed))
