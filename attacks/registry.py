@@ -50,6 +50,8 @@ class AttackSpec:
     crafts: tuple[str, ...] = ()
     # columns its attack.csv rows carry beyond ``attacks.harness.IMAGE_COLUMNS`` (classifier fishing's)
     extra_columns: tuple[str, ...] = ()
+    # the earliest round it can attack (classifier fishing: 1, it reads the client's earlier upload)
+    first_round: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

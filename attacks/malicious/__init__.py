@@ -88,7 +88,7 @@ register(AttackSpec(name="binning", summary="malicious server: binning rows in t
                                             "--craft binning)", crafts=("binning",), **_COMMON))
 register(AttackSpec(name="fish", summary="malicious server: classifier fishing (Wen et al.): the classifier sent "
                                          "isolates one image of the client's rarest class, rebuilt from the update",
-                    crafts=(FISHING,), extra_columns=FISHING_COLUMNS,
+                    crafts=(FISHING,), extra_columns=FISHING_COLUMNS, first_round=1,
                     **{**_COMMON, "attack_one": fish_attack, "default_iterations": FISHING_STEPS}))
 
 __all__ = ["CRAFTS", "EXACT", "FISHING", "CraftRecord", "FishingRecord", "attack_one", "craft", "first_linear",
