@@ -414,7 +414,7 @@ def _malicious_server(prep: Prepared, settings: AttackSettings, targets: dict, f
         rows = torch.from_numpy(public_rows(len(images), exclude, settings.seed))
     server = MaliciousServer(settings.craft, {(r, c) for r in targets for c in targets[r]}, run.make_model,
                              images[rows], prep.method.download_reaches, settings.seed, public_labels=labels[rows],
-                             method=prep.method)
+                             method=prep.method, train=prep.config.federation.train)
     fed.channel.interceptors.append(server)
     return server
 

@@ -25,6 +25,7 @@ from attacks.inversion.labels import label_inference
 from attacks.malicious import FISHING, craft, fishing_download
 from fedecouple.channel import Download, Interceptor, Upload
 from fedecouple.engine import derive_seed
+from fedecouple.methods.base import phase_steps
 
 # public images the server crafts from (a seeded sample of what it holds)
 PUBLIC_IMAGES = 2000
@@ -39,10 +40,10 @@ class MaliciousServer(Interceptor):
 
     def __init__(self, kind: str, targets: set[tuple[int, int]], make_model, public: torch.Tensor,
                  reached: tuple[str, ...], seed: int = 0, public_labels: torch.Tensor | None = None,
-                 method=None) -> None:
+                 method=None, train=None) -> None:
         self.kind, self.targets, self.make_model = kind, set(targets), make_model
         self.public, self.reached, self.seed = public, tuple(reached), int(seed)
-        self.public_labels, self.method = public_labels, method
+        self.public_labels, self.method, self.train = public_labels, method, train
         self.records: dict[tuple[int, int], object] = {}
         self._clients = {c for _, c in self.targets}
         # fishing: each attacked client's latest exchange seen so far ({client: (round, download, upload)})
@@ -55,8 +56,9 @@ class MaliciousServer(Interceptor):
                 self._earlier[message.client_id] = (message.round, dict(message.tensors), None)
             return message
         if self.kind == FISHING:
+            counts, steps = self.label_counts(message.client_id, message.round)
             tensors, record = fishing_download(dict(message.tensors), self.make_model(), self.public,
-                                               self.public_labels, self.label_counts(message.client_id, message.round))
+                                               self.public_labels, counts, steps)
         else:
             tensors, record = craft(self.kind, dict(message.tensors), self.make_model(), self.public, self.reached,
                                     seed=derive_seed(self.seed, *key, 0x7A9) % 2**31)
@@ -71,20 +73,27 @@ class MaliciousServer(Interceptor):
             self._earlier[message.client_id] = (earlier[0], earlier[1], dict(message.tensors))
         return message
 
-    def label_counts(self, client: int, round: int) -> torch.Tensor:
-        """(C,) the client's label counts as the server reads them from its latest exchange before
-        ``round`` (``attacks.inversion.labels.label_inference``); zeros where there is none."""
+    def label_counts(self, client: int, round: int) -> tuple[torch.Tensor, int]:
+        """((C,) the client's label counts as the server reads them from its latest exchange before
+        ``round`` (``attacks.inversion.labels.label_inference``), zeros where there is none; the SGD
+        steps it takes against the classifier, from its uploaded sample count and the federation's
+        ``train`` settings (1 where either is unknown))."""
         num_classes = self.make_model().num_classes
         earlier = self._earlier.get(client)
         if earlier is None or earlier[2] is None or earlier[0] >= round:
-            return torch.zeros(num_classes, dtype=torch.float64)
+            return torch.zeros(num_classes, dtype=torch.float64), 1
+        steps = 1
+        if self.train is not None and "sample_count" in earlier[2]:
+            n = int(earlier[2]["sample_count"])
+            steps = sum(phase_steps(e, n, self.train.batch_size) for phase, e, _ in
+                        self.method.local_phases(self.train.local_epochs) if phase in ("local", "classifier")) or 1
         observation = Observation(self.method, earlier[0], client, earlier[1], earlier[2], None, self.make_model,
                                   tuple(self.public.shape[1:]), num_classes)
         try:
             result = label_inference(observation, None, 0)
         except NotApplicable:
-            return torch.zeros(num_classes, dtype=torch.float64)
-        return torch.as_tensor(result.trace["label_counts"], dtype=torch.float64)
+            return torch.zeros(num_classes, dtype=torch.float64), steps
+        return torch.as_tensor(result.trace["label_counts"], dtype=torch.float64), steps
 
 
 def public_images(images: torch.Tensor, exclude: np.ndarray, seed: int, limit: int = PUBLIC_IMAGES) -> torch.Tensor:

@@ -105,9 +105,12 @@ def rarest_present(counts: torch.Tensor) -> tuple[int, int] | None:
 
 
 def fishing_download(download: dict[str, torch.Tensor], model, public: torch.Tensor, public_labels: torch.Tensor,
-                     counts: torch.Tensor) -> tuple[dict[str, torch.Tensor], FishingRecord]:
-    """The crafted download for a client whose label counts the server estimated as ``counts`` (C,),
-    and the server's record of it (module docstring)."""
+                     counts: torch.Tensor, steps: int = 1) -> tuple[dict[str, torch.Tensor], FishingRecord]:
+    """The crafted download for a client whose label counts the server estimated as ``counts`` (C,)
+    and who trains ``steps`` SGD steps against the classifier, and the server's record of it (module
+    docstring). With several steps, class fishing only: after a first step under the sharp feature
+    row the extractor has moved so far that every image crosses τ and the client's loss diverges
+    (measured: FedAvg, 50 images, 5 steps)."""
     sent = {k: v.detach().clone() for k, v in download.items()}
     counts = torch.as_tensor(counts, dtype=torch.float64)
     found = rarest_present(counts)
@@ -125,7 +128,10 @@ def fishing_download(download: dict[str, torch.Tensor], model, public: torch.Ten
     record = FishingRecord(sent, t, k, counts.tolist(), class_mean=public[own].mean(0) if bool(own.any()) else None)
     if k > 1 and int(own.sum()) < 2:
         record.notes.append(f"fewer than two public images of class {t}: class fishing only (no threshold)")
-    if k == 1 or int(own.sum()) < 2:
+    if k > 1 and steps > 1:
+        record.notes.append("the client trains several steps against the classifier: class fishing only (a sharp "
+                            "feature-fishing row would make its training diverge)")
+    if k == 1 or int(own.sum()) < 2 or steps > 1:
         weight[t], bias[t] = download["classifier.weight"][t], download["classifier.bias"][t]
     else:
         others = {j: int(round(float(counts[j]))) for j in range(c) if j != t and round(float(counts[j])) >= 1}
