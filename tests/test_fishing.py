@@ -109,6 +109,9 @@ def test_feature_fishing_lets_through_only_the_class_t_images_below_the_threshol
     weights = fished_weights(make(), record, images)
     assert torch.equal(weights > 0.5, side)  # fished exactly on the low side of τ (classes alike)
     assert 0.0 < record.chance <= 1.0
+    _, several = fishing_download(get_params(model), make(), data.images[1000:], data.labels[1000:],
+                                  _counts(labels), steps=5)
+    assert several.direction is None and several.expected == 3  # several steps: class fishing only
 
 
 def test_the_interceptor_crafts_only_the_attacked_download_from_the_clients_earlier_upload():
