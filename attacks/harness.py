@@ -106,7 +106,7 @@ class AttackOutcome:
 
     @property
     def columns(self) -> list[str]:
-        return IMAGE_COLUMNS if self.spec.rebuilds_images else LABEL_COLUMNS
+        return IMAGE_COLUMNS + list(self.spec.extra_columns) if self.spec.rebuilds_images else LABEL_COLUMNS
 
 
 def attack_recorded(run: RecordedRun, attack: AttackSpec | str, targets: dict[int, list[int]], threat: ThreatModel,
@@ -231,11 +231,23 @@ def _score_malicious(run: RecordedRun, job: Target, base: dict, truths, truth_la
                      auxiliary) -> list[dict]:
     """Every image the client trained on: its recovered input's relative error and the image rebuilt
     from it (``attacks.malicious.scoring.score_recovered``)."""
+    from .malicious.fishing import CRAFT as FISHING, score_fished
     from .malicious.scoring import score_recovered
 
     priors = class_priors(run, job.round, job.client, auxiliary)
+    record = run.crafted[(job.round, job.client)]
+    if getattr(record, "craft", None) == FISHING:  # the images the craft isolated, per target
+        rows = []
+        for row in score_fished(run.make_model, record, job.result, truths, truth_labels, prior):
+            j = row.pop("truth_index")
+            rows.append({**base, "image": j, "label_pred": record.target, **row,
+                         "class_prior_psnr": float(psnr(priors[row["label_true"]], truths[j]))})
+            if len(panels) < MAX_PANELS and row["reconstruction"] >= 0:
+                panels.append((truths[j], job.result.images[row["reconstruction"]], row["psnr"],
+                               f"r{job.round} c{job.client}"))
+        return rows
     rows = []
-    for row in score_recovered(run.make_model, run.crafted[(job.round, job.client)], job.result, truths, prior):
+    for row in score_recovered(run.make_model, record, job.result, truths, prior):
         j = row["truth_index"]
         rows.append({**base, "image": j, "psnr": row["psnr"], "ssim": row["ssim"], "prior_psnr": row["prior_psnr"],
                      "class_prior_psnr": float(psnr(priors[int(truth_labels[j])], truths[j])),
@@ -280,7 +292,11 @@ def _statistics(run: RecordedRun, spec: AttackSpec, rows: list[dict], seed: int)
     """The leakage statistics (``attacks.metrics.leakage_statistics``), a malicious server's input
     shares, and the clients' download check when one ran."""
     statistics = leakage_statistics(rows, seed=seed) if spec.rebuilds_images else {}
-    if spec.malicious:
+    if spec.malicious and "fishing" in spec.crafts:
+        from .malicious.fishing import fishing_statistics
+
+        statistics.update(fishing_statistics(rows, seed))
+    elif spec.malicious:
         from .malicious.scoring import input_statistics
 
         statistics.update(input_statistics(rows, seed))

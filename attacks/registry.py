@@ -48,6 +48,10 @@ class AttackSpec:
     # a malicious-server attack: the downloads it can craft (``attacks.malicious``; the first is the
     # default); empty: the attack reads an honest server's record
     crafts: tuple[str, ...] = ()
+    # columns its attack.csv rows carry beyond ``attacks.harness.IMAGE_COLUMNS`` (classifier fishing's)
+    extra_columns: tuple[str, ...] = ()
+    # the earliest round it can attack (classifier fishing: 1, it reads the client's earlier upload)
+    first_round: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

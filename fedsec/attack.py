@@ -24,8 +24,9 @@ attack, mode, round, client, image, psnr, ssim, prior_psnr, class_prior_psnr, la
 and the target's forward-model check: mis_specified, not_converged, replay_cosine, objective_truth,
 objective_reconstruction; label_count_error: Σ_k |n̂_k − n_k| of the closed-form label counts
 (``attacks.inversion.closed_form``) against the images the client trained on, empty without counts; input_error: for a
-malicious-server attack, the relative error of the image's recovered first-linear-layer input; for a label
-attack one row per
+malicious-server attack, the relative error of the image's recovered first-linear-layer input; classifier
+fishing (``fish``) writes one row per image its craft isolated, with target_class, fished, k_true and k_inferred
+after these (``AttackSpec.extra_columns``); for a label attack one row per
 class: method, attack, mode, round, client, class, true_count, true_proportion,
 predicted_proportion), ``summary.json`` and ``reconstructions.png`` (ground truth above
 reconstruction, PSNR under each; not for label attacks), all written atomically.
@@ -164,6 +165,10 @@ class AttackSettings:
                                                       ("--images", self.images_per_target)) if value < 1]
         if bad:
             raise UserError(f"{', '.join(bad)}: must be at least 1")
+        if min(self.rounds) < self.spec.first_round:  # classifier fishing reads the client's earlier upload
+            raise UserError(f"--attack-rounds {min(self.rounds)}: {self.attack} picks what it crafts from the client's "
+                            f"earlier upload, which round 0 has none of; use --attack-rounds "
+                            f"{self.spec.first_round} or later")
         if self.train_rounds is not None and self.train_rounds <= max(self.rounds):
             raise UserError(f"--rounds {self.train_rounds} stops before attack round {max(self.rounds)} "
                             f"(rounds count from 0)")
@@ -238,7 +243,7 @@ def check_applicable(spec: AttackSpec, prep: Prepared) -> None:
     if spec.malicious and prep.method.communicates:  # first what a crafted download can reach
         from attacks.malicious import not_reachable
 
-        reason = not_reachable(prep.method, model)
+        reason = not_reachable(prep.method, model, spec.crafts[0])
     reason = reason or spec.not_applicable(prep.method.name, prep.method.upload_kinds(model))
     if reason is not None:
         raise UserError(reason)
@@ -397,17 +402,19 @@ def recording_federation(prep: Prepared, settings: AttackSettings | None = None,
 def _malicious_server(prep: Prepared, settings: AttackSettings, targets: dict, fed, run: RecordedRun):
     """The crafting interceptor for the attacked (round, client) pairs, last in the channel; it crafts
     from public images: ``--aux-data``, else the pooled data without the attacked clients' own."""
-    from .malicious import MaliciousServer, public_images
+    from .malicious import MaliciousServer, public_rows
 
     attacked = [prep.partition.train[c] for r in targets for c in targets[r]]
     exclude = np.concatenate(attacked) if attacked else np.zeros(0, dtype=np.int64)
     if settings.aux_data is not None:
-        pool = auxiliary_data(settings.aux_data, prep.dataset, exclude)[0]
-        public = public_images(pool, np.zeros(0, dtype=np.int64), settings.seed)
+        images, labels = auxiliary_data(settings.aux_data, prep.dataset, exclude)
+        rows = torch.from_numpy(public_rows(len(images), np.zeros(0, dtype=np.int64), settings.seed))
     else:
-        public = public_images(prep.dataset.images, exclude, settings.seed)
-    server = MaliciousServer(settings.craft, {(r, c) for r in targets for c in targets[r]}, run.make_model, public,
-                             prep.method.download_reaches, settings.seed)
+        images, labels = prep.dataset.images, prep.dataset.labels
+        rows = torch.from_numpy(public_rows(len(images), exclude, settings.seed))
+    server = MaliciousServer(settings.craft, {(r, c) for r in targets for c in targets[r]}, run.make_model,
+                             images[rows], prep.method.download_reaches, settings.seed, public_labels=labels[rows],
+                             method=prep.method, train=prep.config.federation.train)
     fed.channel.interceptors.append(server)
     return server
 

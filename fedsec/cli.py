@@ -259,7 +259,8 @@ def compare(ctx, methods, seeds, out, **opts):
 @click.option("--craft", default=None,
               help="Malicious-server attacks (trap, binning): the download the server crafts for the attacked clients: "
                    "binning (every row of the first linear layer one direction, biases at public quantiles; exact "
-                   "inputs) or plain (trap: Boenisch et al.'s random trap rows) [the attack's first: binning].")
+                   "inputs) or plain (trap: Boenisch et al.'s random trap rows) [the attack's first: binning]. "
+                   "fish crafts only fishing (the classifier; needs --attack-rounds 1 or later).")
 @click.option("--download-check", is_flag=True, default=False,
               help="Every client tests each download before training and refuses one that looks crafted "
                    "(fedsec.defenses.download_check); summary.json's download_check gives detections on the attacked "
@@ -273,6 +274,9 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     """Train, intercept what the server sees, attack it, and score the result against what the client trained on.
 
     Example: fedsec attack dlg --method fedecouple   (round 0, 8 clients, one image each, one local step)
+
+    A malicious server: trap/binning craft the first linear layer; fish (classifier fishing) crafts the
+    classifier from the client's earlier upload, so it needs --attack-rounds 1 or later.
 
     Training runs up to the last attacked round (max of --attack-rounds, + 1) unless --rounds is given;
     torch runs one thread unless --threads is given.

@@ -5,9 +5,9 @@ For each value of the defense (plus, by default, a no-defense baseline) it
 1. trains the federation with the defense in place (``train/``: metrics.csv, summary.json, and
    ``defense.json``: the DP report — ε per client and the maximum — or the filters' log summary);
 2. runs each requested attack on a fresh federation with the same defense (``attack-<name>/``, the
-   ``fedsec attack`` harness: round 0; DLG/IG in the textbook victim setting — each attacked
-   client trains ``victim_steps`` step(s) on ``victim_batch`` image(s) — and the label attack on
-   the method's real local training);
+   ``fedsec attack`` harness: round 0 (classifier fishing: round 1, it reads an earlier upload);
+   DLG/IG in the textbook victim setting — each attacked client trains ``victim_steps`` step(s)
+   on ``victim_batch`` image(s) — and the label attack on the method's real local training);
 3. writes ``done.json`` last (the value's row, ``fedsec.resumable``); a rerun skips values that have
    one, and inside an unfinished value skips the parts whose ``summary.json`` exists.
 
@@ -96,9 +96,11 @@ class DefendSettings:
         return {"config": config.result_key(), "settings": json.loads(json.dumps(mine))}
 
     def for_attack(self, attack: str) -> AttackSettings:
-        """Round 0; the gradient attacks in the victim setting, the others on real local training."""
+        """Round 0 (or the attack's first round: 1 for classifier fishing); the gradient attacks in the
+        victim setting, the others on real local training."""
         spec = attacks.get(attack)
-        return AttackSettings(attack=attack, targets=self.targets, iterations=self.iterations,
+        return AttackSettings(attack=attack, rounds=(spec.first_round,), targets=self.targets,
+                              iterations=self.iterations,
                               victim_batch=self.victim_batch if spec.default_victim_batch > 0 else 0,
                               victim_steps=self.victim_steps, seed=self.attack_seed)
 

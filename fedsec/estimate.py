@@ -31,6 +31,9 @@ STEP_SECONDS = {"textbook": {"fedecouple": 0.0108, "fedpac": 0.0107, "fedper": 0
 # well before the budget: per budgeted step ≈ 2.6 Adam steps in the main job's run (8 FedeCouple
 # targets, 300 steps budgeted: 69 s of attack; BENCHMARKS.md, "Issue 21")
 STEP_FACTOR = {"dlg": 2.6, "idlg": 2.6}
+# classifier fishing (``fedsec attack fish``): seconds per inversion step of one target (its one or
+# two fished images; measured at 9 s per 1000 steps on the shared machine, FedAvg, seed 1)
+FISH_STEP_SECONDS = 0.009
 # seconds per target beyond its optimiser steps (observation, forward-model check, scoring), per image
 TARGET_SECONDS_PER_IMAGE = 0.006
 TARGET_SECONDS = 0.1
@@ -62,6 +65,8 @@ def seconds(work: StageWork) -> float:
         total += work.targets * (TARGET_SECONDS + TARGET_SECONDS_PER_IMAGE * images
                                  + work.steps * images * rates.get(work.method, rates[None])
                                  * STEP_FACTOR.get(work.attack or "", 1.0))
+    elif work.attack == "fish":
+        total += work.targets * (TARGET_SECONDS + work.steps * FISH_STEP_SECONDS)
     elif work.attack_kind is not None:
         total += work.targets * TARGET_SECONDS
     return total

@@ -5,11 +5,15 @@ weights it sends (never the architecture, the client's code or a secure aggregat
 attacked clients of the attacked round it rewrites the download (``craft``), and reads the crafted
 layer's inputs out of the upload (``readout``), then rebuilds each image from its input.
 
-Registered attacks (``fedsec attack trap|binning``):
+Registered attacks (``fedsec attack trap|binning|fish``):
 
 * ``trap``: the trap-weights family, ``--craft binning`` (default) or ``--craft plain`` (Boenisch
   et al.'s random trap rows; on LeakyReLU models approximate, never exact);
-* ``binning``: the same as ``trap --craft binning``.
+* ``binning``: the same as ``trap --craft binning``;
+* ``fish``: classifier fishing (Wen et al., ICML 2022; ``fishing``): the classifier sent makes one
+  class's (or one feature's) images the only ones whose gradient reaches the extractor, and the
+  fished images are rebuilt from the update. It needs an earlier upload of the client (its label
+  counts pick the class), so an attacked round >= 1.
 
 What the crafted download reaches is the method's declaration (``Method.download_reaches``): a
 method that trains nothing it downloads (FedProto) is refused before training.
@@ -21,6 +25,10 @@ import torch
 from ..base import AttackResult, Budget, NotApplicable, Observation
 from ..registry import AttackSpec, register
 from .craft import CRAFTS, CraftRecord, craft, first_linear
+from .fishing import CRAFT as FISHING
+from .fishing import COLUMNS as FISHING_COLUMNS
+from .fishing import INVERSION_STEPS as FISHING_STEPS
+from .fishing import FishingRecord, fish_attack, fishing_download
 from .readout import match_inputs, rebuild_images, recover_inputs, relative_errors, true_inputs
 
 # a recovered input counts as exact at or below this relative error
@@ -28,16 +36,25 @@ EXACT = 1e-3
 INVERSION_STEPS = 300
 
 
-def not_reachable(method, model) -> str | None:
+def not_reachable(method, model, craft: str = "binning") -> str | None:
     """Why a crafted download cannot reach ``method``'s update (None: it can), from the method's
-    declaration: the crafted layer lies in the extractor, which the client must train from as sent."""
+    declaration: the trap crafts' layer lies in the extractor, which the client must train from as
+    sent; fishing needs the extractor trained from the download against the downloaded classifier."""
     reached = set(getattr(method, "download_reaches", ()) or ())
-    layer = first_linear(model)
-    if layer.split(".", 1)[0] in reached:
-        return None
     if not reached:
         return (f"{method.name} trains nothing the server sends (its download holds no weights it trains from or "
                 f"against): a crafted download cannot reach its update")
+    if craft == FISHING:
+        missing = sorted({"extractor", "classifier"} - reached)
+        if not missing:
+            return None
+        return (f"{method.name} trains only {', '.join(sorted(reached))} as sent, not the downloaded "
+                f"{' and '.join(missing)}: classifier fishing needs the client to train its extractor against the "
+                f"classifier the server sends" + (" (it trains under its own head)" if missing == ["classifier"]
+                                                  else ""))
+    layer = first_linear(model)
+    if layer.split(".", 1)[0] in reached:
+        return None
     return (f"{method.name} trains only {', '.join(sorted(reached))} as sent, not {layer}: a crafted download "
             f"cannot reach that layer")
 
@@ -69,6 +86,10 @@ register(AttackSpec(name="trap", summary="malicious server: trap weights in the 
                     crafts=CRAFTS, **_COMMON))
 register(AttackSpec(name="binning", summary="malicious server: binning rows in the first linear layer (= trap "
                                             "--craft binning)", crafts=("binning",), **_COMMON))
+register(AttackSpec(name="fish", summary="malicious server: classifier fishing (Wen et al.): the classifier sent "
+                                         "isolates one image of the client's rarest class, rebuilt from the update",
+                    crafts=(FISHING,), extra_columns=FISHING_COLUMNS, first_round=1,
+                    **{**_COMMON, "attack_one": fish_attack, "default_iterations": FISHING_STEPS}))
 
-__all__ = ["CRAFTS", "EXACT", "CraftRecord", "attack_one", "craft", "first_linear", "match_inputs",
-           "not_reachable", "recover_inputs", "relative_errors", "true_inputs"]
+__all__ = ["CRAFTS", "EXACT", "FISHING", "CraftRecord", "FishingRecord", "attack_one", "craft", "first_linear",
+           "fishing_download", "match_inputs", "not_reachable", "recover_inputs", "relative_errors", "true_inputs"]

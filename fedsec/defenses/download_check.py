@@ -11,6 +11,11 @@ weight-only malicious server crafts:
 * **jump**: ‖W_t − W_prev‖ / ‖W_prev‖ against the previous download this client accepted (an honest
   round moves the weights a little; a crafted layer replaces them).
 
+and one on the classifier, where the download carries one (classifier fishing crafts it):
+
+* **classifier jump**: the same relative jump of the classifier's weights and biases together
+  (fishing zeroes rows and sets biases of 1000, or one sharp row: far beyond a round's training).
+
 ``DownloadCheck`` is a channel interceptor: it runs after the server's (and a malicious server's)
 interceptors, i.e. on what reaches the client, and logs every decision (``decisions``).
 """
@@ -40,15 +45,20 @@ class Decision:
     parallel_share: float
     active_share: float
     jump: float | None
+    classifier_jump: float | None = None
 
 
 def inspect(download: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None, model,
             images: torch.Tensor) -> tuple[list[str], dict]:
-    """The reasons to refuse ``download`` (empty: accept) and the three statistics."""
+    """The reasons to refuse ``download`` (empty: accept) and the four statistics."""
     layer = first_linear(model)
     weight = download.get(f"{layer}.weight")
+    classifier_jump = relative_jump(download, previous, ("classifier.weight", "classifier.bias"))
+    reasons = ([] if classifier_jump is None or classifier_jump <= MAX_JUMP else
+               [f"the classifier moved {classifier_jump:.1f}x its norm since the last download"])
     if weight is None:
-        return [], {"parallel_share": float("nan"), "active_share": float("nan"), "jump": None}
+        return reasons, {"parallel_share": float("nan"), "active_share": float("nan"), "jump": None,
+                         "classifier_jump": classifier_jump}
     unit = weight / weight.norm(dim=1, keepdim=True).clamp_min(1e-12)
     cosines = unit @ unit.T
     off = ~torch.eye(len(unit), dtype=torch.bool)
@@ -58,14 +68,24 @@ def inspect(download: dict[str, torch.Tensor], previous: dict[str, torch.Tensor]
     active = float((pre > 0).float().mean(0).median())
     old = None if previous is None else previous.get(f"{layer}.weight")
     jump = None if old is None else float((weight - old).norm() / old.norm().clamp_min(1e-12))
-    reasons = []
     if parallel > MAX_PARALLEL_SHARE:
         reasons.append(f"{100 * parallel:.0f} % of {layer}'s row pairs point one way (cosine > {SAME_DIRECTION})")
     if active < MIN_ACTIVE_SHARE:
         reasons.append(f"the median unit of {layer} fires for {100 * active:.1f} % of my images")
     if jump is not None and jump > MAX_JUMP:
         reasons.append(f"{layer} moved {jump:.1f}x its norm since the last download")
-    return reasons, {"parallel_share": parallel, "active_share": active, "jump": jump}
+    return reasons, {"parallel_share": parallel, "active_share": active, "jump": jump,
+                     "classifier_jump": classifier_jump}
+
+
+def relative_jump(download: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None,
+                  names: tuple[str, ...]) -> float | None:
+    """‖x − x_prev‖ / ‖x_prev‖ over the tensors ``names`` (None: not in both downloads)."""
+    if previous is None or not all(n in download and n in previous for n in names):
+        return None
+    new = torch.cat([download[n].double().flatten() for n in names])
+    old = torch.cat([previous[n].double().flatten() for n in names])
+    return float((new - old).norm() / old.norm().clamp_min(1e-12))
 
 
 class DownloadCheck(Interceptor):
