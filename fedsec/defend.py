@@ -488,4 +488,5 @@ def _render_meta(settings: DefendSettings, prep: Prepared) -> dict:
             "batch_size": config.federation.train.batch_size, "seed": config.federation.seed,
             "dp_per_sample": method.dp_per_sample, "dp_statistics": method.dp_statistics,
             "stat_noise_multiplier": settings.stat_noise_multiplier, "stat_clip": settings.stat_clip,
-            "counts": settings.counts, "leak_gap_db": LEAK_GAP_DB}
+            "counts": settings.counts, "leak_gap_db": LEAK_GAP_DB,
+            "attack_rounds": {a: settings.for_attack(a).rounds[0] for a in settings.attacks if a != MIA}}

@@ -86,8 +86,18 @@ def header(meta: Mapping) -> list[str]:
 
 
 def note(meta: Mapping) -> str:
-    rounds = meta.get("rounds") or []
-    where = "" if not rounds else f" in round{'s' if len(rounds) > 1 else ''} {', '.join(map(str, rounds))}"
+    by_attack = meta.get("rounds") or {}
+    if not isinstance(by_attack, Mapping):  # one list for every attack
+        by_attack = {"": by_attack}
+
+    def named(rounds: list) -> str:
+        return f"round{'s' if len(rounds) > 1 else ''} {', '.join(map(str, rounds))}"
+
+    distinct = {tuple(r) for r in by_attack.values() if r}
+    if len(distinct) == 1:
+        where = f" in {named(list(distinct.pop()))}"
+    else:
+        where = "" if not distinct else " in " + "; ".join(f"{named(r)} ({a})" for a, r in by_attack.items() if r)
     return NOTE.format(rounds=where, db=meta.get("rebuilt_db", 30.0), margin=meta.get("margin_db", 6.0))
 
 

@@ -202,13 +202,22 @@ def _statistics_sentence(m: Mapping) -> str:
             f"Statistics of {m['method']}: {m['dp_statistics']}")
 
 
+def _attacked_round(meta: Mapping) -> str:
+    """The attacked round: "round 0", or "round 0 (fish: round 1)" where an attack needs a later one."""
+    rounds = meta.get("attack_rounds") or {}
+    later = {a: r for a, r in rounds.items() if r}
+    if later and len(later) == len(rounds):
+        return "round " + ", ".join(f"{r} ({a})" for a, r in later.items())
+    return "round 0" + ("" if not later else " (" + ", ".join(f"{a}: round {r}" for a, r in later.items()) + ")")
+
+
 def tradeoff_markdown(frame: pd.DataFrame, meta: Mapping, command: str | None) -> str:
     """``tradeoff.md``: the table, the plot, what the value means, the DLG claim check, notes."""
     m = meta
     lines = [f"## Defense: {m['defense']} on {m['method']} ({m['dataset']})", "",
              f"Value = {VALUE_MEANING[m['defense']]}. Each value: train {m['rounds']} rounds × {m['clients']} clients "
              f"({m['partition']}, {m['local_epochs']} local epoch(s), lr {m['lr']:g}, batch {m['batch_size']}, seed "
-             f"{m['seed']}) with the defense, then attack round 0 of a fresh run with the same defense ({m['targets']} "
+             f"{m['seed']}) with the defense, then attack {_attacked_round(m)} of a fresh run with the same defense ({m['targets']} "
              f"targets; DLG/IG: each target trains {m['victim_steps']} step(s) on {m['victim_batch']} image(s)).", ""]
     lines += _table(frame, m)
     if any(is_true(v) for a in m["image_attacks"] for v in frame.get(f"mis_specified_{a}", [])):
@@ -227,7 +236,8 @@ def tradeoff_markdown(frame: pd.DataFrame, meta: Mapping, command: str | None) -
     elif m["defense"] == "download-check":
         lines.append("Client-side download check: before training, each client tests the first linear layer it received "
                      "(rows pointing one way, units its own images never fire, a jump from its previous download) and "
-                     "refuses the download, sitting the round out. False alarms: honest downloads refused in the row's "
+                     "the classifier where it receives one (a jump from its previous download), and refuses the "
+                     "download, sitting the round out. False alarms: honest downloads refused in the row's "
                      "training (an honest server); detected: the attack's crafted downloads refused (a refused client "
                      "uploads nothing, so the attack has no image to score). No formal guarantee, so no ε.")
     else:

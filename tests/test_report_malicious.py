@@ -126,3 +126,11 @@ def test_bad_malicious_sizes_are_one_line_exit_2_and_write_nothing(tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and message in err and len(err.splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_fishing_in_the_section_attacks_its_first_round_not_round_0():
+    """Classifier fishing reads the client's earlier upload: the section moves its round 0 to round 1
+    (the other malicious attacks keep round 0)."""
+    settings = rep.ReportSettings(rounds=(0, 19))
+    assert settings.for_malicious("fish", False).rounds == (1, 19)
+    assert settings.for_malicious("trap", True).rounds == (0, 19)

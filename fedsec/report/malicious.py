@@ -109,10 +109,11 @@ def section_table(stages: list, cells: list, methods: list[str], seed: int = 0) 
 
 
 def malicious_meta(section: pd.DataFrame, cells: list) -> dict:
-    """What ``reports.malicious`` renders: the rows (NaN as None), the rules, the attacked rounds and
-    targets (``cells``: the section's ``MaliciousCell`` s, which share them)."""
+    """What ``reports.malicious`` renders: the rows (NaN as None), the rules, the attacked rounds per
+    attack (fishing attacks a round later than trap) and the targets (``cells``: the section's
+    ``MaliciousCell`` s, which share them)."""
     rows = [{k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in r.items()}
             for r in section.astype(object).where(section.notna(), None).to_dict("records")]
-    first = cells[0].settings
+    rounds = {cell.attack: list(cell.settings.rounds) for cell in cells}
     return {"rows": rows, "rebuilt_db": REBUILT_DB, "margin_db": SUCCESS_MARGIN_DB,
-            "rounds": list(first.rounds), "targets": first.targets}
+            "rounds": rounds, "targets": cells[0].settings.targets}

@@ -62,9 +62,12 @@ class ReportSettings:
 
     def for_malicious(self, attack: str, check: bool) -> AttackSettings:
         """The ``AttackSettings`` of a malicious-server cell: the clients' real local training, the
-        section's rounds, ``download_check`` on or off."""
+        section's rounds (a round before the attack's ``first_round`` moves to it: classifier fishing
+        reads the client's earlier upload, so it attacks round 1 where the others attack round 0),
+        ``download_check`` on or off."""
         spec = attacks.get(attack)
-        return AttackSettings(attack=attack, rounds=tuple(int(r) for r in (self.malicious_rounds or self.rounds)),
+        rounds = sorted({max(int(r), spec.first_round) for r in (self.malicious_rounds or self.rounds)})
+        return AttackSettings(attack=attack, rounds=tuple(rounds),
                               targets=int(self.targets_by.get(attack, self.targets)),
                               iterations=int(self.iterations.get(attack, spec.default_iterations)),
                               restarts=spec.default_restarts if self.restarts is None else int(self.restarts),
