@@ -286,6 +286,8 @@ class GradientMatcher:
             self.aux_names = []
         self.target = [self.update.delta[n] for n in self.names] + [obs.upload[n].to(torch.float32)
                                                                       for n in self.aux_names]
+        # the replay computes only what is matched (FedPAC's statistics and prototypes cost a pass each)
+        self.context = dataclasses.replace(self.context, outputs=frozenset(self.names) | frozenset(self.aux_names))
         kinds = [group_of(n) for n in self.names] + [n.split(".")[0] for n in self.aux_names]
         order = list(dict.fromkeys(kinds))
         self.groups = [[i for i, k in enumerate(kinds) if k == g] for g in order]

@@ -49,6 +49,8 @@ from ..base import AttackResult, Budget, Observation
 from .batching import Batch, plan_by_model, stack_targets
 from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
 from .dlg import _seed, counted_labels, idlg_labels
+from .final_stage import ITERATION_SHARE, TEMPERATURES, polish
+from .forward_check import OBJECTIVE_FLOOR
 from .forward_model import FAMILY_PARAMETERS, GradientMatcher, family_start
 from .restarts import BestOfStarts, result_from_best
 
@@ -141,8 +143,15 @@ class _StackedIG:
             soft = y if fixed else torch.softmax(y, dim=-1)
             return lead.matcher.cosine_objective(lead.matcher.dummy(x, soft, z, target=target), target)
 
+        def data_term_of_probabilities(x: torch.Tensor, probs: torch.Tensor, z: torch.Tensor,
+                                       target: list[torch.Tensor]) -> torch.Tensor:
+            return lead.matcher.cosine_objective(lead.matcher.dummy(x, probs, z, target=target), target)
+
         self.transform = vmap(grad_and_value(objective, argnums=(0, 2) if fixed else (0, 1, 2)))
         self.data_term = vmap(data_term)
+        self.data_gradient = vmap(grad_and_value(data_term_of_probabilities))  # for the final stage
+        self.tv_weight = tv_weight
+        self.final: list[dict | None] = [None] * self.n
         self.steps: list[list[int]] = [[] for _ in setups]
         self.notes = [list(s.notes) for s in setups]
         self.starts = BestOfStarts(self.n)
@@ -240,6 +249,36 @@ class _StackedIG:
         best = self.starts.best
         return [i for i in range(self.n) if best[i] is None or not best[i]["data_term"] <= SOLVED_DATA_TERM]
 
+    def _final_stage(self) -> None:
+        """The final stage (``attacks.inversion.final_stage``) on every target whose kept data term is
+        above the forward check's floor: the data term alone, from the kept start's images, with its
+        labels (probability rows) and copy parameters held; the kept images change only where the data
+        term fell."""
+        rows = [i for i, b in enumerate(self.starts.best) if b is not None and b["data_term"] > OBJECTIVE_FLOOR]
+        iterations = self.iterations // ITERATION_SHARE
+        if not rows or iterations < 1:
+            return
+        kept = [self.starts.best[i] for i in rows]
+        index = torch.tensor(rows, device=self.device)
+        probs = torch.stack([b["probs"] for b in kept])
+        z = (torch.stack([b["copy_parameters"] for b in kept]) if self.copies
+             else family_start(0, self.device).repeat(len(rows), 1, 1))
+        targets = [t[index] for t in self.targets]
+
+        def evaluate(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            gradients, values = self.data_gradient(x, probs, z, targets)
+            return values, gradients
+
+        stage = polish(evaluate, self.setups[0].matcher.model, torch.stack([b["images"] for b in kept]), iterations)
+        for j, (i, best) in enumerate(zip(rows, kept)):
+            before, after = float(stage.before[j]), float(stage.after[j])
+            self.final[i] = {"temperatures": list(TEMPERATURES), "iterations_per_temperature": iterations,
+                             "evaluations": stage.evaluations, "data_term_before": before, "data_term_after": after}
+            if after < before:
+                images = stage.images[j].detach().clone()
+                best.update(images=images, data_term=after,
+                            objective=after + self.tv_weight * float(total_variation(images)))
+
     def run(self) -> list[AttackResult]:
         start_time = time.perf_counter()
         self._start([0] * self.n, list(range(self.n)))
@@ -250,11 +289,13 @@ class _StackedIG:
         if unsolved:
             rows = [(i, r) for i in unsolved for r in range(1, self.restarts)]
             self._start([r for _, r in rows], [i for i, _ in rows])
+        self._final_stage()
         share = (time.perf_counter() - start_time) / self.n
         results = []
         for i, setup in enumerate(self.setups):
             best = self.starts.best[i]
-            trace = {"data_term": best["data_term"], "restart_objectives": self.starts.objectives[i],
+            trace = {"data_term": None if best is None else best["data_term"],
+                     "restart_objectives": self.starts.objectives[i], "final_stage": self.final[i],
                      "steps_per_start": self.steps[i], "history": self.starts.histories[i], "seconds": share}
             if self.n > 1:
                 trace["batched_with"] = self.n
