@@ -221,14 +221,18 @@ class FedPAC(Method):
         base, cls = only_group(context.before, "extractor"), only_group(context.before, "classifier")
         statistics, extra = {}, None
         aligned = bool(prototypes_in(context.download)) and self.lam != 0
+        before = context.features_before
+        if before is None and (aligned or any(context.wants(n) for n in ("class_counts", "h", "V"))):
+            before = features(model, base, images)
         if aligned or any(context.wants(n) for n in ("class_counts", "h", "V")):
-            counts, local_means, h, v = soft_client_statistics(features(model, base, images), probs)
+            counts, local_means, h, v = soft_client_statistics(before, probs)
             counts = counts / context.copies  # the client counts its images once (means, h and V are ratios)
             statistics = {"class_counts": counts, "h": h, "V": v}
             extra = self._replayed_alignment(context, counts, local_means)
         for i, step in context.phase("classifier"):
             xb, yb = batch(images, probs, step, copies[i])
-            feats = features(model, base, xb)
+            whole = before is not None and copies[i] is None and step.members == tuple(range(len(images)))
+            feats = before if whole else features(model, base, xb)  # every image, in order: the same pass
             cls = sgd_step(cls, lambda c: cross_entropy(head(model, c, feats), yb), context.lr)
         # the base steps run on the head the client uploaded (trained before them, never changed after):
         # the same as the replayed head on the true data, and not a function of the dummy's head steps

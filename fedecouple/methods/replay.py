@@ -52,7 +52,8 @@ class ReplayContext:
     training gives every epoch its own copy): a statistic that counts images divides by it.
     ``uploaded``: the client's upload, for a method whose later phase runs on what an earlier phase
     uploaded (FedPAC's base steps on the uploaded head). ``outputs``: the fields the caller reads
-    (None: the whole upload); the replay returns at least those."""
+    (None: the whole upload); the replay returns at least those. ``features_before``: the images'
+    features under ``before``'s extractor, where the caller has them already."""
 
     before: Params
     kept: Params
@@ -68,6 +69,9 @@ class ReplayContext:
     # the upload fields the caller reads (None: all): a replay may leave out the others, and the work
     # only they need (an attack that matches the weights alone needs no statistics of them)
     outputs: frozenset[str] | None = None
+    # the replayed images' features under ``before``'s extractor, where the caller has computed them
+    # already (an attack that matches them too): the replay reuses them instead of a second pass
+    features_before: torch.Tensor | None = None
 
     def wants(self, name: str) -> bool:
         """Whether the caller reads the upload field ``name``."""
