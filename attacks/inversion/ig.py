@@ -18,6 +18,15 @@ gradient, learning rate ×0.1 at 3/8, 5/8 and 7/8 of ``budget.iterations``, pixe
 the others (all stacked in one pass) only for the targets whose data term the first left above
 ``SOLVED_DATA_TERM``; the start with the lowest final objective kept.
 
+Final stage (``attacks.inversion.final_stage``), for every target whose kept data term is above the
+forward check's floor: the data term alone (no TV), from the kept start's images, by L-BFGS-B within
+[0, 1] through the model with its LeakyReLU and max-pool kinks smoothed at decreasing temperatures
+and then exact, ``budget.iterations / ITERATION_SHARE`` iterations per temperature; a target takes
+its new images only where its exact data term fell (the trace's ``final_stage``). The targets of one
+batch are one L-BFGS-B problem there (the sum of their data terms, each scaled to 1 at the start),
+so unlike the first stage this stage's steps depend on the batch: batched and one-by-one runs can
+end differently (neither ever raises a target's data term).
+
 TV weight α = ``TV_WEIGHT`` = 0.01. Published configurations of the authors' code range from 1e-6
 to 1e-1 (on normalised images) and the weight is data-dependent. Because the cosine is almost
 blind to the image's contrast (the models are nearly positively homogeneous), a strong TV prior
