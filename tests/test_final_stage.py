@@ -75,15 +75,15 @@ def test_the_final_stage_never_raises_the_data_term(digits):
 
     transform = vmap(grad_and_value(data_term))
 
-    def evaluate(x):
-        gradients, values = transform(x, probs, stacked)
+    def evaluate(x, rows):
+        gradients, values = transform(x, probs[rows], [t[rows] for t in stacked])
         return values, gradients
 
-    stage = polish(evaluate, lead.model, start, iterations=5)
+    stage = polish(evaluate, lead.model, start, iterations=5)  # floor 0: the truth takes part too
     assert bool((stage.after <= stage.before).all())
     assert float(stage.before[0]) < 1e-9 and bool((stage.after[1:] < stage.before[1:]).all())
     assert float(stage.images.min()) >= 0.0 and float(stage.images.max()) <= 1.0
-    torch.testing.assert_close(evaluate(stage.images)[0], stage.after, rtol=1e-4, atol=1e-12)
+    torch.testing.assert_close(evaluate(stage.images, torch.arange(3))[0], stage.after, rtol=1e-4, atol=1e-12)
     assert stage.evaluations > 3
 
 

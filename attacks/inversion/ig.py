@@ -274,11 +274,12 @@ class _StackedIG:
              else family_start(0, self.device).repeat(len(rows), 1, 1))
         targets = [t[index] for t in self.targets]
 
-        def evaluate(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            gradients, values = self.data_gradient(x, probs, z, targets)
+        def evaluate(x: torch.Tensor, some: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            gradients, values = self.data_gradient(x, probs[some], z[some], [t[some] for t in targets])
             return values, gradients
 
-        stage = polish(evaluate, self.setups[0].matcher.model, torch.stack([b["images"] for b in kept]), iterations)
+        stage = polish(evaluate, self.setups[0].matcher.model, torch.stack([b["images"] for b in kept]), iterations,
+                       floor=OBJECTIVE_FLOOR)
         for j, (i, best) in enumerate(zip(rows, kept)):
             before, after = float(stage.before[j]), float(stage.after[j])
             self.final[i] = {"temperatures": list(TEMPERATURES), "iterations_per_temperature": iterations,
