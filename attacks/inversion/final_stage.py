@@ -76,7 +76,8 @@ def polish(evaluate: Evaluate, model: torch.nn.Module, images: torch.Tensor, ite
     return FinalStage(x, before, kept, counter[0])
 
 
-def _minimise(evaluate: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, iterations: int, counter: list[int]) -> torch.Tensor:
+def _minimise(evaluate: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
+              iterations: int, counter: list[int]) -> torch.Tensor:
     """L-BFGS-B on Σ_j f_j(x_j) / f_j(x⁰_j) within [0, 1], from x⁰ = ``x``."""
     start = evaluate(x)[0].detach()
     counter[0] += 1

@@ -21,8 +21,9 @@ the others (all stacked in one pass) only for the targets whose data term the fi
 Final stage (``attacks.inversion.final_stage``), for every target whose kept data term is above the
 forward check's floor and at most ``FINAL_STAGE_CEILING`` (near the truth): the data term alone (no
 TV), from the kept start's images, by L-BFGS-B within [0, 1] through the model with its LeakyReLU
-and max-pool kinks smoothed at decreasing temperatures and then exact, ``budget.iterations / ITERATION_SHARE`` iterations per temperature; a target takes
-its new images only where its exact data term fell (the trace's ``final_stage``). The targets of one
+and max-pool kinks smoothed at decreasing temperatures and then exact, ``budget.iterations /
+ITERATION_SHARE`` iterations per temperature; a target takes its new images only where its exact
+data term fell (the trace's ``final_stage``). The targets of one
 batch are one L-BFGS-B problem there (the sum of their data terms, each scaled to 1 at the start),
 so unlike the first stage this stage's steps depend on the batch: batched and one-by-one runs can
 end differently (neither ever raises a target's data term).
