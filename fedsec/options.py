@@ -60,7 +60,8 @@ def threat_model_options(func):
         click.option("--batched/--no-batched", default=True, show_default=True,
                      help="Gradient attacks: optimise the targets that share a model (e.g. all of round 0) together "
                           "in one vmapped batch. Each evaluation equals --no-batched (one by one) to float rounding; "
-                          "a stalled optimisation (DLG on cnn28) can end in another local minimum."),
+                          "a stalled optimisation (DLG on cnn28) can end in another local minimum, and IG's final stage "
+                          "(one L-BFGS-B over the batch) depends on the batch."),
     ]
     for option in reversed(options):
         func = option(func)

@@ -286,6 +286,8 @@ class GradientMatcher:
             self.aux_names = []
         self.target = [self.update.delta[n] for n in self.names] + [obs.upload[n].to(torch.float32)
                                                                       for n in self.aux_names]
+        # the replay computes only what is matched (FedPAC's statistics and prototypes cost a pass each)
+        self.context = dataclasses.replace(self.context, outputs=frozenset(self.names) | frozenset(self.aux_names))
         kinds = [group_of(n) for n in self.names] + [n.split(".")[0] for n in self.aux_names]
         order = list(dict.fromkeys(kinds))
         self.groups = [[i for i, k in enumerate(kinds) if k == g] for g in order]
@@ -352,8 +354,9 @@ class GradientMatcher:
         target = self.target if target is None else target
         if last is not None and last.head_free:
             return self._head_free(x, target)
+        before_features = self._features_before(x)  # one pass, shared by the replay and the closed form
         if self.mode == "method":
-            out = self._method_replay(x, y, z, copies, target)
+            out = self._method_replay(x, y, z, copies, target, before_features)
         elif self.mode == "replay":
             out = self._replay(x, y)
         else:
@@ -361,7 +364,14 @@ class GradientMatcher:
             out = [gradients[n] for n in self.names]
         if last is not None:
             out.append(self._linear_input(self.update.before, x)[0])
-        return out + self._feature_means(x, y, target) + self._row_space_share(x, target, z, copies)
+        return out + self._feature_means(x, y, target, before_features) + self._row_space_share(x, target, z, copies)
+
+    def _features_before(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The dummy originals' features under the extractor before training, where the closed form
+        matches them (the method's replay then reuses them); else None."""
+        if not any(m.source == "before" for m in self.closed.feature_means):
+            return None
+        return replay_features(self.model, self.update.before, x[:self.originals] if self.originals is not None else x)
 
     def _row_space_share(self, x: torch.Tensor, target: list[torch.Tensor], z: torch.Tensor | None = None,
                          copies: list | None = None) -> list[torch.Tensor]:
@@ -378,9 +388,11 @@ class GradientMatcher:
         outside = feats - (feats @ basis) @ basis.T
         return [(outside.pow(2).sum(dim=1) / feats.pow(2).sum(dim=1).clamp_min(1e-12)).mean()]
 
-    def _feature_means(self, x: torch.Tensor, y: torch.Tensor, target: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _feature_means(self, x: torch.Tensor, y: torch.Tensor, target: list[torch.Tensor],
+                       before_features: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The dummy's class-mean features under the extractors the closed form names (the uploaded one
-        is before + Δ, read from ``target``), on the rows of the classes the target holds."""
+        is before + Δ, read from ``target``), on the rows of the classes the target holds
+        (``before_features``: the originals' features before training, when already computed)."""
         if not self.closed.feature_means:
             return []
         originals = x[:self.originals] if self.originals is not None else x
@@ -390,7 +402,8 @@ class GradientMatcher:
         out, first = [], len(target) - len(self.closed.feature_means)
         for j, means in enumerate(self.closed.feature_means):
             params = {**before, **uploaded} if means.source == "upload" else before
-            feats = replay_features(self.model, params, originals)
+            reuse = means.source == "before" and before_features is not None
+            feats = before_features if reuse else replay_features(self.model, params, originals)
             sums, counts = (probs[:len(originals)].transpose(0, 1) @ feats), probs[:len(originals)].sum(dim=0)
             held = (target[first + j].abs().sum(dim=1, keepdim=True) > 0).to(feats.dtype)
             out.append(held * sums / counts.clamp_min(1e-6).unsqueeze(1))
@@ -437,13 +450,13 @@ class GradientMatcher:
         return copies
 
     def _method_replay(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None, copies: list | None,
-                       target: list[torch.Tensor]):
+                       target: list[torch.Tensor], features_before: torch.Tensor | None = None):
         originals = x[:self.originals]
         probs = one_hot(y, self.observation.num_classes) if y.ndim == 1 else y
         copies = self._copies(x, z) if copies is None else copies
         # this target's upload (before + its observed Δ): the lead's context serves every batched target
         uploaded = {n: self.update.before[n] + target[i] for i, n in enumerate(self.names)}
-        context = dataclasses.replace(self.context, uploaded=uploaded)
+        context = dataclasses.replace(self.context, uploaded=uploaded, features_before=features_before)
         simulated = self.observation.method.replay(self.model, context, originals, probs, copies)
         before = self.update.before
         return [simulated[n] - before[n] for n in self.names] + [simulated[n] for n in self.aux_names]

@@ -214,16 +214,26 @@ class FedPAC(Method):
 
     def replay(self, model, context, images, labels, copies):
         """Statistics on the received base, head steps (base frozen), base steps with the new head frozen
-        and the prototype term, then the prototypes of the trained base: the whole upload but counts."""
+        and the prototype term, then the prototypes of the trained base: the whole upload but the sample
+        count. The statistics and the prototypes (each a pass of the extractor) only where ``context``
+        asks for them or, for the statistics, the prototype term needs the client's class means."""
         probs = as_probabilities(labels, context.num_classes)
         base, cls = only_group(context.before, "extractor"), only_group(context.before, "classifier")
-        counts, local_means, h, v = soft_client_statistics(features(model, base, images), probs)
-        counts = counts / context.copies  # the client counts its images once (means, h and V are ratios)
+        statistics, extra = {}, None
+        aligned = bool(prototypes_in(context.download)) and self.lam != 0
+        before = context.features_before
+        if before is None and (aligned or any(context.wants(n) for n in ("class_counts", "h", "V"))):
+            before = features(model, base, images)
+        if aligned or any(context.wants(n) for n in ("class_counts", "h", "V")):
+            counts, local_means, h, v = soft_client_statistics(before, probs)
+            counts = counts / context.copies  # the client counts its images once (means, h and V are ratios)
+            statistics = {"class_counts": counts, "h": h, "V": v}
+            extra = self._replayed_alignment(context, counts, local_means)
         for i, step in context.phase("classifier"):
             xb, yb = batch(images, probs, step, copies[i])
-            feats = features(model, base, xb)
+            whole = before is not None and copies[i] is None and step.members == tuple(range(len(images)))
+            feats = before if whole else features(model, base, xb)  # every image, in order: the same pass
             cls = sgd_step(cls, lambda c: cross_entropy(head(model, c, feats), yb), context.lr)
-        extra = self._replayed_alignment(context, counts, local_means)
         # the base steps run on the head the client uploaded (trained before them, never changed after):
         # the same as the replayed head on the true data, and not a function of the dummy's head steps
         head_params = {**cls, **only_group(context.uploaded, "classifier")}
@@ -236,9 +246,12 @@ class FedPAC(Method):
                 return ce if extra is None else ce + extra(feats, yb)
 
             base = sgd_step(base, loss, context.lr)
-        protos, _ = replay_class_means(features(model, base, images), probs)
-        return {**base, **cls, **{PROTOTYPE.format(k=k): protos[k] for k in range(context.num_classes)},
-                "class_counts": counts, "h": h, "V": v}
+        names = [PROTOTYPE.format(k=k) for k in range(context.num_classes)]
+        prototypes = {}
+        if any(context.wants(n) for n in names):
+            protos, _ = replay_class_means(features(model, base, images), probs)
+            prototypes = {n: protos[k] for k, n in enumerate(names)}
+        return {**base, **cls, **prototypes, **statistics}
 
     def _replayed_alignment(self, context, counts: torch.Tensor, local_means: torch.Tensor):
         """λ·MSE to the downloaded global prototypes (own class means where none was sent), soft labels."""

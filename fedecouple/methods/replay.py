@@ -51,7 +51,9 @@ class ReplayContext:
     many times the client's image set appears among the replayed images (an attack on real local
     training gives every epoch its own copy): a statistic that counts images divides by it.
     ``uploaded``: the client's upload, for a method whose later phase runs on what an earlier phase
-    uploaded (FedPAC's base steps on the uploaded head)."""
+    uploaded (FedPAC's base steps on the uploaded head). ``outputs``: the fields the caller reads
+    (None: the whole upload); the replay returns at least those. ``features_before``: the images'
+    features under ``before``'s extractor, where the caller has them already."""
 
     before: Params
     kept: Params
@@ -64,6 +66,16 @@ class ReplayContext:
     # the uploaded value of a group whose training ended before a later phase used it (FedPAC's head,
     # trained before the base and uploaded as it was): the later phase may use it instead of its replay
     uploaded: Params = field(default_factory=dict)
+    # the upload fields the caller reads (None: all): a replay may leave out the others, and the work
+    # only they need (an attack that matches the weights alone needs no statistics of them)
+    outputs: frozenset[str] | None = None
+    # the replayed images' features under ``before``'s extractor, where the caller has computed them
+    # already (an attack that matches them too): the replay reuses them instead of a second pass
+    features_before: torch.Tensor | None = None
+
+    def wants(self, name: str) -> bool:
+        """Whether the caller reads the upload field ``name``."""
+        return self.outputs is None or name in self.outputs
 
     def phase(self, name: str) -> list[tuple[int, Step]]:
         """(position in ``steps``, step) for every step of one phase."""
