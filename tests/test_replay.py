@@ -283,3 +283,31 @@ def test_fedpac_on_real_local_training_counts_each_image_once():
     # 330 of the client's 337 images fill whole batches: the statistics' only error is those 7 images
     assert target["objective_truth"] < 0.02 < target["objective_reconstruction"]
     assert target["mis_specified"] is False
+
+
+@pytest.mark.parametrize("lr, bounds", [(0.05, (0.0, 1e-9)), (1e-6, (1e-4, 1.0))])
+def test_the_rounding_floor_is_what_float32_rounding_of_the_upload_gives_the_truth(digits, lr, bounds):
+    """One FedAvg step on one image: at a usual step the upload's rounding is far below the check's
+    floor; at a step of a few ulps of the weights it is far above it, and it covers the truth's own
+    term (0 where the replay rounds exactly as the client did, up to the floor where it does not),
+    so the check calls no target mis-specified for a difference rounding alone can make."""
+    from attacks.inversion.forward_check import OBJECTIVE_FLOOR, matching_term, rounding_floor
+    from attacks.inversion.forward_model import GradientMatcher
+
+    setting = VictimSetting(batch=1, steps=1, targets={(0, 0)})
+    fed = tiny_federation(digits, "fedavg", clients=3, rounds=1, victim=setting, lr=lr)
+    initial = copy.deepcopy(fed.model)
+    set_params(initial, fed.initial_params)
+    fed.run(1)
+    idx = torch.from_numpy(fed.ground_truth.training_set(0, 0))
+    x, y = digits.images[idx], digits.labels[idx]
+    obs = observe(fed.channel.recorder, 0, 0, method=fed.method, make_model=lambda: copy.deepcopy(initial),
+                  image_shape=(1, 8, 8), num_classes=10,
+                  known_hyperparameters=LocalHyperparameters(lr=lr, steps=1, batch_size=1, samples=1))
+    matcher = GradientMatcher(obs, "method")
+    floor = rounding_floor(matcher, "cosine")
+    truth = matching_term(matcher, "cosine", x, torch.nn.functional.one_hot(y, 10).float())
+    assert bounds[0] <= floor <= bounds[1], floor
+    assert truth <= max(OBJECTIVE_FLOOR, floor), (truth, floor)
+    if lr < 1e-3:
+        assert floor > 100 * OBJECTIVE_FLOOR
