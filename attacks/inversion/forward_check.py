@@ -138,6 +138,9 @@ def rounding_floor(matcher: GradientMatcher, kind: str) -> float:
     update is 1e-5 of weights of norm 8: rounding is 2 % of the update)."""
     generator = torch.Generator().manual_seed(0)
     perturbed = list(matcher.target)
+    extras = len(matcher.extra_weights)  # closed-form terms: compared (kept equal: 0) or values (set to 0)
+    for j in range(matcher.extra_values, extras):
+        perturbed[len(perturbed) - extras + j] = torch.zeros(())
     for i, name in enumerate(matcher.names):
         delta = matcher.update.delta[name]
         uploaded = (matcher.update.before[name] + delta).abs()
