@@ -33,3 +33,27 @@ def dp_federation(dataset, method, dp, clients=2, rounds=1, init_server=False):
         fed.method.init_server(fed.model)
     fed.clients.clear()
     return fed
+
+
+def digits_model():
+    """(sklearn digits, an initial seeded 8×8 model): the malicious-server tests' client and server."""
+    import torch
+    from fedecouple.data import load_dataset
+    from fedecouple.models import build_model
+
+    data = load_dataset("digits")
+    torch.manual_seed(0)
+    return data, build_model("digits", 1, 8, 10, data.mean, data.std)
+
+
+def model_factory(model):
+    """A function returning fresh copies of ``model`` at its current weights (the attacks' make_model)."""
+    from fedecouple.models import build_model
+
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def make():
+        fresh = build_model("digits", 1, 8, 10, [0.0], [1.0])
+        fresh.load_state_dict(state)
+        return fresh
+    return make

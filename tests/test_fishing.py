@@ -9,27 +9,11 @@ import torch.nn.functional as F
 from attacks.malicious import fishing_download, not_reachable
 from attacks.malicious.fishing import fished_weights, rarest_present
 from fedecouple.channel import Download, Recorder, ServerChannel, Upload
-from fedecouple.data import load_dataset
 from fedecouple.errors import UserError
 from fedecouple.methods import make_method
-from fedecouple.models import build_model, get_params
+from fedecouple.models import get_params
 from fedsec.malicious import MaliciousServer
-
-
-def _digits():
-    data = load_dataset("digits")
-    torch.manual_seed(0)
-    return data, build_model("digits", 1, 8, 10, data.mean, data.std)
-
-
-def _factory(model):
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-
-    def make():
-        fresh = build_model("digits", 1, 8, 10, [0.0], [1.0])
-        fresh.load_state_dict(state)
-        return fresh
-    return make
+from helpers import digits_model, model_factory
 
 
 def _loaded(make, tensors):
@@ -53,17 +37,24 @@ def _batch_with_one_of(data, target: int, others=(0, 1, 2), per_other: int = 3):
     return data.images[rows], data.labels[rows]
 
 
+def _fishing_one_of(target: int):
+    """(data, make_model, a batch with one image of ``target``, its labels, the fishing download
+    crafted for that batch's label counts, its record)."""
+    data, model = digits_model()
+    make = model_factory(model)
+    images, labels = _batch_with_one_of(data, target)
+    sent, record = fishing_download(get_params(model), make(), data.images[1000:], data.labels[1000:],
+                                    _counts(labels))
+    return data, make, images, labels, sent, record
+
+
 def test_the_server_fishes_the_rarest_present_class():
     assert rarest_present(torch.tensor([0.0, 4.2, 0.4, 1.2, 3.0])) == (3, 1)
     assert rarest_present(torch.zeros(5)) is None
 
 
 def test_one_fished_image_its_row_update_over_its_bias_update_is_its_feature():
-    data, model = _digits()
-    make = _factory(model)
-    images, labels = _batch_with_one_of(data, 7)
-    sent, record = fishing_download(get_params(model), make(), data.images[1000:], data.labels[1000:],
-                                    _counts(labels))
+    data, make, images, labels, sent, record = _fishing_one_of(7)
     assert (record.target, record.expected, record.direction) == (7, 1, None)  # class fishing, one image
     crafted = _loaded(make, sent)
     loss = F.cross_entropy(crafted(images), labels)
@@ -76,11 +67,7 @@ def test_one_fished_image_its_row_update_over_its_bias_update_is_its_feature():
 
 
 def test_images_of_other_classes_send_no_gradient_to_the_extractor():
-    data, model = _digits()
-    make = _factory(model)
-    images, labels = _batch_with_one_of(data, 7)
-    sent, record = fishing_download(get_params(model), make(), data.images[1000:], data.labels[1000:],
-                                    _counts(labels))
+    data, make, images, labels, sent, record = _fishing_one_of(7)
     crafted = _loaded(make, sent)
     extractor = [p for n, p in crafted.named_parameters() if n.startswith("extractor.")]
     others = F.cross_entropy(crafted(images[1:]), labels[1:], reduction="sum")
@@ -95,8 +82,8 @@ def test_images_of_other_classes_send_no_gradient_to_the_extractor():
 
 
 def test_feature_fishing_lets_through_only_the_class_t_images_below_the_threshold():
-    data, model = _digits()
-    make = _factory(model)
+    data, model = digits_model()
+    make = model_factory(model)
     rows = (torch.nonzero(data.labels == 4).flatten()[:3].tolist()
             + torch.nonzero(data.labels == 1).flatten()[:5].tolist())
     images, labels = data.images[rows], data.labels[rows]
@@ -115,8 +102,8 @@ def test_feature_fishing_lets_through_only_the_class_t_images_below_the_threshol
 
 
 def test_the_interceptor_crafts_only_the_attacked_download_from_the_clients_earlier_upload():
-    data, model = _digits()
-    make = _factory(model)
+    data, model = digits_model()
+    make = model_factory(model)
     honest = get_params(model)
     server = MaliciousServer("fishing", {(1, 2)}, make, data.images[1000:1500], ("extractor", "classifier"),
                              public_labels=data.labels[1000:1500], method=make_method("fedavg"))
@@ -147,7 +134,7 @@ def _step(make, tensors, images, labels, lr=0.05):
 
 
 def test_fishing_refuses_a_method_that_trains_under_its_own_head():
-    _, model = _digits()
+    _, model = digits_model()
     reason = not_reachable(make_method("fedper"), model, "fishing")
     assert reason is not None and "fedper" in reason and "classifier" in reason
     assert not_reachable(make_method("fedper"), model, "binning") is None
@@ -179,8 +166,8 @@ def test_fedsec_attack_fish_writes_the_fished_columns(tmp_path):
 def test_the_download_check_refuses_a_fishing_download_and_passes_a_trained_one():
     from fedsec.defenses.download_check import inspect
 
-    data, model = _digits()
-    make = _factory(model)
+    data, model = digits_model()
+    make = model_factory(model)
     honest = get_params(model)
     own, own_labels = _batch_with_one_of(data, 7, others=(0, 1), per_other=4)
     for k_images in (1, 3):  # class fishing, feature fishing

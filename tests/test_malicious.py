@@ -8,35 +8,18 @@ import torch.nn.functional as F
 
 from attacks.malicious import craft, match_inputs, not_reachable, recover_inputs, true_inputs
 from fedecouple.channel import Download, Recorder, ServerChannel
-from fedecouple.data import load_dataset
 from fedecouple.data.partition import make_partition
 from fedecouple.methods import make_method
-from fedecouple.models import build_model, get_params
+from fedecouple.models import get_params
 from fedsec.defenses.download_check import inspect
 from fedsec.malicious import MaliciousServer
-
-
-def _digits():
-    data = load_dataset("digits")
-    torch.manual_seed(0)
-    model = build_model("digits", 1, 8, 10, data.mean, data.std)
-    return data, model
-
-
-def _model_factory(model):
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-
-    def make():
-        fresh = build_model("digits", 1, 8, 10, [0.0], [1.0])
-        fresh.load_state_dict(state)
-        return fresh
-    return make
+from helpers import digits_model, model_factory
 
 
 def test_interceptor_rewrites_only_the_attacked_download_and_the_recorder_keeps_the_honest_one():
-    data, model = _digits()
+    data, model = digits_model()
     honest = get_params(model)
-    server = MaliciousServer("binning", {(1, 2)}, _model_factory(model), data.images[:200], ("extractor", "classifier"))
+    server = MaliciousServer("binning", {(1, 2)}, model_factory(model), data.images[:200], ("extractor", "classifier"))
     channel = ServerChannel([server], recorder=Recorder())
     received = {(r, c): channel.download(Download(r, c, honest)) for r in (0, 1) for c in range(4)}
     for (r, c), down in received.items():
@@ -63,8 +46,8 @@ def _one_sgd_step(model, tensors, images, labels, lr=0.05):
 
 
 def test_an_input_alone_in_its_bin_is_recovered_exactly():
-    data, model = _digits()
-    make = _model_factory(model)
+    data, model = digits_model()
+    make = model_factory(model)
     sent, record = craft("binning", get_params(model), make(), data.images[100:600], ("extractor", "classifier"))
     images, labels = data.images[:4], data.labels[:4]
     upload = _one_sgd_step(make(), sent, images, labels)
@@ -83,7 +66,7 @@ def test_an_input_alone_in_its_bin_is_recovered_exactly():
 
 
 def test_methods_declare_what_a_crafted_download_reaches():
-    _, model = _digits()
+    _, model = digits_model()
     assert make_method("fedavg").download_reaches == ("extractor", "classifier")
     assert not_reachable(make_method("fedper"), model) is None
     reason = not_reachable(make_method("fedproto"), model)
@@ -91,8 +74,8 @@ def test_methods_declare_what_a_crafted_download_reaches():
 
 
 def test_the_download_check_refuses_crafted_downloads_and_passes_an_honest_one():
-    data, model = _digits()
-    make = _model_factory(model)
+    data, model = digits_model()
+    make = model_factory(model)
     honest = get_params(model)
     own = data.images[600:650]
     reasons, _ = inspect(honest, None, make(), own)
