@@ -239,9 +239,10 @@ def compare(ctx, methods, seeds, out, **opts):
 @cli.command()
 @click.argument("attack", type=LiveChoice(attacks.names))
 @train_options
-@click.option("--attack-rounds", default="0", show_default=True,
+@click.option("--attack-rounds", default=None, metavar="R,R,...",
               help="Comma-separated rounds whose uploads are attacked (0 = the first round, at the initial weights). "
-                   "Training stops after the last one unless --rounds is given.")
+                   "Training stops after the last one unless --rounds is given. [0; fish: 1, the first round "
+                   "with an earlier upload to read]")
 @click.option("--targets", type=COUNT, default=8, show_default=True,
               help="Clients attacked per attacked round (seeded choice); 8 one-image targets give an interval.")
 @click.option("--iterations", type=COUNT, default=None,
@@ -276,7 +277,7 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     Example: fedsec attack dlg --method fedecouple   (round 0, 8 clients, one image each, one local step)
 
     A malicious server: trap/binning craft the first linear layer; fish (classifier fishing) crafts the
-    classifier from the client's earlier upload, so it needs --attack-rounds 1 or later.
+    classifier from the client's earlier upload, so it attacks round 1 by default and refuses round 0.
 
     Training runs up to the last attacked round (max of --attack-rounds, + 1) unless --rounds is given;
     torch runs one thread unless --threads is given.
@@ -289,6 +290,8 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     from .runner import shared_datasets
 
     train_rounds = opts["rounds"] if explicit(ctx, "rounds") else None
+    if attack_rounds is None:  # the attack's first round: 0, or 1 where it reads an earlier upload
+        attack_rounds = str(attacks.get(attack).first_round)
     if opts.get("preset") == "audit":  # the audit's plan for this attack, under explicit flags
         planned = presets.attack_plan(attack, {"attack_rounds": attack_rounds, "targets": targets,
                                                "iterations": iterations, "restarts": restarts,

@@ -179,3 +179,16 @@ def test_the_download_check_refuses_a_fishing_download_and_passes_a_trained_one(
     trained = _step(make, honest, own, own_labels)  # an honest round: the next download moved a little
     reasons, stats = inspect(trained, honest, make(), own)
     assert reasons == [] and stats["classifier_jump"] < 0.5
+
+
+def test_fedsec_attack_fish_attacks_round_1_unless_told(tmp_path):
+    """fish reads the client's earlier upload: without --attack-rounds the CLI attacks round 1 (the
+    other attacks round 0)."""
+    import json
+
+    from fedsec.cli import main
+
+    out = tmp_path / "fish"
+    main(["attack", "fish", "--method", "fedavg", "--dataset", "digits", "--clients", "4",
+          "--samples-per-client", "6", "--targets", "1", "--iterations", "3", "--threads", "1", "--out", str(out)])
+    assert list(json.loads((out / "summary.json").read_text())["targets"]) == ["1"]
