@@ -60,7 +60,8 @@ STALL_STEPS = 15
 STALL_TOLERANCE = 1e-2
 
 
-def _seed(*parts: int) -> int:
+def mix_seed(*parts: int) -> int:
+    """A 32-bit seed mixed from integers (a restart's generator; the attack modules share it)."""
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0])
 
 
@@ -186,7 +187,7 @@ def _start(setup: _Setup, seed: int, restart: int) -> tuple[torch.Tensor, torch.
     """A start's seeded dummy batch: images uniform in [0, 1] (or, with ``Budget.start`` "mean", the
     per-channel mean the model's normalisation carries), label logits standard normal (None when the
     labels are fixed), the copies' family parameters at the identity."""
-    gen = torch.Generator().manual_seed(_seed(seed, restart, 0xD16))
+    gen = torch.Generator().manual_seed(mix_seed(seed, restart, 0xD16))
     device = setup.matcher.observation.device  # drawn on the CPU: the same starts on every device
     x = torch.rand(setup.shape, generator=gen).to(device)
     if setup.start == "mean":

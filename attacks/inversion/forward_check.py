@@ -31,7 +31,7 @@ from fedecouple.methods.replay import Step
 
 from ..base import AttackResult, Observation
 from .observation import update_target
-from .forward_model import GradientMatcher, _augmenter, replay_context
+from .forward_model import GradientMatcher, batch_augmenter, replay_context
 
 # below this the matching term is float rounding: a truth and a reconstruction both at it are equal
 OBJECTIVE_FLOOR = 1e-6
@@ -49,7 +49,7 @@ def replay_agreement(obs: Observation, images: torch.Tensor, labels: torch.Tenso
     target = update_target(obs)
     steps = [Step(r.phase, tuple(int(p) for p in r.positions)) for r in records]
     context = replay_context(obs, target.before, steps)
-    augmenter = _augmenter(images.shape[-1])
+    augmenter = batch_augmenter(images.shape[-1])
     copies = [None if r.draws is None else augmenter.apply(images[torch.from_numpy(r.positions)], r.draws)
               for r in records]
     with torch.no_grad():
@@ -105,7 +105,7 @@ def true_copies(matcher: GradientMatcher, images: torch.Tensor, records: list, w
     position). None without copies."""
     if matcher.mode != "method" or not any(matcher.augmented):
         return None
-    augmenter, copies = _augmenter(images.shape[-1]), []
+    augmenter, copies = batch_augmenter(images.shape[-1]), []
     for i, (step, augmented) in enumerate(zip(matcher.context.steps, matcher.augmented)):
         record = records[i] if i < len(records) else None
         if not augmented:

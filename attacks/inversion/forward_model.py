@@ -441,7 +441,7 @@ class GradientMatcher:
             if not augmented:
                 copies.append(None)
             elif self.copy_model == "oracle":
-                copies.append(_augmenter(x.shape[-1]).apply(originals[members], self.draws[i]))
+                copies.append(batch_augmenter(x.shape[-1]).apply(originals[members], self.draws[i]))
             elif self.copy_model == "family":
                 copies.append(family_copy(originals[members], z[used:used + len(members)]))
             else:
@@ -573,7 +573,8 @@ def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
 
 
 @functools.lru_cache(maxsize=8)
-def _augmenter(image_size: int):
+def batch_augmenter(image_size: int):
+    """FedeCouple's augmenter for images of this size (imported late: only DA replays need it)."""
     from fedecouple.data.augment import BatchAugmenter
 
     return BatchAugmenter(image_size)

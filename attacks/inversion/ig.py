@@ -58,7 +58,7 @@ from torch.func import grad_and_value, vmap
 from ..base import AttackResult, Budget, Observation
 from .batching import Batch, plan_by_model, stack_targets
 from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
-from .dlg import _seed, counted_labels, idlg_labels
+from .dlg import mix_seed, counted_labels, idlg_labels
 from .final_stage import ITERATION_SHARE, TEMPERATURES, polish
 from .forward_check import OBJECTIVE_FLOOR
 from .forward_model import FAMILY_PARAMETERS, GradientMatcher, family_start
@@ -178,7 +178,7 @@ class _StackedIG:
         identity)."""
         xs, ys = [], []
         for i, restart in zip(active, restarts):
-            gen = torch.Generator().manual_seed(_seed(self.seeds[i], restart, 0x16))
+            gen = torch.Generator().manual_seed(mix_seed(self.seeds[i], restart, 0x16))
             xs.append(torch.rand(self.shape, generator=gen))  # drawn on the CPU: the same starts on every device
             if not self.fixed:
                 ys.append(torch.randn((self.originals, self.num_classes), generator=gen))
