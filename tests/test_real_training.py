@@ -86,6 +86,22 @@ def test_the_truth_is_scored_in_its_true_batches_when_the_slots_are_as_many_as_t
         assert target["mis_specified"] is False
 
 
+def test_the_truth_is_scored_when_the_client_holds_fewer_images_than_a_batch():
+    """4 training images in batches of 10: one step of 4. The check laid the plain replay's step out
+    as 10 slots, found it did not match the client's batch of 4 and gave no verdict (the N = 4 cells
+    of the client-size curve had no forward check)."""
+    from fedsec.attack import AttackSettings, run_attack
+    from fedsec.runner import RunConfig
+
+    config = RunConfig.of(method="fedavg", dataset="digits", clients=4, rounds=1, train_images=4, batch_size=10,
+                          threads=TEST_THREADS)
+    summary = run_attack(config, AttackSettings(attack="fedavg-leak", victim_batch=0, targets=2, iterations=2,
+                                                restarts=1), progress=False)
+    assert summary["mis_specified_targets"] == 0
+    for target in summary["per_target"]:
+        assert target["objective_truth"] < 1e-6 < target["objective_reconstruction"]
+
+
 # ------------------------------------------------------------------------------------------------
 # the FedAvg leakage attack (Dimitrov et al. 2022): attacks/inversion/fedavg_leakage.py
 

@@ -87,9 +87,10 @@ def slot_positions(matcher: GradientMatcher, n: int, records: list) -> list[int]
     if not shuffled and matcher.epoch_copies == 1 and slots == n:
         return list(range(n))
     steps = matcher.context.steps if matcher.mode == "method" else None
-    if steps is None:  # the plain replay: step s uses slots s·bs … (s+1)·bs − 1
-        bs = matcher.hyperparameters.batch_size
-        steps = [type("S", (), {"members": tuple(range(i * bs, (i + 1) * bs))}) for i in range(len(records))]
+    if steps is None:  # the plain replay (``GradientMatcher._replay``): batches of min(bs, slots), cycling
+        bs = max(1, min(matcher.hyperparameters.batch_size, slots))
+        steps = [type("S", (), {"members": tuple(range((i * bs) % slots, min((i * bs) % slots + bs, slots)))})
+                 for i in range(len(records))]
     where = [-1] * slots
     for step, record in zip(steps, records):
         if len(record.positions) != len(step.members):
