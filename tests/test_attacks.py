@@ -86,6 +86,32 @@ def test_idlg_rule_on_a_hand_made_gradient():
     assert sorted(labels.tolist()) == [2, 2, 5] and notes
 
 
+def test_idlg_rule_is_not_read_from_a_distilled_personal_classifier():
+    """FedeCouple's personal classifier in a trained round already fits the image (p_y ≈ 1): its update
+    is mostly the KL term towards the global classifier, the negative row sums spread over several rows
+    and the sign rule names a wrong class. ``idlg_applies`` tells the two apart."""
+    from attacks.inversion.dlg import idlg_applies, idlg_share
+    from fedecouple.methods.fedecouple import distillation_loss
+
+    c, d, y = 10, 32, 7
+    g = torch.Generator().manual_seed(2)
+    h = torch.rand(1, d, generator=g)
+    teacher = torch.randn(c, d, generator=g) * 0.3
+    student = torch.randn(c, d, generator=g) * 0.3
+    student[y] += 8.0 / h.sum()  # fits the image: p_y > 0.99
+    for lam, tau in [(0.0, 1.0), (1.0, 3.0)]:
+        w = student.clone().requires_grad_(True)
+        logits = h @ w.T
+        assert F.softmax(logits, 1)[0, y] > 0.99
+        loss = F.cross_entropy(logits, torch.tensor([y])) + lam * distillation_loss(logits, h @ teacher.T, tau)
+        (grad,) = torch.autograd.grad(loss, w)
+        if lam == 0:  # plain cross-entropy: one negative row, the true class's
+            assert idlg_share(grad) == 1.0 and idlg_applies(grad) and idlg_labels(grad, 1)[0].tolist() == [y]
+        else:
+            assert idlg_share(grad) < 0.5 and not idlg_applies(grad)
+            assert idlg_labels(grad, 1)[0].tolist() != [y]  # what the rule would have read
+
+
 # ------------------------------------------------------------------------------------------------
 # the attacks on a small fixed case (8x8 digits, FedAvg-style update of the initial model)
 

@@ -159,3 +159,20 @@ def test_the_harness_batches_by_default_and_says_so(tmp_path):
     assert all(t["seconds"] > 0 for t in summary["per_target"])
     one = run_attack(config, dataclasses.replace(settings, batched=False), progress=False)
     assert [t["batched_with"] for t in one["per_target"]] == [1, 1, 1] and one["budget"]["batched"] is False
+
+
+def test_targets_of_one_model_with_read_and_optimised_labels_run_in_separate_batches():
+    """One stacked optimisation holds fixed labels or label logits: where iDLG's rule applies to some
+    targets of a model and not to others, they are two batches (all targets still attacked)."""
+    from attacks.inversion.batching import plan_by_model
+
+    class SameModel:
+        model_key = ("m",)
+
+        def shares_model_with(self, other):
+            return True
+
+    setups = [type("Setup", (), {"matcher": SameModel(), "labels": labels})()
+              for labels in (torch.tensor([3]), None, torch.tensor([1]), None)]
+    batches, failed = plan_by_model(lambda i: setups[i], lambda group, seeds: group, range(4))
+    assert not failed and [b.indices for b in batches] == [[0, 2], [1, 3]]

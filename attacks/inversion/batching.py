@@ -93,6 +93,11 @@ def plan_by_model(prepare: Callable[[object], object], optimise: Callable[[list,
     setups = build_each(prepare, observations)
     failed = {i: s for i, s in enumerate(setups) if isinstance(s, NotApplicable)}
     groups = group_by_model([None if i in failed else s.matcher for i, s in enumerate(setups)], batched=batched)
+    # one stacked optimisation holds fixed labels or label logits, not both: targets of one model whose
+    # labels were read (iDLG, counts) and targets whose labels are optimised run apart
+    groups = [part for group in groups for part in
+              ([i for i in sorted(group) if setups[i].labels is not None], [i for i in sorted(group) if setups[i].labels is None])
+              if part]
     batches = [Batch(sorted(group), functools.partial(optimise, [setups[i] for i in sorted(group)])) for group in groups]
     return sorted(batches, key=lambda b: b.indices), failed
 

@@ -26,6 +26,10 @@ Our models use LeakyReLU(0.01) before the classifier: features can be slightly n
 practice (the trace records the row sums; the bias gradient, p_k − 1[k = y], gives the same sign
 pattern exactly). For a batch of B > 1 images (not covered by iDLG) the classes with negative row
 sums are taken, B labels spread over them in proportion to |row sum| (a heuristic, noted).
+The rule is read only from an update with that signature (``idlg_applies``: the most negative row
+holds ≥ ``IDLG_SHARE`` of the negative row sums); otherwise, e.g. FedeCouple's personal classifier in a
+trained round, whose update is mostly its distillation towards the global classifier, the label is
+optimised jointly and a note says why.
 Without a classifier update (private head) iDLG falls back to DLG's joint label and says so.
 
 **Many targets.** ``plan``/``plan_idlg`` prepare a list of observations. Targets that share a
@@ -63,6 +67,36 @@ STALL_TOLERANCE = 1e-2
 def mix_seed(*parts: int) -> int:
     """A 32-bit seed mixed from integers (a restart's generator; the attack modules share it)."""
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0])
+
+
+# iDLG's rule reads one image's cross-entropy gradient, whose only row with a negative sum is the true
+# class's. Where the negative sums spread over several rows the update is not that gradient (a personal
+# classifier distilled towards the global one in a trained round: FedeCouple's KL term outweighs a
+# cross-entropy the classifier already fits) and the rule picks a wrong class; the most negative row must
+# hold at least this share of the negative mass (below 1 for the float rounding of rows near zero). Seen:
+# 1.000 on every one-image target of FedAvg, FedPAC and FedeCouple at round 0 and FedPAC at round 19;
+# 0.15-0.46 on FedeCouple's at round 19, where the rule read 1 of 8 labels right (BENCHMARKS, issue 26)
+IDLG_SHARE = 0.9
+
+
+def idlg_share(weight_gradient: torch.Tensor) -> float:
+    """The most negative row sum's share of all negative row sums of a classifier weight gradient (C, D)
+    (1.0: one image's cross-entropy signature, iDLG's rule applies; nan: no negative row)."""
+    rows = weight_gradient.detach().to(torch.float64).sum(dim=1)
+    negative = (-rows).clamp_min(0)
+    return float(negative.max() / negative.sum()) if float(negative.sum()) > 0 else float("nan")
+
+
+def idlg_applies(weight_gradient: torch.Tensor) -> bool:
+    """Whether iDLG's rule can read one image's label from this update (``IDLG_SHARE``)."""
+    return idlg_share(weight_gradient) >= IDLG_SHARE
+
+
+def idlg_not_applicable_note(weight_gradient: torch.Tensor) -> str:
+    return (f"the classifier's update is not one image's cross-entropy gradient (its most negative row holds "
+            f"{idlg_share(weight_gradient):.0%} of the negative row sums, not ≥ {IDLG_SHARE:.0%}: e.g. a personal "
+            f"classifier distilled towards the global one): iDLG's rule does not apply, the label is optimised "
+            f"jointly with the image")
 
 
 def idlg_labels(weight_gradient: torch.Tensor, count: int = 1) -> tuple[torch.Tensor, list[str]]:
@@ -169,6 +203,9 @@ def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name
         if weight is None:
             notes.append("no classifier update is available (private or excluded head): iDLG cannot read the "
                           "label, so the label is optimised jointly as in DLG")
+        elif b == 1 and not idlg_applies(weight):
+            notes.append(idlg_not_applicable_note(weight))
+            trace["classifier_row_sums"] = weight.detach().sum(dim=1).tolist()
         else:
             labels, label_notes = idlg_labels(weight, b)
             notes += label_notes

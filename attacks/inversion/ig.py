@@ -40,7 +40,8 @@ Many targets: ``plan`` groups the targets that share a model
 (``attacks.inversion.batching``) as one stacked batch; Adam and the sign step are element-wise, so each target
 gets the same optimisation as alone. One target is simply a batch of one.
 
-Labels: for one image with a classifier update, iDLG's rule (``attacks.inversion.dlg.idlg_labels``);
+Labels: for one image with a classifier update, iDLG's rule (``attacks.inversion.dlg.idlg_labels``) where
+the update has one image's cross-entropy signature (``idlg_applies``);
 otherwise label logits are optimised jointly with the images (same optimiser), as in the authors'
 code for batches.
 """
@@ -58,7 +59,7 @@ from torch.func import grad_and_value, vmap
 from ..base import AttackResult, Budget, Observation
 from .batching import Batch, plan_by_model, stack_targets
 from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
-from .dlg import mix_seed, counted_labels, idlg_labels
+from .dlg import counted_labels, idlg_applies, idlg_labels, idlg_not_applicable_note, mix_seed
 from .final_stage import ITERATION_SHARE, TEMPERATURES, polish
 from .forward_check import OBJECTIVE_FLOOR
 from .forward_model import FAMILY_PARAMETERS, GradientMatcher, family_start
@@ -112,11 +113,13 @@ def _setup(observation: Observation, budget: Budget, mode: str, tv_weight: float
     elif counted_labels(matcher, budget) is not None:
         labels = counted_labels(matcher, budget)
         trace["label_source"] = f"closed-form counts ({matcher.closed.trace['label_counts_source']})"
-    elif (matcher.originals or max(1, int(budget.batch))) == 1 and weight is not None:
+    elif (matcher.originals or max(1, int(budget.batch))) == 1 and weight is not None and idlg_applies(weight):
         labels, _ = idlg_labels(weight, 1)
         trace["label_source"] = "idlg-rule"
     else:
         trace["label_source"] = "joint (label logits optimised with the images)"
+        if weight is not None and (matcher.originals or max(1, int(budget.batch))) == 1:
+            notes.append(idlg_not_applicable_note(weight))
         if weight is None:
             notes.append("no classifier update is available (private or excluded head): the label is optimised "
                          "jointly with the image")
