@@ -92,11 +92,10 @@ def idlg_applies(weight_gradient: torch.Tensor) -> bool:
     return idlg_share(weight_gradient) >= IDLG_SHARE
 
 
-def idlg_not_applicable_note(weight_gradient: torch.Tensor) -> str:
-    return (f"the classifier's update is not one image's cross-entropy gradient (its most negative row holds "
-            f"{idlg_share(weight_gradient):.0%} of the negative row sums, not ≥ {IDLG_SHARE:.0%}: e.g. a personal "
-            f"classifier distilled towards the global one): iDLG's rule does not apply, the label is optimised "
-            f"jointly with the image")
+IDLG_NOT_APPLICABLE = (f"the classifier's update is not one image's cross-entropy gradient (its negative row sums are "
+                       f"spread: the most negative holds < {IDLG_SHARE:.0%} of them: the trace's idlg_share; e.g. "
+                       f"a personal classifier distilled towards the global one): iDLG's rule does not apply, the "
+                       f"label is optimised jointly with the image")
 
 
 def idlg_labels(weight_gradient: torch.Tensor, count: int = 1) -> tuple[torch.Tensor, list[str]]:
@@ -204,8 +203,9 @@ def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name
             notes.append("no classifier update is available (private or excluded head): iDLG cannot read the "
                           "label, so the label is optimised jointly as in DLG")
         elif b == 1 and not idlg_applies(weight):
-            notes.append(idlg_not_applicable_note(weight))
+            notes.append(IDLG_NOT_APPLICABLE)
             trace["classifier_row_sums"] = weight.detach().sum(dim=1).tolist()
+            trace["idlg_share"] = idlg_share(weight)
         else:
             labels, label_notes = idlg_labels(weight, b)
             notes += label_notes

@@ -59,7 +59,7 @@ from torch.func import grad_and_value, vmap
 from ..base import AttackResult, Budget, Observation
 from .batching import Batch, plan_by_model, stack_targets
 from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
-from .dlg import counted_labels, idlg_applies, idlg_labels, idlg_not_applicable_note, mix_seed
+from .dlg import IDLG_NOT_APPLICABLE, counted_labels, idlg_applies, idlg_labels, idlg_share, mix_seed
 from .final_stage import ITERATION_SHARE, TEMPERATURES, polish
 from .forward_check import OBJECTIVE_FLOOR
 from .forward_model import FAMILY_PARAMETERS, GradientMatcher, family_start
@@ -119,7 +119,8 @@ def _setup(observation: Observation, budget: Budget, mode: str, tv_weight: float
     else:
         trace["label_source"] = "joint (label logits optimised with the images)"
         if weight is not None and (matcher.originals or max(1, int(budget.batch))) == 1:
-            notes.append(idlg_not_applicable_note(weight))
+            notes.append(IDLG_NOT_APPLICABLE)
+            trace["idlg_share"] = idlg_share(weight)
         if weight is None:
             notes.append("no classifier update is available (private or excluded head): the label is optimised "
                          "jointly with the image")
