@@ -107,18 +107,19 @@ def _setup(observation: Observation, budget: Budget, mode: str, tv_weight: float
     trace["closed_form"] = matcher.closed.trace
     labels = None
     weight = matcher.classifier_weight_target()
+    one_image = (matcher.originals or max(1, int(budget.batch))) == 1
     if matcher.labels_unused:
         labels = torch.zeros(matcher.originals or max(1, int(budget.batch)), dtype=torch.int64)
         trace["label_source"] = "none (the head-free closed form does not depend on the label)"
     elif counted_labels(matcher, budget) is not None:
         labels = counted_labels(matcher, budget)
         trace["label_source"] = f"closed-form counts ({matcher.closed.trace['label_counts_source']})"
-    elif (matcher.originals or max(1, int(budget.batch))) == 1 and weight is not None and idlg_applies(weight):
+    elif one_image and weight is not None and idlg_applies(weight):
         labels, _ = idlg_labels(weight, 1)
         trace["label_source"] = "idlg-rule"
     else:
         trace["label_source"] = "joint (label logits optimised with the images)"
-        if weight is not None and (matcher.originals or max(1, int(budget.batch))) == 1:
+        if weight is not None and one_image:
             notes.append(IDLG_NOT_APPLICABLE)
             trace["idlg_share"] = idlg_share(weight)
         if weight is None:
