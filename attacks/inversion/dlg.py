@@ -202,15 +202,15 @@ def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name
         if weight is None:
             notes.append("no classifier update is available (private or excluded head): iDLG cannot read the "
                           "label, so the label is optimised jointly as in DLG")
-        elif b == 1 and not idlg_applies(weight):
-            notes.append(IDLG_NOT_APPLICABLE)
-            trace["classifier_row_sums"] = weight.detach().sum(dim=1).tolist()
-            trace["idlg_share"] = idlg_share(weight)
         else:
-            labels, label_notes = idlg_labels(weight, b)
-            notes += label_notes
             trace["classifier_row_sums"] = weight.detach().sum(dim=1).tolist()
-            trace["label_source"] = "idlg-rule"
+            if b == 1 and not idlg_applies(weight):
+                notes.append(IDLG_NOT_APPLICABLE)
+                trace["idlg_share"] = idlg_share(weight)
+            else:
+                labels, label_notes = idlg_labels(weight, b)
+                notes += label_notes
+                trace["label_source"] = "idlg-rule"
     if labels is None:
         trace["label_source"] = "joint (soft label optimised with the image)"
     if budget.start not in STARTS:

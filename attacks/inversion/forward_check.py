@@ -89,7 +89,7 @@ def slot_positions(matcher: GradientMatcher, n: int, records: list) -> list[int]
     steps = matcher.context.steps if matcher.mode == "method" else None
     if steps is None:  # the plain replay (``GradientMatcher._replay``): batches of min(bs, slots), cycling
         bs = max(1, min(matcher.hyperparameters.batch_size, slots))
-        steps = [type("S", (), {"members": tuple(range((i * bs) % slots, min((i * bs) % slots + bs, slots)))})
+        steps = [Step("plain", tuple(range((i * bs) % slots, min((i * bs) % slots + bs, slots))))
                  for i in range(len(records))]
     where = [-1] * slots
     for step, record in zip(steps, records):

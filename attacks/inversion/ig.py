@@ -107,9 +107,10 @@ def _setup(observation: Observation, budget: Budget, mode: str, tv_weight: float
     trace["closed_form"] = matcher.closed.trace
     labels = None
     weight = matcher.classifier_weight_target()
-    one_image = (matcher.originals or max(1, int(budget.batch))) == 1
+    b = matcher.originals or max(1, int(budget.batch))
+    one_image = b == 1
     if matcher.labels_unused:
-        labels = torch.zeros(matcher.originals or max(1, int(budget.batch)), dtype=torch.int64)
+        labels = torch.zeros(b, dtype=torch.int64)
         trace["label_source"] = "none (the head-free closed form does not depend on the label)"
     elif counted_labels(matcher, budget) is not None:
         labels = counted_labels(matcher, budget)
