@@ -9,6 +9,8 @@
   each, its tensors and model moved to the device as ``attacks.inversion.observation.observe`` does),
   ``--ig-iterations`` Adam steps, one start; images/s = 16 ÷ seconds.
 
+A GPU runs each measurement once untimed first (CUDA's context and its kernels load on first use).
+
     python bench/device.py [--threads 1] [--arch cnn28] [--ig-iterations 50]
 """
 from __future__ import annotations
@@ -82,6 +84,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dataset = load_dataset("mnist5k")
+    for device in devices()[1:]:  # untimed: the CUDA context and each kernel load on first use
+        round_throughput(dataset, args.arch, device)
+        ig_throughput(dataset, args.arch, 2, device)
     rounds = {d: round_throughput(dataset, args.arch, d) for d in devices()}
     ig = {d: ig_throughput(dataset, args.arch, args.ig_iterations, d) for d in devices()}
     for device in devices():

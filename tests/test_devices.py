@@ -281,3 +281,17 @@ def test_cuda_dp_and_mia(tmp_path, capsys):
                      "--reference-runs", "2", "--attacks", "loss,rmia", "--offline-a", "0.3", "--dp", "1",
                      "--device", "cuda", "--out", str(tmp_path / "m")], capsys)
     assert code == 0, err
+
+
+@needs_cuda
+@pytest.mark.parametrize("victim_batch", ["0", "2"])
+def test_cuda_audit_cells(victim_batch, tmp_path, capsys):
+    """The audit preset's two IG cells on cuda: real local training (every image, replayed) and the
+    textbook step on 2 images (labels from the closed-form counts, made on the device)."""
+    code, err = run(["attack", "ig", "--method", "fedpac", "--preset", "audit", "--dataset", "digits", "--clients", "4",
+                     "--rounds", "2", "--attack-rounds", "0,1", "--targets", "1", "--iterations", "3",
+                     "--victim-batch", victim_batch, "--threads", "1", "--device", "cuda", "--out", str(tmp_path / "a")],
+                    capsys)
+    assert code == 0, err
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["device"] == "cuda" and summary["images_scored"] >= 4

@@ -225,8 +225,8 @@ def label_counts(obs: Observation, update, model) -> tuple[torch.Tensor | None, 
     if counts is not None and counts.numel() == obs.num_classes:
         return round_to_total(counts.to(torch.float64), b), "uploaded class counts"
     if b == 1 and "classifier.weight" in update.names:  # iDLG's rule: the one row the step pushed up
-        label = int((-update.delta["classifier.weight"].double()).sum(dim=1).argmin())
-        return torch.nn.functional.one_hot(torch.tensor(label), obs.num_classes), "iDLG rule (one image)"
+        rows = (-update.delta["classifier.weight"].double()).sum(dim=1)
+        return torch.nn.functional.one_hot(rows.argmin(), obs.num_classes), "iDLG rule (one image)"
     if "classifier.bias" not in update.names or "classifier.bias" not in obs.download or not obs.method.plain_sgd:
         return None, "no plain step of a downloaded classifier with a bias"
     if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):

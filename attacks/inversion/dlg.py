@@ -135,7 +135,7 @@ def counted_labels(matcher: GradientMatcher, budget: Budget) -> torch.Tensor | N
     b = matcher.originals or max(1, int(budget.batch))
     if counts is None or b == 1 or int(counts.sum()) != b or matcher.epoch_copies != 1:
         return None
-    return torch.repeat_interleave(torch.arange(len(counts)), counts)
+    return torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
 
 
 @dataclass
@@ -213,6 +213,8 @@ def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name
                 trace["label_source"] = "idlg-rule"
     if labels is None:
         trace["label_source"] = "joint (soft label optimised with the image)"
+    else:
+        labels = labels.to(obs.device)
     if budget.start not in STARTS:
         raise ValueError(f"unknown start {budget.start!r}; choose one of: {', '.join(STARTS)}")
     trace["start"] = budget.start

@@ -115,7 +115,7 @@ def combine_epoch_copies(images: torch.Tensor, copies: int) -> torch.Tensor:
     reference = sets[0].flatten(1).clamp(0, 1).double()
     aligned = [sets[0]]
     for later in sets[1:]:
-        cost = torch.cdist(reference, later.flatten(1).clamp(0, 1).double()).pow(2).numpy()
+        cost = torch.cdist(reference, later.flatten(1).clamp(0, 1).double()).pow(2).cpu().numpy()
         rows, cols = linear_sum_assignment(cost)
         aligned.append(later[torch.from_numpy(cols[np.argsort(rows)])])
     return torch.stack(aligned).mean(0)

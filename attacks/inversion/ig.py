@@ -126,6 +126,7 @@ def _setup(observation: Observation, budget: Budget, mode: str, tv_weight: float
         if weight is None:
             notes.append("no classifier update is available (private or excluded head): the label is optimised "
                          "jointly with the image")
+    labels = None if labels is None else labels.to(observation.device)
     return _Setup(matcher, [t.detach() for t in matcher.target], labels, notes, trace)
 
 

@@ -233,13 +233,14 @@ class DPSGD(DPOptimizer):
                 if p.grad is not None and bool(p.grad.ne(0).any()):
                     raise UserError(f"DP-SGD ({s.method}): a parameter of shape {tuple(p.shape)} got a gradient but no "
                                     f"per-sample gradient (it is not trained through a supported layer)")
-                columns.append(torch.zeros(persons, p.numel(), dtype=p.dtype))
+                columns.append(torch.zeros(persons, p.numel(), dtype=p.dtype, device=p.device))
                 continue
             if gs.shape[0] != groups.numel():
                 raise UserError(f"DP-SGD ({s.method}): a layer saw {gs.shape[0]} rows but the batch drawn from the "
                                 f"client's data had {groups.numel()}; the loss must be computed on the batch that "
                                 f"ctx.batches yields")
-            per = torch.zeros((persons,) + tuple(gs.shape[1:]), dtype=gs.dtype).index_add_(0, groups, gs) * persons
+            per = torch.zeros((persons,) + tuple(gs.shape[1:]), dtype=gs.dtype, device=gs.device).index_add_(
+                0, groups.to(gs.device), gs) * persons
             columns.append(per.reshape(persons, -1).to(p.dtype))
         return torch.cat(columns, dim=1)
 
@@ -247,7 +248,7 @@ class DPSGD(DPOptimizer):
         pos = 0
         for p in self.params:
             n = p.numel()
-            p.grad = flat[pos:pos + n].reshape(p.shape).to(p.dtype).clone()
+            p.grad = flat[pos:pos + n].reshape(p.shape).to(device=p.device, dtype=p.dtype).clone()
             pos += n
 
     def _noisy_sum(self, per_sample: torch.Tensor) -> torch.Tensor:
@@ -256,10 +257,10 @@ class DPSGD(DPOptimizer):
             factor = (c / (per_sample.norm(dim=1) + 1e-6)).clamp(max=1.0)
             summed = (factor.unsqueeze(1) * per_sample).sum(dim=0)
         else:
-            summed = torch.zeros(per_sample.shape[1], dtype=per_sample.dtype)
-        if self.noise_multiplier > 0:
+            summed = torch.zeros(per_sample.shape[1], dtype=per_sample.dtype, device=per_sample.device)
+        if self.noise_multiplier > 0:  # drawn on the CPU's generator: the same noise on every device
             summed = summed + torch.normal(0.0, self.noise_multiplier * c, summed.shape, generator=self.generator,
-                                           dtype=summed.dtype)
+                                           dtype=summed.dtype).to(summed.device)
         return summed / self.expected_batch_size
 
     def step(self, closure=None):
@@ -278,7 +279,7 @@ class DPSGD(DPOptimizer):
     def noise_only_step(self) -> None:
         """The step of an empty Poisson batch: noise only (nothing of anyone's data)."""
         dim = sum(p.numel() for p in self.params)
-        self._write(self._noisy_sum(torch.zeros(0, dim)))
+        self._write(self._noisy_sum(torch.zeros(0, dim, device=self.params[0].device)))
         self.original_optimizer.step()
         self.zero_grad()
 

@@ -69,16 +69,17 @@ def guarded_counts(noisy: torch.Tensor, sigma: float) -> torch.Tensor:
 def data_fingerprint(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Two int64 numbers naming a client's data (its size and a SHA-256 of images and labels), so
     kept noisy counts are reused only for the data they were released for."""
-    digest = hashlib.sha256(images.detach().contiguous().numpy().tobytes())
-    digest.update(labels.detach().contiguous().numpy().tobytes())
+    digest = hashlib.sha256(images.detach().cpu().contiguous().numpy().tobytes())
+    digest.update(labels.detach().cpu().contiguous().numpy().tobytes())
     head = int(np.frombuffer(digest.digest()[:8], dtype=np.int64)[0])
-    return torch.tensor([int(labels.shape[0]), head], dtype=torch.int64)
+    return torch.tensor([int(labels.shape[0]), head], dtype=torch.int64, device=labels.device)
 
 
-def _gaussian(shape, std: float, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+def _gaussian(like: torch.Tensor, std: float, generator: torch.Generator) -> torch.Tensor:
+    """Noise shaped like ``like``, on its device, drawn on the CPU's generator: the same noise on every device."""
     if std <= 0:
-        return torch.zeros(shape, dtype=dtype)
-    return torch.normal(0.0, std, tuple(shape), generator=generator, dtype=dtype)
+        return torch.zeros_like(like)
+    return torch.normal(0.0, std, tuple(like.shape), generator=generator, dtype=like.dtype).to(like.device)
 
 
 class StatisticsMechanism:
@@ -115,11 +116,10 @@ class StatisticsMechanism:
         counts = guarded_counts(self._counts(), self.sigma)
         held = (counts > 0).unsqueeze(1)
         exact = ClassFeatureSums.of(clip_rows(feats, self.clip), self.labels, self.num_classes, squared_norms)
-        sums = exact.sums + _gaussian(exact.sums.shape, self.sigma * self.clip, self.generator, exact.sums.dtype)
+        sums = exact.sums + _gaussian(exact.sums, self.sigma * self.clip, self.generator)
         squares = None
         if squared_norms:
-            squares = exact.squared_norms + _gaussian(exact.squared_norms.shape, self.sigma * self.clip ** 2,
-                                                      self.generator, exact.squared_norms.dtype)
+            squares = exact.squared_norms + _gaussian(exact.squared_norms, self.sigma * self.clip ** 2, self.generator)
             squares = squares * held.squeeze(1).to(squares.dtype)
         self.account(1 + int(squared_norms))
         self.releases += 1
@@ -129,11 +129,12 @@ class StatisticsMechanism:
         """The client's noisy class counts: the kept ones, or a fresh (accounted) release."""
         if self.noisy_counts is None:
             self.fingerprint = data_fingerprint(self.images, self.labels)  # hashes the images: once per update
-            if self._kept is not None and self._kept_for is not None and torch.equal(self._kept_for, self.fingerprint):
+            if (self._kept is not None and self._kept_for is not None
+                    and torch.equal(self._kept_for.cpu(), self.fingerprint.cpu())):
                 self.noisy_counts = self._kept
         if self.noisy_counts is None:
             exact = torch.bincount(self.labels, minlength=self.num_classes).to(torch.float64)
-            self.noisy_counts = exact + _gaussian(exact.shape, self.sigma, self.generator, torch.float64)
+            self.noisy_counts = exact + _gaussian(exact, self.sigma, self.generator)
             self.account(1)
         return self.noisy_counts
 
