@@ -221,7 +221,8 @@ def _score_target(run: RecordedRun, spec: AttackSpec, job: Target, prior: torch.
                      "class_prior_psnr": row["class_prior_psnr"],
                      "label_true": int(truth_labels[j]),
                      "label_pred": int(result.labels[i]) if i < len(result.labels) else -1,
-                     **{k: job.check.get(k) for k in IMAGE_COLUMNS if k in CHECK_KEYS}, "label_count_error": count_error})
+                     **{k: job.check.get(k) for k in IMAGE_COLUMNS if k in CHECK_KEYS}, "label_count_error": count_error,
+                     "input_error": job.check.get("input_error")})
         if len(panels) < MAX_PANELS:
             panels.append((truths[j], result.images[i], row["psnr"], f"r{job.round} c{job.client}"))
     return rows

@@ -24,7 +24,9 @@ attack, mode, round, client, image, psnr, ssim, prior_psnr, class_prior_psnr, la
 and the target's forward-model check: mis_specified, not_converged, replay_cosine, objective_truth,
 objective_reconstruction; label_count_error: Σ_k |n̂_k − n_k| of the closed-form label counts
 (``attacks.inversion.closed_form``) against the images the client trained on, empty without counts; input_error: for a
-malicious-server attack, the relative error of the image's recovered first-linear-layer input; classifier
+malicious-server attack, the relative error of the image's recovered first-linear-layer input; for a gradient
+attack on one image whose classifier step's features the closed form solved (FedeCouple), their relative error
+against the image's true features; classifier
 fishing (``fish``) writes one row per image its craft isolated, with target_class, fished, k_true and k_inferred
 after these (``AttackSpec.extra_columns``); for a label attack one row per
 class: method, attack, mode, round, client, class, true_count, true_proportion,

@@ -180,6 +180,32 @@ def test_fedecouple_without_da_gives_the_image_feature_in_closed_form(digits):
     assert abs(float(basis @ feature / feature.norm())) == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.parametrize("da", [False, True])
+def test_fedecouple_classifier_step_features_are_solved_exactly(digits, da):
+    """One classifier step on one image (and, with DA, its augmented copy): the features the closed form
+    solves from the classifier's update equal the true ones under the kept extractor (1e-5 relative
+    without DA, where the rank-1 reading is exact; 1e-4 with its copy, a 4-unknown least-squares fit, one
+    solved row each), and the forward check reports the image's error as attack.csv's input_error."""
+    from attacks.inversion.forward_check import classifier_feature_error
+    from fedecouple.methods.replay import features
+
+    fed, image, matcher = _fedecouple_one_image(digits, da)
+    solved = matcher.closed.classifier_features
+    assert solved is not None and matcher.closed.trace["classifier_features"]["residual"] < 1e-5
+    copies = true_copies(matcher, image, fed.ground_truth.schedule(0, 0), [0])
+    trained = image if not da else torch.cat([image, copies[0]])
+    with torch.no_grad():
+        truth = features(matcher.model, matcher.context.kept, trained)
+    assert solved.shape == truth.shape == (2 if da else 1, truth.shape[1])
+    errors = (solved.unsqueeze(0) - truth.unsqueeze(1)).norm(dim=2) / truth.norm(dim=1, keepdim=True)
+    assert float(errors.min(dim=1).values.max()) < (1e-4 if da else 1e-5)  # the update does not fix the order
+    if da:
+        assert sorted(errors.argmin(dim=1).tolist()) == [0, 1]  # the image and its copy, one each
+    assert classifier_feature_error(matcher, image) == pytest.approx(float(errors[0].min()), rel=1e-4, abs=1e-7)
+    noise = torch.rand(image.shape, generator=torch.Generator().manual_seed(0))
+    assert classifier_feature_error(matcher, noise) > 0.05
+
+
 def test_one_minus_cosine_is_the_cosine_distance_without_cancellation():
     """IG's data term: equal to 1 − cos (float64, to float32 summation rounding) for unrelated vectors, and ≈ 0 (never negative) for a
     vector against itself and a positive multiple of it, where a float32 1 − cos is off by ~1e-6."""

@@ -34,6 +34,17 @@ attack uses it through ``attacks.inversion.forward_model.GradientMatcher`` (reco
   of each such feature's squared norm outside the span, weight ``ROW_SPACE_WEIGHT``. Only in the method mode, with the
   victim's steps (``steps_per_phase``) and one classifier step.
 
+* ``"classifier-features"`` — the features themselves, for one classifier step on one image: they lie
+  in that span, z_i = V a_i, and the method's classifier step (``Method.classifier_step``) on them must
+  give the observed weight and bias update, (d + 1)·C equations in rank² unknowns
+  (``classifier_features``: least squares from starts around the rank-1 reading ΔWᵀΔb/‖Δb‖², exact
+  without augmentation). With DA this yields the features of the image *and* of its augmented copy,
+  in an order the update does not fix. The forward check reports their error against the image's
+  true features (attack.csv's ``input_error``): what the upload gives away in closed form. They are
+  not matched: on the tuning federation (seed 1, FedeCouple with DA, n = 8) matching them, as the
+  better of the two orders (19.02 dB) or one order per start (18.01 dB), did not beat the row space
+  alone (19.16 dB), and at weight 10 fell to 13.31 dB (BENCHMARKS.md, issue 26).
+
 * ``"labels"`` (and every method whose upload holds the classifier's update or class counts) —
   the per-class label counts of the images one step trained on (``label_counts``): from an
   uploaded ``class_counts`` field where there is one (exact), else for one image iDLG's rule on the
@@ -52,6 +63,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -71,6 +83,10 @@ STATISTICS_WEIGHT = 1.0
 # Chosen on the tuning federation (seed 1, round 0, FedeCouple with DA, one start): weight 0 17.95 dB,
 # weight 1 19.07 dB (BENCHMARKS.md "Attack strength (issue 26)")
 ROW_SPACE_WEIGHT = 1.0
+# the classifier-feature solve: starts spread around the rank-1 reading (fractions of its norm), and the
+# relative residual of the classifier's update below which the solved features are taken as exact
+FEATURE_START_SPREADS = (0.05, 0.2, 0.5)
+FEATURE_TOLERANCE = 1e-4
 
 
 @dataclass
@@ -101,6 +117,9 @@ class ClosedForm:
     last_linear: LastLinear | None = None
     feature_means: list[FeatureMeans] = field(default_factory=list)
     row_space_rank: int = 0  # > 0: the dummy's features are held to the classifier update's row space
+    # (rank, d): the features of the images one classifier step trained on, solved from its update
+    # (reported against the truth by the forward check, not matched)
+    classifier_features: torch.Tensor | None = None
     label_counts: torch.Tensor | None = None  # (C,) int64 counts of the images one step trained on
     trace: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -193,6 +212,69 @@ def row_space(delta_weight: torch.Tensor, rank: int) -> torch.Tensor:
     return vh[:rank].T.to(torch.float32)
 
 
+def classifier_features(obs: Observation, update, model, counts: torch.Tensor | None,
+                        rank: int) -> tuple[torch.Tensor | None, float, str]:
+    """(features (rank, d), relative residual, how) of the images one classifier step of one image
+    trained on (the image, then its augmented copy), solved from the classifier's update, or
+    (None, residual, why not). The features lie in the update's row space, z_i = V a_i; the method's
+    own classifier step (``Method.classifier_step``) on them must give the observed weight and bias
+    update: rank² unknowns against (d + 1)·C equations, solved by least squares from starts around the
+    rank-1 reading ΔWᵀΔb/‖Δb‖² (exact for one image without augmentation)."""
+    from scipy.optimize import least_squares
+
+    hp = obs.known_hyperparameters
+    if counts is None or int(counts.sum()) != 1 or not hasattr(obs.method, "classifier_step"):
+        return None, float("nan"), "needs the label of one image and the method's classifier step"
+    names = [n for n in ("classifier.weight", "classifier.bias") if n in update.names]
+    if len(names) != 2:
+        return None, float("nan"), "needs the classifier's weight and bias updates"
+    # on the CPU in float64 (scipy's solver works on NumPy arrays), whatever the attack's device
+    device = update.delta["classifier.weight"].device
+    work = copy.deepcopy(model).double().cpu()
+    student = {n: update.before[n].double().cpu() for n in update.before if n.startswith("classifier.")}
+    teacher = {n: v.double().cpu() for n, v in obs.download.items() if n.startswith("classifier.")}
+    if set(teacher) != set(student):
+        return None, float("nan"), "needs the downloaded classifier"
+    observed = torch.cat([update.delta[n].double().cpu().reshape(-1) for n in names])
+    scale = float(observed.norm())
+    if scale == 0.0:
+        return None, float("nan"), "the classifier did not move"
+    basis = row_space(update.delta["classifier.weight"].cpu(), rank).double()  # (d, rank)
+    probs = torch.nn.functional.one_hot(counts.cpu().argmax(), obs.num_classes).double().expand(rank, -1)
+
+    def residual(a: torch.Tensor) -> torch.Tensor:
+        feats = a.reshape(rank, rank) @ basis.T
+        after, _ = obs.method.classifier_step(work, student, teacher, feats, probs, hp.lr)
+        predicted = torch.cat([(after[n] - student[n]).reshape(-1) for n in names])
+        return (predicted - observed) / scale
+
+    jacobian = torch.func.jacrev(residual)
+    dw, db = update.delta["classifier.weight"].double().cpu(), update.delta["classifier.bias"].double().cpu()
+    centre = basis.T @ (dw.T @ db / (db @ db).clamp_min(1e-300))  # (rank,)
+    other = torch.linalg.svd(torch.eye(rank, dtype=torch.float64) - torch.outer(centre, centre)
+                             / (centre @ centre).clamp_min(1e-300))[0][:, :max(rank - 1, 1)]
+    starts = [centre.repeat(rank)]
+    for t in FEATURE_START_SPREADS if rank > 1 else ():
+        for sign in (1.0, -1.0):
+            shift = sign * t * float(centre.norm()) * other[:, 0]
+            starts.append(torch.cat([centre + shift, centre - shift]))
+    best = None
+    for start in starts:
+        fit = least_squares(lambda v: residual(torch.from_numpy(v)).numpy(), start.numpy(),
+                            jac=lambda v: jacobian(torch.from_numpy(v)).numpy(), method="lm",
+                            xtol=1e-15, ftol=1e-15, gtol=1e-15, max_nfev=200)
+        value = float(np.linalg.norm(fit.fun))
+        if best is None or value < best[0]:
+            best = (value, fit.x)
+        if value < FEATURE_TOLERANCE / 10:  # the update reproduced to its float32 rounding: no further start
+            break
+    value, a = best
+    feats = (torch.from_numpy(a).reshape(rank, rank) @ basis.T).to(device=device, dtype=torch.float32)
+    if value > FEATURE_TOLERANCE:
+        return None, value, f"no features reproduce the classifier's update (residual {value:.1e})"
+    return feats, value, "solved from the classifier's update"
+
+
 def classifier_images(method, hp: LocalHyperparameters | None) -> int:
     """How many images (augmented copies included) one classifier step of the victim setting trains
     on, when the classifier phase is one step; else 0."""
@@ -261,8 +343,21 @@ def derive(obs: Observation, update, model, mode: str) -> ClosedForm:
     out.trace["label_counts"] = None if out.label_counts is None else out.label_counts.tolist()
     out.trace["label_counts_source"] = how
     rank = classifier_images(obs.method, obs.known_hyperparameters)
-    if "classifier-row-space" in declared and mode == "method" and "classifier.weight" in update.names \
-            and 0 < rank < min(update.delta["classifier.weight"].shape):
+    usable = mode == "method" and "classifier.weight" in update.names \
+        and 0 < rank < min(update.delta["classifier.weight"].shape)
+    if "classifier-features" in declared and usable:
+        feats, residual, how = classifier_features(obs, update, model, out.label_counts, rank)
+        out.trace["classifier_features"] = {"rank": rank, "residual": residual, "how": how}
+        if feats is not None:
+            out.classifier_features = feats
+            out.notes.append(f"closed form: the features of the {rank} image(s) the classifier step trained on "
+                             f"(the image{' and its augmented copy' if rank == 2 else ''}) are solved from the "
+                             f"classifier's update (relative residual {residual:.1e}); attack.csv's input_error is "
+                             f"their error against the image's true features. They are reported, not matched: "
+                             f"matching them did not lift IG on the tuning federation (BENCHMARKS.md, issue 26)")
+        else:
+            out.notes.append(f"closed form: the classifier step's features were not solved ({how})")
+    if "classifier-row-space" in declared and usable:
         out.row_space_rank = rank
         out.trace["row_space"] = {"rank": rank, "weight": ROW_SPACE_WEIGHT}
         out.notes.append(f"closed form: the classifier's weight update spans the features it was trained on "

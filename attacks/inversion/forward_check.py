@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from fedecouple.methods.replay import Step
+from fedecouple.methods.replay import features as replay_features
 
 from ..base import AttackResult, Observation
 from .observation import update_target
@@ -179,9 +180,23 @@ def check(obs: Observation, mode: str, kind: str, result: AttackResult, images: 
     reconstruction = matching_term(matcher, kind, rebuilt, result.variables["labels"],
                                    result.variables.get("copy_parameters"))
     floor = max(OBJECTIVE_FLOOR, ROUNDING_MARGIN * rounding_floor(matcher, kind))
+    out["input_error"] = classifier_feature_error(matcher, images[index])
     return {**out, "objective_truth": truth, "objective_reconstruction": reconstruction,
             "mis_specified": bool(truth > reconstruction and truth > floor),
             "not_converged": bool(reconstruction > truth and reconstruction > floor)}
+
+
+def classifier_feature_error(matcher: GradientMatcher, images: torch.Tensor) -> float | None:
+    """The relative error of the classifier step's features the closed form solved
+    (``attacks.inversion.closed_form.classifier_features``) against the true image's features under the
+    kept extractor that step ran on, its nearest solved row (the image or its copy: the update does not
+    order them); None where none were solved."""
+    solved = matcher.closed.classifier_features
+    if solved is None or len(images) != 1:
+        return None
+    with torch.no_grad():
+        truth = replay_features(matcher.model, matcher.context.kept, images)[0]
+    return float(((solved - truth).norm(dim=1) / truth.norm().clamp_min(1e-30)).min())
 
 
 def prototype_check(obs: Observation, result: AttackResult, images: torch.Tensor, labels: torch.Tensor) -> dict:

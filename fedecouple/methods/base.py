@@ -364,6 +364,8 @@ class Method:
     # one image, the update of its last linear layer gives that layer's input and its error signal
     # δ exactly: weight row / bias entry), "labels" (the classifier's update gives the labels),
     # "statistics" (FedPAC's h and prototypes of a one-image client are its features),
+    # "classifier-features" (one classifier step on one image: its features, and its augmented copy's,
+    # solved from the classifier's update through the method's ``classifier_step``; reported, not matched),
     # "classifier-row-space" (the classifier's weight update spans the features it was trained on)
     closed_form: ClassVar[tuple[str, ...]] = ()
 

@@ -112,7 +112,7 @@ class FedeCouple(Method):
     persistent_groups = ("classifier",)
     download_reaches = ("extractor", "classifier")  # θ_i ← θ^t; the GLF step trains against φ^t
     extractor_phases = ("extractor-glf", "extractor")
-    closed_form = ("labels", "classifier-row-space")
+    closed_form = ("labels", "classifier-features", "classifier-row-space")
     summary = "decoupled extractor/classifier: KD-guided personal classifier, anchor centre loss, cosine aggregation"
     paper_preset = {"lam": 0.8, "mu": 2.0, "tau": 2.0}  # Section V (equal to the defaults)
     dp_per_sample = ("CE and λ·KL(teacher ‖ student) (the teacher's logits of the same sample, detached) are "
@@ -226,23 +226,29 @@ class FedeCouple(Method):
     def _replayed_classifier_phase(self, model, context, images, probs, copies):
         previous_extractor = only_group(context.kept, "extractor")
         student, teacher = only_group(context.before, "classifier"), only_group(context.download, "classifier")
-        adapt_teacher = self.gpc and self.teacher == "adapted"
         for i, step in context.phase("classifier"):
             xb, yb = batch(images, probs, step, copies[i])
             feats = features(model, previous_extractor, xb)
-            teacher_logits = head(model, teacher, feats)  # fixed inside the student's step, not cut from x
-
-            def student_loss(c):
-                logits = head(model, c, feats)
-                value = cross_entropy(logits, yb)
-                if self.gpc:
-                    value = value + self.lam * soft_distillation_loss(logits, teacher_logits, self.tau)
-                return value
-
-            student = sgd_step(student, student_loss, context.lr)
-            if adapt_teacher:
-                teacher = sgd_step(teacher, lambda t: cross_entropy(head(model, t, feats), yb), context.lr)
+            student, teacher = self.classifier_step(model, student, teacher, feats, yb, context.lr)
         return student
+
+    def classifier_step(self, model, student, teacher, feats, probs, lr):
+        """One step of the classifier phase on a batch's features (under the kept extractor): the
+        personal classifier and the teacher after it. The replay's, and what the attacks' closed form
+        solves for the features (``attacks.inversion.closed_form``)."""
+        teacher_logits = head(model, teacher, feats)  # fixed inside the student's step, not cut from x
+
+        def student_loss(c):
+            logits = head(model, c, feats)
+            value = cross_entropy(logits, probs)
+            if self.gpc:
+                value = value + self.lam * soft_distillation_loss(logits, teacher_logits, self.tau)
+            return value
+
+        new_student = sgd_step(student, student_loss, lr)
+        if self.gpc and self.teacher == "adapted":
+            teacher = sgd_step(teacher, lambda t: cross_entropy(head(model, t, feats), probs), lr)
+        return new_student, teacher
 
     def aggregate(self, server: State, uploads: list[Upload], round: int) -> State:
         names = [k for k in uploads[0].tensors if k != "sample_count"]
