@@ -69,6 +69,9 @@ class Observation:
     # (``attacks.malicious.CraftRecord``: the weights as sent); None: an honest server
     crafted: object | None = None
     device: str = "cpu"  # where the tensors above and ``make_model``'s model live, and the attack computes
+    # costly facts derived from the fields above alone (the closed form's solves), kept so that the attack
+    # and its forward check compute them once; never part of what the server saw
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def manifest(self) -> list[FieldSpec]:
         """The fields the method declares it uploads (``Method.manifest``)."""

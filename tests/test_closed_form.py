@@ -217,3 +217,48 @@ def test_one_minus_cosine_is_the_cosine_distance_without_cancellation():
     assert float(one_minus_cosine(a, b)) == pytest.approx(exact, abs=1e-5)
     for other in (a, 3.0 * a):
         assert 0.0 <= float(one_minus_cosine(a, other)) < 1e-12
+
+
+@pytest.mark.parametrize("da", [False, True])
+def test_fedecouple_extractor_linear_input_is_solved_from_the_features(digits, da):
+    """Round 0, one image: the input of the extractor's last linear layer (under the downloaded extractor,
+    where the extractor phase starts) is solved from the image's solved features and that layer's update
+    (which spans the inputs of every image the extractor phase trained on): the attack's nearest candidate
+    equals the true input (1e-4 relative), and a noise image's input is far from every candidate."""
+    fed, image, matcher = _fedecouple_one_image(digits, da)
+    last = matcher.closed.last_linear
+    assert last is not None and not last.head_free and last.weight == "extractor.fc.weight"
+    assert matcher.closed.trace["extractor_linear_input"]["rank"] == (4 if da else 2)  # GLF + extractor steps
+    candidates = last.input
+    assert candidates.shape == (2 if da else 1, matcher.model.extractor.fc.in_features)
+    with torch.no_grad():
+        truth = matcher._linear_input(matcher.update.before, image)[0]
+        noise = matcher._linear_input(matcher.update.before, torch.rand(image.shape, generator=torch.Generator().manual_seed(0)))[0]
+    error = lambda a: float(((candidates - a).norm(dim=1) / a.norm()).min())  # noqa: E731
+    assert error(truth) < 1e-4
+    assert error(noise) > 0.05
+    # the attack's term: zero (to rounding) at the truth, and it weighs the nearest candidate
+    from attacks.inversion.forward_model import _nearest_relative_error
+    assert float(_nearest_relative_error(truth, candidates)) < 1e-8
+    assert float(_nearest_relative_error(noise, candidates)) > 1e-3
+
+
+def test_fedecouple_classifier_step_solve_finds_the_label_a_wrong_reading_misses(digits):
+    """Where iDLG's reading of the label is wrong (at trained rounds the distillation term can outweigh the
+    label's push), the classifier-step solve tries the other classes: only the true one reproduces the
+    update, and it comes back with the image's features."""
+    from attacks.inversion.closed_form import solve_classifier_step
+    from fedecouple.methods.replay import features
+
+    fed, image, matcher = _fedecouple_one_image(digits, True)
+    true_label = int(digits.labels[torch.from_numpy(fed.ground_truth.samples(0, 0))][0])
+    obs = matcher.observation
+    obs.memo.clear()
+    wrong = F.one_hot(torch.tensor((true_label + 1) % 10), 10)
+    feats, residual, how, label = solve_classifier_step(obs, matcher.update, matcher.model, wrong, 2)
+    assert label is not None and int(label.argmax()) == true_label and residual < 1e-5
+    assert "labels tried" in how
+    with torch.no_grad():
+        truth = features(matcher.model, matcher.context.kept, image)[0]
+    assert float(((feats - truth).norm(dim=1) / truth.norm()).min()) < 1e-4
+    assert solve_classifier_step(obs, matcher.update, matcher.model, wrong, 2)[3] is label  # computed once

@@ -45,6 +45,17 @@ attack uses it through ``attacks.inversion.forward_model.GradientMatcher`` (reco
   better of the two orders (19.02 dB) or one order per start (18.01 dB), did not beat the row space
   alone (19.16 dB), and at weight 10 fell to 13.31 dB (BENCHMARKS.md, issue 26).
 
+* ``"extractor-linear-input"`` — FedeCouple at round 0 (one image; the classifier phase and the extractor
+  phase start from the same extractor): the rows of the update of the extractor's last linear layer
+  z = act(W a + b) span the inputs a of every image the extractor phase trained on (rank 4 with DA: the
+  image and a fresh copy in each of its two steps), and the image's solved feature (above) fixes its a
+  there: W V c + b = act⁻¹(z), d equations in rank unknowns (``extractor_linear_input``; 1e-6 to 1e-3
+  relative on the main job). The attack matches the dummy's input at the layer against the nearest
+  candidate (one per solved feature row whose input lies in the span; both where the copies coincide),
+  relative squared error, weight ``LINEAR_INPUT_WEIGHT``. On its own that input does not give the image
+  back (a signed-Adam inversion from it reached 8-15 dB: two max-pools lie below), but beside the
+  replayed update it lifted IG on the tuning federation (BENCHMARKS.md, issue 26).
+
 * ``"labels"`` (and every method whose upload holds the classifier's update or class counts) —
   the per-class label counts of the images one step trained on (``label_counts``): from an
   uploaded ``class_counts`` field where there is one (exact), else for one image iDLG's rule on the
@@ -53,6 +64,10 @@ attack uses it through ``attacks.inversion.forward_model.GradientMatcher`` (reco
   n̂ = B·(p̂ + Δb/lr) with p̂ the downloaded model's mean prediction, estimated at the public pixel
   mean image (exact after rounding whenever |p̂ − p̄| < 1/(2B)); rounded to B by largest
   remainders. The attacks fix a batch's labels to these counts; attack.csv reports the count error.
+  Where a method declares ``"classifier-features"``, one image's label is also checked by that solve:
+  only the true label's features reproduce the classifier's update, so if iDLG's reading fails the solve,
+  the other classes are tried (``solve_classifier_step``): FedeCouple's label at trained rounds, where
+  the distillation term outweighs the label's push and iDLG's rule misreads it.
 
 The check that the update really is one such step: ΔW must be the rank-1 product Δb·aᵀ to
 ``RANK1_TOLERANCE`` (relative, float32 rounding of the weights allowed for); the residual is in the
@@ -87,6 +102,12 @@ ROW_SPACE_WEIGHT = 1.0
 # relative residual of the classifier's update below which the solved features are taken as exact
 FEATURE_START_SPREADS = (0.05, 0.2, 0.5)
 FEATURE_TOLERANCE = 1e-4
+# the extractor's last linear layer's input from the solved features: the relative residual (in the
+# features' units) below which a solved feature row's input is taken to lie in the layer update's span
+LINEAR_INPUT_TOLERANCE = 2e-2
+# weight of the nearest candidate's ‖a(x) − a‖²/‖a‖². Chosen on the tuning federation (seed 1, round 0,
+# FedeCouple with DA, IG, 8 targets): 0.03 19.41 dB, 0.1 21.31, 0.3 20.43, 1 13.82 (BENCHMARKS.md, issue 26)
+LINEAR_INPUT_WEIGHT = 0.1
 
 
 @dataclass
@@ -97,9 +118,10 @@ class LastLinear:
     weight: str  # parameter names, with the ``extractor.`` prefix
     bias: str
     below: list[str]  # the extractor's parameters that feed the layer
-    input: torch.Tensor  # a, the layer's input for the client's image (in_features,)
+    input: torch.Tensor  # a, the layer's input for the client's image (in_features,), or candidates for it (k, in_features)
     head_free: bool  # the classifier the step used is not known exactly: the signal δ replaces it
     residual: float  # ‖ΔW − Δb aᵀ‖ / ‖ΔW‖ (0 for one step on one image, up to rounding)
+    term_weight: float = LAST_LINEAR_WEIGHT  # of ‖a(x) − a‖²/‖a‖² in the attack objective
 
 
 @dataclass
@@ -275,6 +297,105 @@ def classifier_features(obs: Observation, update, model, counts: torch.Tensor | 
     return feats, value, "solved from the classifier's update"
 
 
+def solve_classifier_step(obs: Observation, update, model, counts: torch.Tensor | None,
+                          rank: int) -> tuple[torch.Tensor | None, float, str, torch.Tensor | None]:
+    """``classifier_features`` for one image, with its label found too: ``counts`` (iDLG's reading) first,
+    then, if no features under that label reproduce the update (at trained rounds the distillation term
+    can outweigh the label's push on the classifier, and iDLG's rule misreads it), every other class in
+    the order of that rule's score; the first label whose features reproduce the update is the image's
+    (a wrong label leaves a residual of order 1: BENCHMARKS.md, issue 26). Returns (features, residual,
+    how, the label's counts or None). Kept in ``obs.memo``: the attack and its forward check solve once."""
+    key = ("classifier-step", rank, None if counts is None else tuple(counts.tolist()))
+    if key in obs.memo:
+        return obs.memo[key]
+    feats, residual, how = classifier_features(obs, update, model, counts, rank)
+    solved = counts if feats is not None else None
+    if feats is None and counts is not None and int(counts.sum()) == 1 and "classifier.weight" in update.names:
+        score = (-update.delta["classifier.weight"].double()).sum(dim=1)  # iDLG's: the lowest is its reading
+        tried = [int(counts.argmax())]
+        for k in score.argsort().tolist():
+            if k in tried:
+                continue
+            tried.append(k)
+            other = torch.nn.functional.one_hot(torch.tensor(k), obs.num_classes).to(counts)
+            found, value, _ = classifier_features(obs, update, model, other, rank)
+            if found is not None:
+                feats, residual, solved = found, value, other
+                how = f"solved from the classifier's update under class {k} ({len(tried)} labels tried)"
+                break
+    obs.memo[key] = (feats, residual, how, solved)
+    return obs.memo[key]
+
+
+def extractor_images(method, hp: LocalHyperparameters | None) -> int:
+    """How many images (augmented copies included) the extractor's steps of the victim setting train on,
+    all steps together; 0 outside the victim setting."""
+    if hp is None or hp.steps_per_phase is None:
+        return 0
+    samples = int(hp.samples if hp.samples is not None else hp.batch_size)
+    return sum(int(hp.steps_per_phase) * samples * (2 if aug else 1)
+               for p, _, aug in method.local_phases(hp.epochs) if p in method.extractor_phases)
+
+
+def inverse_activation(module: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(pre-activation, weight per entry) for the activation that follows the last linear layer: the
+    identity, a LeakyReLU (inverted; negative entries weighted by its slope, so that the solve's error is
+    measured in the output's units) or a ReLU (its positive entries only); None for any other."""
+    if module is None or isinstance(module, nn.Identity):
+        return z, torch.ones_like(z)
+    if isinstance(module, nn.LeakyReLU) and module.negative_slope > 0:
+        slope = float(module.negative_slope)
+        return torch.where(z >= 0, z, z / slope), torch.where(z >= 0, 1.0, slope).to(z.dtype)
+    if isinstance(module, nn.ReLU):
+        return z, (z > 0).to(z.dtype)
+    return None
+
+
+def extractor_linear_input(update, model, features: torch.Tensor, rank: int) -> tuple[torch.Tensor | None, float, str]:
+    """(candidates (k, in_features), relative residual, how) or (None, residual, why not): the input of the
+    extractor's last linear layer for the client's image, from the solved features z = act(W a + b) (under
+    the extractor the classifier phase ran on, which must be the one the extractor phase started from:
+    round 0) and that layer's update, whose rows span the inputs of every image the extractor's steps
+    trained on (``rank`` of them): a = V c, with W V c + b = act⁻¹(z), weighted least squares in c (d
+    equations, rank unknowns). The solved feature rows are the image's and its augmented copy's, in an
+    order the update does not fix; a row whose input lies in the span (residual ≤
+    ``LINEAR_INPUT_TOLERANCE``) is a candidate for the image's: usually the image's alone (the extractor
+    phase drew its copies afresh), both where the copies coincide (e.g. a flip drawn in every phase).
+    Every row gets a candidate, the best one standing in for a row outside the span (one shape for
+    every target), and the attack matches the nearest."""
+    found = last_linear_layer(model)
+    if found is None:
+        return None, float("nan"), "the extractor does not end in a linear layer"
+    position, child = found
+    children = list(model.extractor.children())
+    activation = children[position + 1] if position + 1 < len(children) else None
+    weight, bias = f"extractor.{child}.weight", f"extractor.{child}.bias"
+    if weight not in update.names or bias not in update.names:
+        return None, float("nan"), "the extractor's last linear layer is not in the update"
+    dw = update.delta[weight].double().cpu()
+    if not 0 < rank < min(dw.shape):
+        return None, float("nan"), f"its update cannot have rank {rank}"
+    basis = row_space(dw, rank).double()  # (in_features, rank)
+    w, b = update.before[weight].double().cpu(), update.before[bias].double().cpu()
+    solved = []
+    for z in features.double().cpu():
+        inverted = inverse_activation(activation, z)
+        if inverted is None:
+            return None, float("nan"), f"the layer is followed by {type(activation).__name__}, not inverted"
+        target, rows = inverted
+        system = rows.unsqueeze(1) * (w @ basis)
+        c = torch.linalg.lstsq(system, (rows * (target - b)).unsqueeze(1)).solution[:, 0]
+        residual = float((system @ c - rows * (target - b)).norm() / (rows * z).norm().clamp_min(1e-300))
+        solved.append((residual, basis @ c))
+    best = min(solved, key=lambda r: r[0])
+    if best[0] > LINEAR_INPUT_TOLERANCE:
+        return None, best[0], f"no solved feature has its layer input in the update's span (residual {best[0]:.1e})"
+    candidates = torch.stack([a if residual <= LINEAR_INPUT_TOLERANCE else best[1] for residual, a in solved])
+    inside = sum(residual <= LINEAR_INPUT_TOLERANCE for residual, _ in solved)
+    how = "solved from the features and the layer's update" + (f" ({inside} candidates)" if inside > 1 else "")
+    return candidates.to(device=update.delta[weight].device, dtype=torch.float32), best[0], how
+
+
 def classifier_images(method, hp: LocalHyperparameters | None) -> int:
     """How many images (augmented copies included) one classifier step of the victim setting trains
     on, when the classifier phase is one step; else 0."""
@@ -322,6 +443,33 @@ def label_counts(obs: Observation, update, model) -> tuple[torch.Tensor | None, 
     return round_to_total(raw, b), "classifier bias update, mean prediction at the pixel-mean image"
 
 
+def _linear_input_from_features(obs: Observation, update, model, out: ClosedForm) -> LastLinear | None:
+    """``extractor_linear_input`` as a matched ``LastLinear`` (with the method's own replay: not head-free),
+    recorded in ``out``'s trace and notes; None where it does not apply."""
+    found = last_linear_layer(model)
+    kept = {n: v for n, v in (obs.previous_upload or {}).items() if n.startswith("extractor.")}
+    initial = {n: p.detach() for n, p in model.named_parameters() if n.startswith("extractor.")}
+    kept = {**initial, **kept}
+    if found is None or any(not torch.equal(kept[n].to(v), v) for n, v in update.before.items() if n in kept):
+        out.notes.append("closed form: the extractor's last linear input is not solved: the classifier phase "
+                         "ran on another extractor than the one the extractor phase started from")
+        return None
+    rank = extractor_images(obs.method, obs.known_hyperparameters)
+    a, residual, how = extractor_linear_input(update, model, out.classifier_features, rank)
+    out.trace["extractor_linear_input"] = {"rank": rank, "residual": residual, "how": how, "weight": LINEAR_INPUT_WEIGHT}
+    if a is None:
+        out.notes.append(f"closed form: the extractor's last linear input is not solved ({how})")
+        return None
+    position, child = found
+    prefixes = [f"extractor.{name}." for name, _ in list(model.extractor.named_children())[:position]]
+    below = [n for n in update.names if any(n.startswith(p) for p in prefixes)]
+    out.notes.append(f"closed form: the input of extractor.{child} for the image is solved from its solved features "
+                     f"and the layer's update (rank {rank}: every image the extractor phase trained on; residual "
+                     f"{residual:.1e}) and matched")
+    return LastLinear(position, f"extractor.{child}.weight", f"extractor.{child}.bias", below, a, False, residual,
+                      LINEAR_INPUT_WEIGHT)
+
+
 def derive(obs: Observation, update, model, mode: str) -> ClosedForm:
     """The closed-form facts ``obs.method`` declares (``Method.closed_form``) that this observation
     holds, from the observation alone (``update``: its ``attacks.inversion.observation.UpdateTarget``)."""
@@ -346,8 +494,15 @@ def derive(obs: Observation, update, model, mode: str) -> ClosedForm:
     usable = mode == "method" and "classifier.weight" in update.names \
         and 0 < rank < min(update.delta["classifier.weight"].shape)
     if "classifier-features" in declared and usable:
-        feats, residual, how = classifier_features(obs, update, model, out.label_counts, rank)
+        feats, residual, how, solved = solve_classifier_step(obs, update, model, out.label_counts, rank)
         out.trace["classifier_features"] = {"rank": rank, "residual": residual, "how": how}
+        if solved is not None and not torch.equal(solved.cpu(), out.label_counts.cpu()):
+            out.notes.append(f"closed form: the label is class {int(solved.argmax())}, the one whose classifier-step "
+                             f"features reproduce the update, not class {int(out.label_counts.argmax())} "
+                             f"({out.trace['label_counts_source']})")
+            out.label_counts = solved
+            out.trace["label_counts"] = solved.tolist()
+            out.trace["label_counts_source"] = "the classifier-step solve (the one label that reproduces the update)"
         if feats is not None:
             out.classifier_features = feats
             out.notes.append(f"closed form: the features of the {rank} image(s) the classifier step trained on "
@@ -357,6 +512,8 @@ def derive(obs: Observation, update, model, mode: str) -> ClosedForm:
                              f"matching them did not lift IG on the tuning federation (BENCHMARKS.md, issue 26)")
         else:
             out.notes.append(f"closed form: the classifier step's features were not solved ({how})")
+    if "extractor-linear-input" in declared and out.classifier_features is not None and out.last_linear is None:
+        out.last_linear = _linear_input_from_features(obs, update, model, out)
     if "classifier-row-space" in declared and usable:
         out.row_space_rank = rank
         out.trace["row_space"] = {"rank": rank, "weight": ROW_SPACE_WEIGHT}

@@ -129,11 +129,14 @@ def idlg_labels(weight_gradient: torch.Tensor, count: int = 1) -> tuple[torch.Te
 
 def counted_labels(matcher: GradientMatcher, budget: Budget) -> torch.Tensor | None:
     """For a batch of several images, labels from the closed-form per-class counts
-    (``attacks.inversion.closed_form.label_counts``), class by class; None for one image (iDLG's rule) or
-    without counts."""
+    (``attacks.inversion.closed_form.label_counts``), class by class; for one image only where the
+    classifier-step solve confirmed its label (the features under it reproduce the update; else iDLG's
+    rule applies); None without counts."""
     counts = matcher.closed.label_counts
     b = matcher.originals or max(1, int(budget.batch))
-    if counts is None or b == 1 or int(counts.sum()) != b or matcher.epoch_copies != 1:
+    if counts is None or int(counts.sum()) != b or matcher.epoch_copies != 1:
+        return None
+    if b == 1 and matcher.closed.classifier_features is None:
         return None
     return torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
 

@@ -39,7 +39,7 @@ from fedecouple.methods.replay import features as replay_features
 from fedecouple.models import group_of, use_batch_statistics
 
 from ..base import LocalHyperparameters, Observation
-from .closed_form import LAST_LINEAR_WEIGHT, ROW_SPACE_WEIGHT, STATISTICS_WEIGHT
+from .closed_form import ROW_SPACE_WEIGHT, STATISTICS_WEIGHT
 from .closed_form import row_space as closed_row_space
 from .closed_form import derive as derive_closed_form
 from .observation import CLASSIFIER_WEIGHT, COPY_MODELS, UpdateTarget, resolve_mode, update_target
@@ -223,7 +223,7 @@ class GradientMatcher:
             last.head_free = False  # the statistics need the method's replay
         if last is not None:
             self.target = list(self.target) + [last.input]
-            self.extra_weights.append(LAST_LINEAR_WEIGHT)
+            self.extra_weights.append(last.term_weight)
         for means in self.closed.feature_means:
             self.target = list(self.target) + [means.means]
             self.extra_weights.append(STATISTICS_WEIGHT)
@@ -492,7 +492,7 @@ class GradientMatcher:
         """((the method's part of dummy, of target), the weighted closed-form terms: Σ w·‖a − b‖²/‖b‖²)."""
         k = len(self.extra_weights)
         n = len(dummy) - k
-        extra = sum(w * (_relative_error(d, t) if j < self.extra_values else d)
+        extra = sum(w * (_nearest_relative_error(d, t) if j < self.extra_values else d)
                     for j, (w, d, t) in enumerate(zip(self.extra_weights, dummy[n:], target[n:])))
         return (dummy[:n], target[:n]), extra
 
@@ -566,6 +566,15 @@ ZERO_FLOOR = 1e-8
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """‖a − b‖² / ‖b‖², with ‖b‖² floored at ZERO_FLOOR per element."""
     return ((a - b) ** 2).sum() / ((b * b).sum() + ZERO_FLOOR * b.numel())
+
+
+def _nearest_relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``_relative_error`` of ``a`` against ``b``, or, where ``b`` holds one more dimension (candidates
+    for ``a``, e.g. a layer input the closed form solved up to which of two images it belongs to),
+    against its nearest candidate."""
+    if b.dim() == a.dim() + 1:
+        return torch.stack([_relative_error(a, candidate) for candidate in b.unbind(0)]).min()
+    return _relative_error(a, b)
 
 
 def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -366,7 +366,9 @@ class Method:
     # "statistics" (FedPAC's h and prototypes of a one-image client are its features),
     # "classifier-features" (one classifier step on one image: its features, and its augmented copy's,
     # solved from the classifier's update through the method's ``classifier_step``; reported, not matched),
-    # "classifier-row-space" (the classifier's weight update spans the features it was trained on)
+    # "classifier-row-space" (the classifier's weight update spans the features it was trained on),
+    # "extractor-linear-input" (with those features, the input of the extractor's last linear layer, whose
+    # update spans the inputs of the images the extractor phase trained on)
     closed_form: ClassVar[tuple[str, ...]] = ()
 
     def dp_uncovered(self) -> str | None:
