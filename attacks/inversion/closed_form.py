@@ -187,6 +187,12 @@ def single_extractor_step(method, hp: LocalHyperparameters | None) -> bool:
     return (len(phases) == 1 and int(hp.steps_per_phase) == 1 and samples == 1 and not phases[0][2])
 
 
+def _names_below(model, update, position: int) -> list[str]:
+    """The attacked parameters of the extractor's children before ``position`` (those that feed the layer)."""
+    prefixes = [f"extractor.{name}." for name, _ in list(model.extractor.named_children())[:position]]
+    return [n for n in update.names if any(n.startswith(p) for p in prefixes)]
+
+
 def _last_linear(obs: Observation, update, model) -> tuple[LastLinear | None, list[str]]:
     found = last_linear_layer(model)
     if found is None:
@@ -204,8 +210,7 @@ def _last_linear(obs: Observation, update, model) -> tuple[LastLinear | None, li
     if residual > RANK1_TOLERANCE:
         return None, [f"closed form: the last linear layer's update is not rank 1 (residual {residual:.2g}): "
                       f"its input is not read from it"]
-    prefixes = [f"extractor.{name}." for name, _ in list(model.extractor.named_children())[:position]]
-    below = [n for n in update.names if any(n.startswith(p) for p in prefixes)]
+    below = _names_below(model, update, position)
     head_free = not any(group_of(n) == "classifier" for n in update.names)
     if head_free and sorted(below + [weight, bias]) != sorted(update.names):
         return None, []
@@ -461,8 +466,7 @@ def _linear_input_from_features(obs: Observation, update, model, out: ClosedForm
         out.notes.append(f"closed form: the extractor's last linear input is not solved ({how})")
         return None
     position, child = found
-    prefixes = [f"extractor.{name}." for name, _ in list(model.extractor.named_children())[:position]]
-    below = [n for n in update.names if any(n.startswith(p) for p in prefixes)]
+    below = _names_below(model, update, position)
     out.notes.append(f"closed form: the input of extractor.{child} for the image is solved from its solved features "
                      f"and the layer's update (rank {rank}: every image the extractor phase trained on; residual "
                      f"{residual:.1e}) and matched")
