@@ -262,3 +262,28 @@ def test_fedecouple_classifier_step_solve_finds_the_label_a_wrong_reading_misses
         truth = features(matcher.model, matcher.context.kept, image)[0]
     assert float(((feats - truth).norm(dim=1) / truth.norm()).min()) < 1e-4
     assert solve_classifier_step(obs, matcher.update, matcher.model, wrong, 2)[3] is label  # computed once
+
+
+def test_fedecouple_closed_form_start_rebuilds_the_image_from_the_solved_layer_input(digits):
+    """The image rebuilt from the solved input of the extractor's last linear layer (through the layers
+    below it, ``attacks.layer_inversion``) is DLG's first start: near the true image (PSNR at least 6 dB
+    above the grey image's), its layer input near the solved one, computed once per observation; DLG's
+    first start holds it (its later starts do not)."""
+    from attacks.inversion.dlg import _setup, _start
+    from attacks.metrics import psnr
+
+    fed, image, matcher = _fedecouple_one_image(digits, True)
+    rebuilt = matcher.closed_form_start
+    assert rebuilt is not None and rebuilt.shape == image.shape
+    assert float(rebuilt.min()) >= 0.0 and float(rebuilt.max()) <= 1.0
+    grey = torch.full_like(image, 0.5)
+    assert psnr(rebuilt, image) >= psnr(grey, image) + 6.0
+    with torch.no_grad():
+        got = matcher._linear_input(matcher.update.before, rebuilt)[0]
+    a = matcher.closed.last_linear.input[0]
+    assert float((got - a).norm() / a.norm()) < 0.05
+    assert GradientMatcher(matcher.observation, "auto").closed_form_start is rebuilt  # from the memo
+    setup = _setup(matcher.observation, Budget(iterations=1, restarts=2, batch=1), "auto", True, "dlg")
+    first, second = _start(setup, 0, 0)[0], _start(setup, 0, 1)[0]
+    assert torch.equal(first[:1], rebuilt) and not torch.equal(second[:1], rebuilt)
+    assert setup.trace["start"].startswith("closed form")

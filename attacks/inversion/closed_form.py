@@ -54,7 +54,10 @@ attack uses it through ``attacks.inversion.forward_model.GradientMatcher`` (reco
   candidate (one per solved feature row whose input lies in the span; both where the copies coincide),
   relative squared error, weight ``LINEAR_INPUT_WEIGHT``. On its own that input does not give the image
   back (a signed-Adam inversion from it reached 8-15 dB: two max-pools lie below), but beside the
-  replayed update it lifted IG on the tuning federation (BENCHMARKS.md, issue 26).
+  replayed update it lifted IG on the tuning federation (BENCHMARKS.md, issue 26). An L-BFGS inversion
+  (``attacks.layer_inversion``, as a malicious server's readout does) gets further, and the image it
+  rebuilds from a closed-form layer input (this one, or ``"last-linear"``'s) is DLG's first start
+  (``GradientMatcher.closed_form_start``).
 
 * ``"labels"`` (and every method whose upload holds the classifier's update or class counts) —
   the per-class label counts of the images one step trained on (``label_counts``): from an
@@ -395,6 +398,7 @@ def extractor_linear_input(update, model, features: torch.Tensor, rank: int) -> 
     best = min(solved, key=lambda r: r[0])
     if best[0] > LINEAR_INPUT_TOLERANCE:
         return None, best[0], f"no solved feature has its layer input in the update's span (residual {best[0]:.1e})"
+    solved.sort(key=lambda r: r[0])  # the best first: the rebuilt start (``GradientMatcher.closed_form_start``) uses it
     candidates = torch.stack([a if residual <= LINEAR_INPUT_TOLERANCE else best[1] for residual, a in solved])
     inside = sum(residual <= LINEAR_INPUT_TOLERANCE for residual, _ in solved)
     how = "solved from the features and the layer's update" + (f" ({inside} candidates)" if inside > 1 else "")

@@ -221,6 +221,10 @@ def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name
     if budget.start not in STARTS:
         raise ValueError(f"unknown start {budget.start!r}; choose one of: {', '.join(STARTS)}")
     trace["start"] = budget.start
+    if matcher.closed.last_linear is not None and (matcher.originals or 1) == 1:
+        trace["start"] = f"closed form, then {budget.start}"
+        notes.append("the first start is the image rebuilt from the closed form's input of the extractor's last "
+                     "linear layer (attacks.layer_inversion); further starts as --start says")
     return _Setup(matcher, [t.detach() for t in matcher.target], labels, (b + matcher.free_copies, *obs.image_shape),
                   obs.num_classes, trace, notes, budget.start)
 
@@ -228,12 +232,17 @@ def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name
 def _start(setup: _Setup, seed: int, restart: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A start's seeded dummy batch: images uniform in [0, 1] (or, with ``Budget.start`` "mean", the
     per-channel mean the model's normalisation carries), label logits standard normal (None when the
-    labels are fixed), the copies' family parameters at the identity."""
+    labels are fixed), the copies' family parameters at the identity. The first start's image is the one
+    the closed form rebuilt, where it rebuilt one (``GradientMatcher.closed_form_start``)."""
     gen = torch.Generator().manual_seed(mix_seed(seed, restart, 0xD16))
     device = setup.matcher.observation.device  # drawn on the CPU: the same starts on every device
     x = torch.rand(setup.shape, generator=gen).to(device)
     if setup.start == "mean":
         x = setup.matcher.model.normalize.mean.reshape(1, -1, 1, 1).expand(setup.shape).clone()
+    rebuilt = setup.matcher.closed_form_start if restart == 0 else None
+    if rebuilt is not None:  # the image the closed form gives back; its augmented copies as drawn above
+        x = x.clone()
+        x[:len(rebuilt)] = rebuilt
     y = None if setup.labels is not None else \
         torch.randn((setup.originals, setup.num_classes), generator=gen).to(device)
     return x, y, family_start(setup.matcher.copy_parameters // FAMILY_PARAMETERS, device)

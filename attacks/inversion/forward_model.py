@@ -39,6 +39,7 @@ from fedecouple.methods.replay import features as replay_features
 from fedecouple.models import group_of, use_batch_statistics
 
 from ..base import LocalHyperparameters, Observation
+from ..layer_inversion import invert_layer_inputs
 from .closed_form import ROW_SPACE_WEIGHT, STATISTICS_WEIGHT
 from .closed_form import row_space as closed_row_space
 from .closed_form import derive as derive_closed_form
@@ -139,6 +140,9 @@ def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: lis
 
 
 FAMILY_PARAMETERS = 8  # per copy: gain a, offset b, and a 2x3 affine map
+# L-BFGS iterations of the image rebuilt from a closed-form layer input (``closed_form_start``), as a
+# malicious server's readout takes them (``fedsec attack trap``'s default budget)
+START_ITERATIONS = 300
 
 
 def family_start(count: int, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -541,6 +545,25 @@ class GradientMatcher:
             return (_same_tensors(self.context.download, other.context.download)
                     and _same_tensors(self.context.kept, other.context.kept))
         return True
+
+    @property
+    def closed_form_start(self) -> torch.Tensor | None:
+        """(1, C, H, W): the image rebuilt from the input of the extractor's last linear layer that the closed
+        form fixed (its best candidate; ``attacks.layer_inversion`` through the layers below it, as the
+        client downloaded them, from the grey image), where the attack rebuilds one image; else None.
+        DLG's first start. Computed once per observation (``Observation.memo``)."""
+        last = self.closed.last_linear
+        if last is None or (self.originals or 1) != 1:
+            return None
+        key = ("closed-form-start", START_ITERATIONS)
+        memo = self.observation.memo
+        if key not in memo:
+            a = last.input if last.input.dim() == 1 else last.input[0]
+            grey = torch.full(tuple(self.observation.image_shape), 0.5, device=a.device)
+            with torch.enable_grad():
+                memo[key] = invert_layer_inputs(lambda x: self._linear_input(self.update.before, x),
+                                                a.unsqueeze(0), grey, START_ITERATIONS)
+        return memo[key]
 
     # -- labels ---------------------------------------------------------------------------------
     @property
