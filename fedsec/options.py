@@ -46,7 +46,9 @@ def threat_model_options(func):
                           "augmentation family (gain, offset, affine warp), its parameters unknown; oracle = the "
                           "server knows the client's augmentation draws and batch order (an upper bound)."),
         click.option("--start", type=click.Choice(STARTS), default="noise", show_default=True,
-                     help="DLG/iDLG dummy images start as uniform noise or as the per-channel mean image."),
+                     help="DLG/iDLG dummy images start as uniform noise or as the per-channel mean image (the first "
+                          "start is the image rebuilt from the closed form where it fixes one image's "
+                          "last-linear input)."),
         click.option("--aux-data", default=None, metavar="DATASET",
                      help="Threat model: the server holds public data of the same domain (an embedded data set: "
                           "digits or mnist5k, resized; the attacked clients' own images left out). proto then "
