@@ -89,6 +89,7 @@ from fedecouple.methods.prototypes import prototype_table, prototypes_in
 from fedecouple.models import group_of
 
 from ..base import LocalHyperparameters, Observation
+from .observation import kept_model
 
 # weight of ‖a(x) − a‖²/‖a‖² in the attack objective. Chosen on the tuning federation (seed 1,
 # round 19, FedPer, textbook victim; BENCHMARKS.md "Attack strength (issue 26)")
@@ -456,9 +457,7 @@ def _linear_input_from_features(obs: Observation, update, model, out: ClosedForm
     """``extractor_linear_input`` as a matched ``LastLinear`` (with the method's own replay: not head-free),
     recorded in ``out``'s trace and notes; None where it does not apply."""
     found = last_linear_layer(model)
-    kept = {n: v for n, v in (obs.previous_upload or {}).items() if n.startswith("extractor.")}
-    initial = {n: p.detach() for n, p in model.named_parameters() if n.startswith("extractor.")}
-    kept = {**initial, **kept}
+    kept = kept_model(obs, {n: p.detach() for n, p in model.named_parameters() if n.startswith("extractor.")})
     if found is None or any(not torch.equal(kept[n].to(v), v) for n, v in update.before.items() if n in kept):
         out.notes.append("closed form: the extractor's last linear input is not solved: the classifier phase "
                          "ran on another extractor than the one the extractor phase started from")

@@ -43,7 +43,7 @@ from ..layer_inversion import invert_layer_inputs
 from .closed_form import ROW_SPACE_WEIGHT, STATISTICS_WEIGHT
 from .closed_form import row_space as closed_row_space
 from .closed_form import derive as derive_closed_form
-from .observation import CLASSIFIER_WEIGHT, COPY_MODELS, UpdateTarget, resolve_mode, update_target
+from .observation import CLASSIFIER_WEIGHT, COPY_MODELS, UpdateTarget, kept_model, resolve_mode, update_target
 
 
 def scaled_gradient(target: UpdateTarget, hyperparameters: LocalHyperparameters | None) -> dict[str, torch.Tensor]:
@@ -129,7 +129,7 @@ def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: lis
     ``copies``: epoch copies of the image set in the replayed images (``Layout.epoch_copies``)."""
     initial = {n: p.detach() for n, p in obs.make_model().named_parameters()}
     previous = obs.previous_upload or {}
-    kept = {n: previous[n].to(torch.float32) if n in previous else v for n, v in initial.items()}
+    kept = kept_model(obs, initial)
     notes = []
     if obs.round > 0 and not any(n in previous for n in initial):
         notes.append("no previous upload of this client: its kept model is taken to be the initial one")

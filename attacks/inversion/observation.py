@@ -151,6 +151,13 @@ def update_target(obs: Observation) -> UpdateTarget:
                         names=names, classifier_update=any(group_of(n) == "classifier" for n in names), notes=notes)
 
 
+def kept_model(obs: Observation, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The client's kept model as the server can know it: each parameter from its previous upload where
+    that holds it, else the initial weights (``initial``: the parameters of ``obs.make_model()``)."""
+    previous = obs.previous_upload or {}
+    return {n: previous[n].to(torch.float32) if n in previous else v for n, v in initial.items()}
+
+
 def resolve_mode(obs: Observation, mode: str = "auto") -> str:
     """``method``, ``replay`` or ``scaled-gradient`` for the requested ``mode`` (auto, method, replay,
     scaled). ``auto``: the method's own replay when the hyperparameters are known and its local
