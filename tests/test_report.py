@@ -321,7 +321,7 @@ def test_victim_settings_are_cells_and_share_one_recorded_training(tmp_path, mon
     monkeypatch.setattr(Federation, "run_round", counted)
     settings = rep.ReportSettings(rounds=(0, 1), targets=1, iterations={"dlg": 3}, victim_settings=rep.VICTIM_SETTINGS,
                                   textbook_batch=2, targets_by={"dlg@textbook": 2})
-    base = base_config(rounds=2)
+    base = base_config(rounds=2, train_images=20)  # real local training replays every image: keep it small
     result = rep.build_report(base, ["fedpac"], tmp_path / "r", attacks=["dlg", "labels"], settings=settings,
                               progress=False)
     assert result["failed"] == {} and result["cells"] == ["dlg@textbook", "dlg@real", "labels"]
