@@ -221,7 +221,7 @@ def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name
     if budget.start not in STARTS:
         raise ValueError(f"unknown start {budget.start!r}; choose one of: {', '.join(STARTS)}")
     trace["start"] = budget.start
-    if matcher.closed.last_linear is not None and (matcher.originals or 1) == 1:
+    if matcher.has_closed_form_start:
         trace["start"] = f"closed form, then {budget.start}"
         notes.append("the first start is the image rebuilt from the closed form's input of the extractor's last "
                      "linear layer (attacks.layer_inversion); further starts as --start says")

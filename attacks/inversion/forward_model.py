@@ -547,14 +547,20 @@ class GradientMatcher:
         return True
 
     @property
+    def has_closed_form_start(self) -> bool:
+        """Whether ``closed_form_start`` rebuilds an image: the closed form fixed the last linear layer's input
+        and the attack rebuilds one image."""
+        return self.closed.last_linear is not None and (self.originals or 1) == 1
+
+    @property
     def closed_form_start(self) -> torch.Tensor | None:
         """(1, C, H, W): the image rebuilt from the input of the extractor's last linear layer that the closed
         form fixed (its best candidate; ``attacks.layer_inversion`` through the layers below it, as the
         client downloaded them, from the grey image), where the attack rebuilds one image; else None.
         DLG's first start. Computed once per observation (``Observation.memo``)."""
-        last = self.closed.last_linear
-        if last is None or (self.originals or 1) != 1:
+        if not self.has_closed_form_start:
             return None
+        last = self.closed.last_linear
         key = ("closed-form-start", START_ITERATIONS)
         memo = self.observation.memo
         if key not in memo:
