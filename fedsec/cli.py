@@ -401,11 +401,13 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, malicious_
     Example: fedsec report --methods fedecouple,fedper,fedpac,fedproto --out runs/report
 
     --preset audit: 20 clients, 20 rounds; attacks ig, proto and labels at round 0 and round 19; IG in
-    two cells, ig@textbook (16 clients, one step on 2 images each) and ig@real (2 clients' real local
-    training, every image they trained on); proto on 11 clients, labels on all 20: at least 32 images
-    per image cell, each with its interval and share recovered. One start per reconstruction, 500
-    IG steps (textbook) and 100 (real). Explicit flags win (--iterations ig@real=300, --attacks,
-    --attack-rounds, --targets). The report prints its time estimate before it starts.
+    three cells, ig@textbook (16 clients, one step on 2 images each), ig@real-n10 and ig@real-n50 (the
+    real local training of 4 clients of 10 and 2 clients of 50 training images, each size its own
+    federation; every image they trained on); proto on 11 clients, labels on all 20: at least 32
+    images per image cell, each with its interval and share recovered. One start per reconstruction,
+    500 IG steps (textbook, n10) and 100 (n50). Explicit flags win (--iterations ig@real=300 for every
+    size, ig@real-n10=300 for one; --attacks, --attack-rounds, --targets). The report prints its time
+    estimate before it starts.
 
     Malicious-server attacks (--attacks trap, binning, ...) get their own section instead of a headline
     column: per method, clients of each --malicious-sizes N training images, the download check off and

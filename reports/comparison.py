@@ -70,7 +70,7 @@ HEADLINE_NOTE = (
     "with the prior baseline (the data set's mean image scored the same way), the number of images and the share "
     "recovered ({rule}); leakage means above the prior. A cell "
     "<attack>@textbook is the attack on clients that took one step on a few images, <attack>@real on their real "
-    "local training. MIS-SPECIFIED: for some target the true data matched the upload worse than the "
+    "local training (<attack>@real-n<N>: clients that hold N training images). MIS-SPECIFIED: for some target the true data matched the upload worse than the "
     "reconstruction under the attack's own objective (its forward model was wrong), so that PSNR says nothing "
     "about the method's privacy. LOWER BOUND: at or below the prior while, on some target, the truth matched "
     "better than the reconstruction: the optimiser stopped short, so the PSNR is set by the attack's budget, not "

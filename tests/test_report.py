@@ -351,12 +351,20 @@ def test_the_audit_preset_plans_at_least_32_images_per_image_cell():
 
     settings = rep.audit_preset()
     cells = settings.keys(rep.AUDIT_ATTACKS)
-    assert cells == ["ig@textbook", "ig@real", "proto", "labels"] and settings.rounds == (0, 19)
+    assert cells == ["ig@textbook", "ig@real-n10", "ig@real-n50", "proto", "labels"] and settings.rounds == (0, 19)
     prep = prepare(RunConfig.of(dataset="mnist5k", **AUDIT_FEDERATION))
     smallest = min(len(prep.partition.train[c]) for c in range(prep.config.data.clients))
-    plan = {c: settings.for_attack(c) for c in cells}
+    plan = {c: settings.for_attack(c) for c in cells + ["ig@real"]}
     assert plan["ig@textbook"].targets * plan["ig@textbook"].victim_batch >= 32
+    for cell in ("ig@real-n10", "ig@real-n50"):  # real local training of clients of N images: N per target
+        assert plan[cell].victim_batch == 0 and plan[cell].targets * settings.cell_size(cell) >= 32
+    assert (plan["ig@real-n10"].iterations, plan["ig@real-n50"].iterations) == (500, 100)  # n50: ig@real's entry
+    # `fedsec attack ig --preset audit` attacks the federation's own clients (no size)
     assert plan["ig@real"].victim_batch == 0 and plan["ig@real"].targets * smallest >= 32
+    assert settings.cell_size("ig@real") is None
+    # --iterations ig@real=300 covers every size; a cell's own entry only that cell
+    assert {rep.audit_preset({"ig@real": 300}).for_attack(c).iterations for c in ("ig@real-n10", "ig@real-n50")} == {300}
+    assert rep.audit_preset({"ig@real-n50": 7}).for_attack("ig@real-n10").iterations == 500
     assert plan["proto"].targets * prep.config.data.classes_per_client >= 32
     assert all(s.rounds_to_train == AUDIT_FEDERATION["rounds"] for s in plan.values())
 
@@ -369,10 +377,15 @@ def test_preset_audit_on_the_command_line_prints_an_estimate_and_writes_both_set
           "--threads", str(TEST_THREADS), "--out", str(out)])  # returns (exit 0); a failure exits non-zero
     captured = capsys.readouterr()
     assert re.search(r"\d+ of \d+ stages to compute: about \d+ (s|min)", captured.err)
-    assert "ig@textbook" in captured.out and "ig@real" in captured.out
+    assert "ig@textbook" in captured.out and "ig@real-n10" in captured.out and "ig@real-n50" in captured.out
     summary = pd.read_csv(out / "summary.csv")
     assert summary.loc[0, "ig@textbook_n_images"] == 2 * 1 * 2  # 2 rounds x 1 target x 2 images (the preset's batch)
-    assert summary.loc[0, "ig@real_status"] == "done" and summary.loc[0, "proto_status"] == "done"
+    assert summary.loc[0, "proto_status"] == "done"
+    for size in (10, 50):  # real local training of 1 client of N images per round, on its own federation
+        assert summary.loc[0, f"ig@real-n{size}_status"] == "done"
+        assert summary.loc[0, f"ig@real-n{size}_n_images"] == 2 * size
+        sized = json.loads((out / "fedpac" / f"attack-ig@real-n{size}" / "summary.json").read_text())["config"]
+        assert sized["train_images"] == size
     config = json.loads((out / "fedpac" / "train" / "config.json").read_text())["config"]
     assert (config["clients"], config["rounds"]) == (4, 2)
     assert (out / "leakage_by_round.png").is_file() and "## Leakage by round" in (out / "report.md").read_text()
@@ -397,3 +410,14 @@ def test_leakage_by_round_crosses_out_the_rounds_an_attack_was_mis_specified():
     plain = leakage_by_round(rows, 100.0)
     assert plain[:4] == b"\x89PNG" and plain == leakage_by_round(rows, 100.0)  # the same figure, the same bytes
     assert leakage_by_round(rows.assign(mis_specified=[False, True]), 100.0) != plain
+
+
+def test_iterations_name_sized_real_cells_and_an_unknown_setting_is_one_line_exit_2(tmp_path, capsys):
+    assert rep.parse_iterations("ig@real-n10=300,ig@real=100") == {"ig@real-n10": 300, "ig@real": 100}
+    for bad in ("ig@real-n0=5", "ig@real-10=5", "ig@fake=5"):
+        with pytest.raises(SystemExit) as exc:
+            main(["report", "--methods", "fedavg", "--attacks", "ig", "--dataset", "digits", "--iterations", bad,
+                  "--out", str(tmp_path / "r")])
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and "unknown setting" in line and "ATTACK@real-nN" in line, line
+    assert not (tmp_path / "r").exists()

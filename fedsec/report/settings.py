@@ -2,6 +2,7 @@
 the ``--preset audit`` plan and ``--iterations`` parsing."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -15,6 +16,8 @@ DEFAULT_METHODS = ("fedecouple", "fedper", "fedpac", "fedproto")
 DEFAULT_ATTACKS = ("dlg", "ig", "proto", "labels")
 DEFAULT_TARGETS = 2
 VICTIM_SETTINGS = ("textbook", "real")
+# a real-training cell on clients of N training images: ``ig@real-n10``
+SIZED_REAL = re.compile(r"real-n([1-9][0-9]*)")
 # the malicious-server section: clients of these many training images, each with and without the
 # client-side download check (fedsec.defenses.download_check)
 DEFAULT_MALICIOUS_SIZES = (10, 50)
@@ -22,8 +25,17 @@ CHECK_SETTINGS = (False, True)
 
 
 def attack_of(key: str) -> str:
-    """The registered attack of a report cell key (``ig`` or ``ig@real``)."""
+    """The registered attack of a report cell key (``ig``, ``ig@real`` or ``ig@real-n10``)."""
     return key.partition("@")[0]
+
+
+def cell_setting(key: str) -> tuple[str, int | None]:
+    """(victim setting, client size) of a report cell key: ``ig`` → ("", None), ``ig@textbook`` →
+    ("textbook", None), ``ig@real`` → ("real", None: the federation's own clients), ``ig@real-n10`` →
+    ("real", 10: clients of 10 training images)."""
+    setting = key.partition("@")[2]
+    sized = SIZED_REAL.fullmatch(setting)
+    return ("real", int(sized.group(1))) if sized else (setting, None)
 
 
 @dataclass(frozen=True)
@@ -34,7 +46,11 @@ class ReportSettings:
     With ``victim_settings`` each gradient attack runs once per setting, as its own cell ``<attack>@
     <setting>``: ``textbook`` (each target trains one step on ``textbook_batch`` of its images) and
     ``real`` (its real local training); the other attacks read the real local training anyway.
-    ``iterations`` and ``targets_by`` may name a cell (``ig@real``) or an attack (``ig``)."""
+    With ``real_sizes`` the ``real`` setting is one cell per size N, ``<attack>@real-n<N>``, on its
+    own federation of clients of exactly N training images (``--train-images N``; leakage falls
+    with the images a client trains on, so one size says little): without, one cell on the
+    federation's own clients. ``iterations`` and ``targets_by`` may name a cell (``ig@real-n10``),
+    its setting (``ig@real``, for every size) or an attack (``ig``)."""
 
     rounds: tuple[int, ...] = (0,)
     targets: int = DEFAULT_TARGETS
@@ -46,12 +62,19 @@ class ReportSettings:
     targets_by: dict[str, int] = field(default_factory=dict)  # per cell or attack; missing → targets
     malicious_sizes: tuple[int, ...] = DEFAULT_MALICIOUS_SIZES  # the section's clients' training images
     malicious_rounds: tuple[int, ...] | None = None  # the section's attacked rounds (None: ``rounds``)
+    real_sizes: tuple[int, ...] = ()  # the real-training cells' client sizes (empty: the federation's clients)
 
     def keys(self, attack_names: Iterable[str]) -> list[str]:
         """The report's cells: one per attack, or one per attack and victim setting (gradient attacks).
         A malicious server's attacks have their own section (``malicious_cells``), not cells."""
+        settings = [s for v in self.victim_settings
+                    for s in ([f"real-n{n}" for n in self.real_sizes] if v == "real" and self.real_sizes else [v])]
         return [f"{a}@{v}" if v else a for a in attack_names if attacks.get(a).kind != "malicious"
-                for v in (self.victim_settings if attacks.get(a).kind == "gradient" and self.victim_settings else [""])]
+                for v in (settings if attacks.get(a).kind == "gradient" and settings else [""])]
+
+    def cell_size(self, key: str) -> int | None:
+        """The training images of the clients a cell attacks (None: the federation's own)."""
+        return cell_setting(key)[1]
 
     def malicious_cells(self, attack_names: Iterable[str]) -> list["MaliciousCell"]:
         """The malicious-server section's cells: every requested attack of kind ``malicious``, at each
@@ -78,11 +101,12 @@ class ReportSettings:
         return {key: self.for_attack(key) for key in keys}
 
     def for_attack(self, key: str) -> AttackSettings:
-        """The ``AttackSettings`` of one cell (``ig``, ``ig@real``)."""
-        attack, _, setting = key.partition("@")
+        """The ``AttackSettings`` of one cell (``ig``, ``ig@real``, ``ig@real-n10``)."""
+        attack, setting = attack_of(key), cell_setting(key)[0]
         spec = attacks.get(attack)
         victim = {"": spec.default_victim_batch, "real": 0, "textbook": self.textbook_batch}[setting]
-        pick = lambda table, default: table.get(key, table.get(attack, default))  # noqa: E731
+        family = f"{attack}@{setting}"  # a sized cell falls back on its setting's entry, then the attack's
+        pick = lambda table, default: table.get(key, table.get(family, table.get(attack, default)))  # noqa: E731
         return AttackSettings(attack=attack, rounds=tuple(int(r) for r in self.rounds),
                               targets=int(pick(self.targets_by, self.targets)),
                               iterations=int(pick(self.iterations, spec.default_iterations)),
@@ -125,24 +149,33 @@ def parse_sizes(text: str | Iterable[int] | None) -> tuple[int, ...]:
 def audit_preset(iterations: dict[str, int] | None = None) -> ReportSettings:
     """``--preset audit``'s attack plan (the federation is ``runner.AUDIT_FEDERATION``): attacks at
     round 0 and at the last round, IG in the textbook setting (16 clients, one step on 2 images each)
-    and on the clients' real local training (2 clients, every image they trained on), prototype
+    and on real local training of clients of 10 and of 50 training images (``AUDIT_REAL_SIZES``: 4
+    and 2 clients, every image they trained on; a federation of its own per size), prototype
     inversion on 11 clients (3 prototypes each) and label inference on all 20: at least 32 images per
-    image cell. One start per reconstruction; IG's budget is cut on the real local training, where
-    each step replays a whole epoch (or FedeCouple's three) on ~180 images. The malicious-server
-    section (``trap``): 4 clients of 10 and of 50 training images at round 0, the check off and on."""
+    image cell. One start per reconstruction; IG's budget is cut where each step replays several
+    local steps (50 images: five, FedeCouple's phases each). The malicious-server section (``trap``):
+    4 clients of 10 and of 50 training images at round 0, the check off and on. ``iterations`` (the
+    user's ``--iterations``) win over the preset's for every cell they name or cover."""
+    user = iterations or {}
+    kept = {k: v for k, v in AUDIT_ITERATIONS.items() if not any(_covers(u, k) for u in user)}
     return ReportSettings(rounds=AUDIT_ROUNDS, victim_settings=VICTIM_SETTINGS, textbook_batch=2, restarts=1,
-                          targets_by={"ig@textbook": 16, "ig@real": 2, "proto": 11, "labels": 20,
+                          targets_by={"ig@textbook": 16, "ig@real": 2, "ig@real-n10": 4, "proto": 11, "labels": 20,
                                       **{a: AUDIT_MALICIOUS_TARGETS for a in attacks.names("malicious")}},
-                          malicious_sizes=DEFAULT_MALICIOUS_SIZES, malicious_rounds=(0,),
-                          iterations={**{k: v for k, v in AUDIT_ITERATIONS.items()
-                                         if k not in (iterations or {}) and attack_of(k) not in (iterations or {})},
-                                      **(iterations or {})})
+                          malicious_sizes=DEFAULT_MALICIOUS_SIZES, malicious_rounds=(0,), real_sizes=AUDIT_REAL_SIZES,
+                          iterations={**kept, **user})
+
+
+def _covers(given: str, key: str) -> bool:
+    """Whether an ``--iterations`` entry ``given`` (an attack, a setting, a cell) applies to ``key``."""
+    return given in (key, attack_of(key), f"{attack_of(key)}@{cell_setting(key)[0]}")
 
 
 AUDIT_ATTACKS = ("ig", "proto", "labels", "trap")
 AUDIT_MALICIOUS_TARGETS = 4
 AUDIT_ROUNDS = (0, 19)
-AUDIT_ITERATIONS = {"ig@textbook": 500, "ig@real": 100, "proto": 300}
+# ig@real: the federation's own clients (~180 images), as ``fedsec attack ig --preset audit`` runs it
+AUDIT_ITERATIONS = {"ig@textbook": 500, "ig@real": 100, "ig@real-n10": 500, "proto": 300}
+AUDIT_REAL_SIZES = (10, 50)
 
 
 def parse_iterations(text: str | None) -> dict[str, int]:
@@ -163,8 +196,8 @@ def parse_iterations(text: str | None) -> dict[str, int]:
             attack, at, setting = a.partition("@")
             if attack not in attacks.ATTACKS:
                 raise UserError(f"--iterations names unknown attack {attack!r}; choose from: {', '.join(attacks.ATTACKS)}")
-            if at and setting not in VICTIM_SETTINGS:
+            if at and cell_setting(a)[0] not in VICTIM_SETTINGS:
                 raise UserError(f"--iterations names unknown setting {a!r}; a cell is ATTACK@"
-                                f"{'|'.join(VICTIM_SETTINGS)}")
+                                f"{'|'.join(VICTIM_SETTINGS)} or ATTACK@real-nN (clients of N images)")
             out[a] = n
     return out

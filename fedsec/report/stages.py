@@ -24,6 +24,7 @@ from ..compare import method_config
 from ..resumable import ResumableStage, TrainRun, marked_folders
 from ..runner import RunConfig
 from ..versions import provenance
+from .settings import cell_setting
 
 # the files each kind of stage must hold, besides its done.json, to count as complete
 REQUIRED = {"train": ("summary.json", "metrics.csv"), "audit": ("summary.json", "findings.json"),
@@ -65,7 +66,8 @@ def stage_identity(kind: str, config: RunConfig, settings=None) -> dict:
 
 def plan(base: RunConfig, methods: list[str], cells: dict[str, AttackSettings], out: Path, mia=None,
          malicious: Iterable = ()) -> list[Stage]:
-    """Every stage, method by method: train, audit, one per cell (``ReportSettings.attack_plan``), one
+    """Every stage, method by method: train, audit, one per cell (``ReportSettings.attack_plan``; a
+    sized real-training cell ``<attack>@real-n<N>`` on a federation of clients of N training images), one
     per malicious-server cell (``ReportSettings.malicious_cells``: its own federation of clients of
     ``size`` training images), mia."""
     stages = []
@@ -74,7 +76,9 @@ def plan(base: RunConfig, methods: list[str], cells: dict[str, AttackSettings], 
         stages.append(Stage(m, "train", None, cfg, stage_identity("train", cfg), out / m / "train"))
         stages.append(Stage(m, "audit", None, cfg, stage_identity("audit", cfg), out / m / "audit"))
         for a, settings in cells.items():
-            stages.append(Stage(m, f"attack-{a}", a, cfg, stage_identity("attack", cfg, settings),
+            size = cell_setting(a)[1]  # a real-training cell on clients of ``size`` images: its own federation
+            cell_cfg = cfg if size is None else sized_config(cfg, size)
+            stages.append(Stage(m, f"attack-{a}", a, cell_cfg, stage_identity("attack", cell_cfg, settings),
                                 out / m / f"attack-{a}", attack_settings=settings))
         for cell in malicious:
             sized = sized_config(cfg, cell.size)
