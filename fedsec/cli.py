@@ -377,11 +377,15 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
 @click.option("--reuse", multiple=True, type=click.Path(), metavar="DIR",
               help="Earlier report (or `fedsec train`) folder whose finished stages with the same configuration are "
                    "copied instead of recomputed (repeatable).")
+@click.option("--jobs", type=COUNT, default=None,
+              help="Processes that run the methods' stages side by side (one method per process at a time, each "
+                   "stage on --threads threads): the numbers are those of --jobs 1; memory grows with each "
+                   "process (about 3 GB for --preset audit) [1; --preset audit: 2].")
 @click.option("--out", type=click.Path(file_okay=False), required=True,
               help="Folder: <method>/<stage>/ stage folders, report.md, report.html, results.csv, summary.csv, "
                    "plots; rerun with the same --out to resume.")
 @click.pass_context
-def report(ctx, methods, attacks, attack_rounds, targets, iterations, malicious_sizes, mia, reuse, out, **opts):
+def report(ctx, methods, attacks, attack_rounds, targets, iterations, malicious_sizes, mia, reuse, jobs, out, **opts):
     """Train, audit and attack several methods on the same partition and seeds; write one comparison.
 
     For each method: train (accuracy), audit (what is uploaded, findings), then each attack. Outputs
@@ -413,7 +417,8 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, malicious_
     column: per method, clients of each --malicious-sizes N training images, the download check off and
     on: the share of the attacked clients' images rebuilt (>= 30 dB, >= prior + 6 dB) with 95 %
     intervals, the crafted and honest downloads the check refused (malicious.csv, malicious_by_size.png).
-    The audit preset adds trap on 4 clients of 10 and of 50 images at round 0.
+    The audit preset adds trap on 4 clients of 10 and of 50 images at round 0, and runs the methods in
+    2 processes (--jobs 2; the numbers do not depend on --jobs).
     """
     from . import report as rep
 
@@ -430,8 +435,9 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, malicious_
         from .mia import MiaSettings
 
         mia_settings = MiaSettings()
+    jobs = jobs or (presets.AUDIT_JOBS if opts.get("preset") == "audit" else 1)
     result = rep.build_report(base, method_list, out, attacks=attack_list, settings=settings, reuse=reuse,
-                              command=console.command_line("report"), mia=mia_settings)
+                              command=console.command_line("report"), mia=mia_settings, jobs=jobs)
     click.echo(rep.headline_markdown(result["summary"], result["cells"], method_list))
     click.echo(f"→ {Path(out) / 'report.html'}, {Path(out) / 'report.md'}, {Path(out) / 'summary.csv'}, "
                f"{Path(out) / 'results.csv'}" + (f", {Path(out) / 'malicious.csv'} (the \"Malicious server\" section)"

@@ -14,6 +14,9 @@ from .runner import AUDIT_FEDERATION, PAPER_FEDERATION
 
 Explicit = Callable[[str], bool]
 FEDERATIONS = {"paper": PAPER_FEDERATION, "audit": AUDIT_FEDERATION}
+# ``fedsec report --preset audit`` runs the methods in this many processes unless --jobs is given: the
+# 2-core machines it is sized for (≤ 40 min) then compute on both cores
+AUDIT_JOBS = 2
 
 
 def merge_federation(preset: str | None, opts: dict, hyperparameters: dict, is_explicit: Explicit) -> None:

@@ -421,3 +421,28 @@ def test_iterations_name_sized_real_cells_and_an_unknown_setting_is_one_line_exi
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert exc.value.code == 2 and "unknown setting" in line and "ATTACK@real-nN" in line, line
     assert not (tmp_path / "r").exists()
+
+
+def test_jobs_run_the_methods_in_processes_and_the_numbers_do_not_change(tmp_path, capfd):
+    """``--jobs 2``: the two methods' stages in two spawned processes give the files of ``--jobs 1``
+    (each stage computes on its own thread count with its own seeds)."""
+    common = ["report", "--methods", "fedavg,fedpac", "--attacks", "ig,labels", "--dataset", "digits", "--clients",
+              "3", "--rounds", "1", "--targets", "1", "--iterations", "4", "--threads", "1"]
+    main([*common, "--out", str(tmp_path / "one")])
+    main([*common, "--jobs", "2", "--out", str(tmp_path / "two")])
+    err = capfd.readouterr().err  # the workers' stage lines reach the terminal's stderr
+    assert "2 processes" in err and "[8/8] fedpac attack-labels: done" in err
+    for name in ("results.csv", "summary.csv"):
+        one = pd.read_csv(tmp_path / "one" / name).drop(columns=["seconds"], errors="ignore")
+        two = pd.read_csv(tmp_path / "two" / name).drop(columns=["seconds"], errors="ignore")
+        pd.testing.assert_frame_equal(one, two)
+    assert pd.read_csv(tmp_path / "two" / "results.csv")["psnr"].notna().sum() > 0
+
+
+def test_jobs_with_ray_is_one_line_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["report", "--methods", "fedavg,fedpac", "--attacks", "labels", "--dataset", "digits", "--backend", "ray",
+              "--jobs", "2", "--out", str(tmp_path / "r")])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and "--jobs" in line and "ray" in line.lower()
+    assert not (tmp_path / "r").exists()

@@ -70,9 +70,12 @@ def check_sizes(base: RunConfig, sizes: Iterable[int]) -> None:
 
 def build_report(base: RunConfig, methods: list[str], out: str | Path, attacks: Iterable[str] = DEFAULT_ATTACKS,
                  settings: ReportSettings | None = None, reuse: Iterable[str | Path] = (), progress: bool = True,
-                 command: str | None = None, log: Callable[[str], None] | None = None, mia=None) -> dict:
+                 command: str | None = None, log: Callable[[str], None] | None = None, mia=None,
+                 jobs: int = 1) -> dict:
     """Run (or resume, or reuse) every stage, then write the report files; returns their paths and the
-    summary. ``mia`` (a ``fedsec.mia.MiaSettings``) adds a membership-inference stage per method."""
+    summary. ``mia`` (a ``fedsec.mia.MiaSettings``) adds a membership-inference stage per method.
+    ``jobs``: processes running the methods' stages side by side (``stages.run_stages``; the numbers
+    do not depend on it)."""
     settings = settings or ReportSettings()
     out = Path(out)
     attack_names = parse_attacks(list(attacks))
@@ -80,9 +83,14 @@ def build_report(base: RunConfig, methods: list[str], out: str | Path, attacks: 
     reuse_dirs = check_reuse_dirs(reuse)
     if mia is not None:
         mia.validate()
+    if jobs < 1:
+        raise UserError(f"--jobs must be at least 1, got {jobs}")
+    if jobs > 1 and base.execution.backend == "ray":
+        raise UserError("--jobs runs the methods in separate processes and --backend ray shares one Ray between "
+                        "stages: use one of them (--jobs 1 with Ray)")
     with runner.shared_datasets(), _one_ray(base):  # every stage reads the same data set tensors (and one Ray)
         settings, stages = validate(base, methods, attack_names, settings, out, mia)
-        records, failed, seconds = run_stages(stages, reuse_dirs, progress, log)
+        records, failed, seconds = run_stages(stages, reuse_dirs, progress, log, jobs)
     cells = {st.attack: st.attack_settings for st in stages if st.kind == "attack"}
     keys = settings.keys(attack_names)
     malicious = settings.malicious_cells(attack_names)

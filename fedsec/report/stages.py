@@ -190,9 +190,12 @@ def _attack_stage(stage: Stage, trainings: TrainingCache | None = None) -> str |
 
 
 def run_stages(stages: list[Stage], reuse_dirs: list[Path], progress: bool,
-               log: Callable[[str], None] | None) -> tuple[list[dict], dict, float]:
+               log: Callable[[str], None] | None, jobs: int = 1) -> tuple[list[dict], dict, float]:
     """Each stage: done earlier, copied from a reuse folder, or computed (a failure is recorded and
-    the next stage runs). Returns (records, failures, seconds)."""
+    the next stage runs). Returns (records, failures, seconds). ``jobs`` > 1: the methods' stage
+    groups run in that many processes (``_run_in_processes``); every stage computes exactly what it
+    computes in one process (its own thread count, its own seeds), so the numbers do not depend on
+    ``jobs``."""
     from tqdm import tqdm
 
     bar = tqdm(total=len(stages), desc="report", unit="stage", disable=None if progress else True, file=sys.stderr,
@@ -206,30 +209,108 @@ def run_stages(stages: list[Stage], reuse_dirs: list[Path], progress: bool,
 
     done_dirs, train_dirs = marked_folders(reuse_dirs) if reuse_dirs else ([], [])
     todo = [st for st in stages if not st.resumable.complete() and find_reusable(st, done_dirs, train_dirs) is None]
+    groups = method_groups(stages)
+    workers = max(1, min(int(jobs), len(groups)))
     if todo:
-        say(f"{len(todo)} of {len(stages)} stages to compute: {estimate.describe(estimate_seconds(todo))} "
-            f"on a 2-core machine like the one the rates were measured on (fedsec.estimate)")
-    records: list[dict] = []
-    failed: dict[tuple[str, str], str] = {}
-    trainings = TrainingCache()
+        by_method = [[st for st in todo if st.method == g[0][1].method] for g in groups]
+        wall = parallel_wall_seconds([estimate_seconds(t) for t in by_method], workers)
+        say(f"{len(todo)} of {len(stages)} stages to compute: {estimate.describe(wall)} on a 2-core machine like the "
+            f"one the rates were measured on" + (f", {workers} processes" if workers > 1 else "") + " (fedsec.estimate)")
     t0 = time.perf_counter()
     try:
-        for i, st in enumerate(stages, 1):
-            if i > 1 and st.method != stages[i - 2].method:
-                trainings.close()  # a method's trainings serve only its own stages
-            bar.set_postfix_str(f"{st.method} {st.name}")
-            label = f"[{i:>{len(str(len(stages)))}}/{len(stages)}] {st.method} {st.name}"
-            records.append(_one_stage(st, label, done_dirs, train_dirs, failed, say, trainings))
-            bar.update(1)
+        if workers > 1:
+            records, failed = _run_in_processes(groups, len(stages), done_dirs, train_dirs, workers, bar, say)
+        else:
+            records, failed = [], {}
+            for group in groups:
+                done, failures = _run_group(group, len(stages), done_dirs, train_dirs, say, bar.update)
+                records += done
+                failed.update(failures)
     finally:
-        trainings.close()
         bar.close()
     return records, failed, time.perf_counter() - t0
+
+
+def method_groups(stages: list[Stage]) -> list[list[tuple[int, Stage]]]:
+    """The stages (with their 1-based positions) in runs of one method: a method's stages run in a
+    row, in one process, so that its train stage's recorded federation serves its later stages."""
+    groups: list[list[tuple[int, Stage]]] = []
+    for i, st in enumerate(stages, 1):
+        if not groups or groups[-1][-1][1].method != st.method:
+            groups.append([])
+        groups[-1].append((i, st))
+    return groups
+
+
+def parallel_wall_seconds(loads: list[float], workers: int) -> float:
+    """The wall time of ``loads`` run by ``workers`` processes taking the largest waiting load first
+    (as ``_run_in_processes`` submits them)."""
+    finish = [0.0] * max(1, workers)
+    for load in sorted(loads, reverse=True):
+        k = finish.index(min(finish))
+        finish[k] += load
+    return max(finish)
+
+
+def _run_group(group: list[tuple[int, Stage]], total: int, done_dirs, train_dirs, say,
+               advance: Callable[[int], None] = lambda n: None) -> tuple[list[dict], dict]:
+    """One method's stages in a row, sharing one ``TrainingCache``; (records, failures)."""
+    failed: dict[tuple[str, str], str] = {}
+    records = []
+    trainings = TrainingCache()
+    try:
+        for i, st in group:
+            label = f"[{i:>{len(str(total))}}/{total}] {st.method} {st.name}"
+            records.append(_one_stage(st, label, done_dirs, train_dirs, failed, say, trainings))
+            advance(1)
+    finally:
+        trainings.close()
+    return records, failed
+
+
+def _group_in_process(group: list[tuple[int, Stage]], total: int, done_dirs, train_dirs) -> tuple[list[dict], dict]:
+    """``_run_group`` in a worker process: its stage lines go straight to stderr."""
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    with runner.shared_datasets():
+        return _run_group(group, total, done_dirs, train_dirs, say)
+
+
+def _run_in_processes(groups, total: int, done_dirs, train_dirs, workers: int, bar, say) -> tuple[list[dict], dict]:
+    """The method groups in ``workers`` fresh (spawned) processes, the largest estimated group first;
+    the records in the stages' order."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    order = sorted(range(len(groups)), key=lambda k: -estimate_seconds(
+        [st for _, st in groups[k] if not st.resumable.complete()]))
+    results: dict[int, tuple[list[dict], dict]] = {}
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_group_in_process, groups[k], total, done_dirs, train_dirs): k for k in order}
+        for future in as_completed(futures):
+            k = futures[future]
+            try:
+                results[k] = future.result()
+            except Exception as exc:  # noqa: BLE001 - the worker died: its stages are failures, rerun resumes
+                reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                say(f"{groups[k][0][1].method}: its worker process failed ({reason}); rerun with the same --out")
+                results[k] = ([{"method": st.method, "stage": st.name, "status": "failed", "seconds": None,
+                                "source": "-"} for _, st in groups[k]],
+                              {(st.method, st.name): reason for _, st in groups[k] if not st.resumable.complete()})
+            bar.update(len(groups[k]))
+    records, failed = [], {}
+    for k in range(len(groups)):
+        records += results[k][0]
+        failed.update(results[k][1])
+    return records, failed
 
 
 def estimate_seconds(stages: list[Stage]) -> float:
     """The wall time ``stages`` (those still to compute) should take (``fedsec.estimate``); a training
     shared between stages counts once."""
+    if not stages:
+        return 0.0
     images = estimate.training_images(runner.prepare(stages[0].config))
     trained: set[str] = set()
     total = 0.0
