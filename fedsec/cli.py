@@ -283,8 +283,9 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     torch runs one thread unless --threads is given.
 
     --preset audit: 20 clients, attack rounds 0 and 19, the audit's plan for this attack: gradient
-    attacks on 2 clients' real local training (every image they trained on; 100 IG steps, one start),
-    or with an explicit --victim-batch B the textbook setting (16 clients). Explicit flags win.
+    attacks on 2 clients' real local training (every image they trained on; 100 IG steps, one start;
+    with --train-images 10 the report's ig@real-n10 cell: 4 clients, 500 steps), or with an explicit
+    --victim-batch B the textbook setting (16 clients). Explicit flags win.
     """
     from .attack import AttackSettings, default_out, parse_rounds, run_attack
     from .runner import shared_datasets
@@ -295,7 +296,8 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     if opts.get("preset") == "audit":  # the audit's plan for this attack, under explicit flags
         planned = presets.attack_plan(attack, {"attack_rounds": attack_rounds, "targets": targets,
                                                "iterations": iterations, "restarts": restarts,
-                                               "victim_batch": victim_batch}, lambda name: explicit(ctx, name))
+                                               "victim_batch": victim_batch}, lambda name: explicit(ctx, name),
+                                        train_images=opts.get("train_images"))
         attack_rounds, targets, iterations, restarts, victim_batch = (
             planned[k] for k in ("attack_rounds", "targets", "iterations", "restarts", "victim_batch"))
     threat = pop_threat_model(opts)
@@ -378,9 +380,10 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
               help="Earlier report (or `fedsec train`) folder whose finished stages with the same configuration are "
                    "copied instead of recomputed (repeatable).")
 @click.option("--jobs", type=COUNT, default=None,
-              help="Processes that run the methods' stages side by side (one method per process at a time, each "
-                   "stage on --threads threads): the numbers are those of --jobs 1; memory grows with each "
-                   "process (about 3 GB for --preset audit) [1; --preset audit: 2].")
+              help="Processes that run the methods' stages side by side (one method per process at a time). Each "
+                   "stage computes on --threads threads (unset: torch's default shared out over the processes; "
+                   "attacks: 1), so the numbers are those of --jobs 1 with the same --threads; memory grows with "
+                   "each process (about 3 GB for --preset audit) [1; --preset audit: 2].")
 @click.option("--out", type=click.Path(file_okay=False), required=True,
               help="Folder: <method>/<stage>/ stage folders, report.md, report.html, results.csv, summary.csv, "
                    "plots; rerun with the same --out to resume.")
@@ -418,7 +421,7 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, malicious_
     on: the share of the attacked clients' images rebuilt (>= 30 dB, >= prior + 6 dB) with 95 %
     intervals, the crafted and honest downloads the check refused (malicious.csv, malicious_by_size.png).
     The audit preset adds trap on 4 clients of 10 and of 50 images at round 0, and runs the methods in
-    2 processes (--jobs 2; the numbers do not depend on --jobs).
+    2 processes (--jobs 2: on 2 cores each trains on one thread, as --jobs 1 --threads 1 would).
     """
     from . import report as rep
 

@@ -30,18 +30,21 @@ def merge_federation(preset: str | None, opts: dict, hyperparameters: dict, is_e
             hyperparameters.setdefault(key, value)
 
 
-def attack_plan(attack: str, given: dict, is_explicit: Explicit) -> dict:
+def attack_plan(attack: str, given: dict, is_explicit: Explicit, train_images: int | None = None) -> dict:
     """``fedsec attack --preset audit``: the audit's plan for this attack (``report.audit_preset``'s
-    cell: ``<attack>@real``, or ``@textbook`` with an explicit ``--victim-batch``; a malicious server's
-    attack: the malicious-server section's round and targets) under the explicit flags. ``given`` and the result hold attack_rounds, targets, iterations, restarts, victim_batch."""
+    cell: ``<attack>@real`` — ``@real-n<N>`` with ``--train-images N`` — or ``@textbook`` with an
+    explicit ``--victim-batch``; a malicious server's attack: the malicious-server section's round and
+    targets) under the explicit flags. ``given`` and the result hold attack_rounds, targets,
+    iterations, restarts, victim_batch."""
     from .report import audit_preset
 
     kind = attacks.get(attack).kind
     gradient = kind == "gradient"
     textbook = is_explicit("victim_batch") and given["victim_batch"] and gradient
     preset = audit_preset()
+    real = "real" if train_images is None else f"real-n{int(train_images)}"  # a size of the curve, or the clients'
     plan = (preset.for_malicious(attack, False) if kind == "malicious"  # the section's round and targets
-            else preset.for_attack(f"{attack}@{'textbook' if textbook else 'real'}" if gradient else attack))
+            else preset.for_attack(f"{attack}@{'textbook' if textbook else real}" if gradient else attack))
     planned = {"attack_rounds": ",".join(map(str, plan.rounds)), "targets": plan.targets,
                "iterations": plan.iterations, "restarts": plan.restarts, "victim_batch": plan.victim_batch}
     return {k: given[k] if is_explicit(k) else v for k, v in planned.items()}

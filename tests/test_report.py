@@ -425,7 +425,10 @@ def test_iterations_name_sized_real_cells_and_an_unknown_setting_is_one_line_exi
 
 def test_jobs_run_the_methods_in_processes_and_the_numbers_do_not_change(tmp_path, capfd):
     """``--jobs 2``: the two methods' stages in two spawned processes give the files of ``--jobs 1``
-    (each stage computes on its own thread count with its own seeds)."""
+    with the same ``--threads`` (each stage's seeds are its own); the threads are shared out."""
+    from fedsec.report.stages import process_threads
+
+    assert (process_threads(2, 2), process_threads(8, 2), process_threads(1, 2)) == (1, 4, 1)
     common = ["report", "--methods", "fedavg,fedpac", "--attacks", "ig,labels", "--dataset", "digits", "--clients",
               "3", "--rounds", "1", "--targets", "1", "--iterations", "4", "--threads", "1"]
     main([*common, "--out", str(tmp_path / "one")])
@@ -446,3 +449,14 @@ def test_jobs_with_ray_is_one_line_exit_2(tmp_path, capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and "--jobs" in line and "ray" in line.lower()
     assert not (tmp_path / "r").exists()
+
+
+def test_fedsec_attack_preset_audit_with_train_images_takes_that_sized_cells_plan():
+    from fedsec import presets
+
+    given = {"attack_rounds": "0", "targets": 2, "iterations": None, "restarts": None, "victim_batch": 1}
+    sized = presets.attack_plan("ig", given, lambda name: False, train_images=10)
+    whole = presets.attack_plan("ig", given, lambda name: False)
+    assert (sized["targets"], sized["iterations"], sized["victim_batch"]) == (4, 500, 0)
+    assert (whole["targets"], whole["iterations"], whole["victim_batch"]) == (2, 100, 0)
+    assert presets.attack_plan("ig", given, lambda name: name == "iterations", train_images=10)["iterations"] is None

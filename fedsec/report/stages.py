@@ -193,9 +193,10 @@ def run_stages(stages: list[Stage], reuse_dirs: list[Path], progress: bool,
                log: Callable[[str], None] | None, jobs: int = 1) -> tuple[list[dict], dict, float]:
     """Each stage: done earlier, copied from a reuse folder, or computed (a failure is recorded and
     the next stage runs). Returns (records, failures, seconds). ``jobs`` > 1: the methods' stage
-    groups run in that many processes (``_run_in_processes``); every stage computes exactly what it
-    computes in one process (its own thread count, its own seeds), so the numbers do not depend on
-    ``jobs``."""
+    groups run in that many processes (``_run_in_processes``), each with an equal share of torch's
+    threads; a stage computes what it computes in one process on the same thread count (its seeds are
+    its own), so with ``--threads`` given the numbers do not depend on ``jobs``. The workers write
+    their stage lines to stderr themselves (not through ``log``)."""
     from tqdm import tqdm
 
     bar = tqdm(total=len(stages), desc="report", unit="stage", disable=None if progress else True, file=sys.stderr,
@@ -252,6 +253,11 @@ def parallel_wall_seconds(loads: list[float], workers: int) -> float:
     return max(finish)
 
 
+def process_threads(available: int, workers: int) -> int:
+    """torch threads per worker process: the ``available`` ones shared out, at least one."""
+    return max(1, int(available) // max(1, int(workers)))
+
+
 def _run_group(group: list[tuple[int, Stage]], total: int, done_dirs, train_dirs, say,
                advance: Callable[[int], None] = lambda n: None) -> tuple[list[dict], dict]:
     """One method's stages in a row, sharing one ``TrainingCache``; (records, failures)."""
@@ -268,26 +274,36 @@ def _run_group(group: list[tuple[int, Stage]], total: int, done_dirs, train_dirs
     return records, failed
 
 
-def _group_in_process(group: list[tuple[int, Stage]], total: int, done_dirs, train_dirs) -> tuple[list[dict], dict]:
-    """``_run_group`` in a worker process: its stage lines go straight to stderr."""
+def _group_in_process(group: list[tuple[int, Stage]], total: int, done_dirs, train_dirs,
+                      threads: int) -> tuple[list[dict], dict]:
+    """``_run_group`` in a worker process, torch on ``threads`` threads where a stage sets none (its
+    --threads: the trainings; an attack sets its own): its stage lines go straight to stderr."""
+    import torch
+
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
+    torch.set_num_threads(threads)
     with runner.shared_datasets():
         return _run_group(group, total, done_dirs, train_dirs, say)
 
 
 def _run_in_processes(groups, total: int, done_dirs, train_dirs, workers: int, bar, say) -> tuple[list[dict], dict]:
     """The method groups in ``workers`` fresh (spawned) processes, the largest estimated group first;
-    the records in the stages' order."""
+    the records in the stages' order. Each process gets an equal share of torch's threads (at least
+    one), so that the processes do not oversubscribe the cores: a stage without --threads computes
+    as ``--jobs 1`` with that many threads would (thread counts change float rounding)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
+    import torch
+
+    threads = process_threads(torch.get_num_threads(), workers)
     order = sorted(range(len(groups)), key=lambda k: -estimate_seconds(
         [st for _, st in groups[k] if not st.resumable.complete()]))
     results: dict[int, tuple[list[dict], dict]] = {}
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_group_in_process, groups[k], total, done_dirs, train_dirs): k for k in order}
+        futures = {pool.submit(_group_in_process, groups[k], total, done_dirs, train_dirs, threads): k for k in order}
         for future in as_completed(futures):
             k = futures[future]
             try:
