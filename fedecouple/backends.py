@@ -134,9 +134,21 @@ def run_update(method: Method, job: ClientJob, images: torch.Tensor, labels: tor
     download = job.download if device.type == "cpu" else \
         replace(job.download, tensors=to_device(job.download.tensors, device))
     state, upload = method.client_update(ctx, to_device(job.state, device), download)
+    check_finite_upload(upload, job.client_id, job.round)
     if device.type != "cpu":
         state, upload = to_device(state, "cpu"), replace(upload, tensors=to_device(upload.tensors, "cpu"))
     return ClientResult(job.client_id, state, upload, job.indices, ctx.batch_log, to_device(ctx.private, "cpu"))
+
+
+def check_finite_upload(upload: Upload, client_id: int, round: int) -> None:
+    """A one-line error where a client's upload holds a non-finite number: its training diverged
+    although every loss stayed finite (e.g. features overflowing into a prototype), and an upload
+    like that would poison the server's average and every attack on it."""
+    bad = [name for name, t in upload.tensors.items()
+           if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise UserError(f"training diverged (non-finite upload: {', '.join(bad[:3])}) on client {client_id} in round "
+                        f"{round}; lower --lr")
 
 
 class Backend:
