@@ -220,11 +220,12 @@ def run_stages(stages: list[Stage], reuse_dirs: list[Path], progress: bool,
     t0 = time.perf_counter()
     try:
         if workers > 1:
-            records, failed = _run_in_processes(groups, len(stages), done_dirs, train_dirs, workers, bar, say)
+            records, failed = _run_in_processes(groups, len(stages), done_dirs, train_dirs, workers, bar, say,
+                                                progress)
         else:
             records, failed = [], {}
             for group in groups:
-                done, failures = _run_group(group, len(stages), done_dirs, train_dirs, say, bar.update)
+                done, failures = _run_group(group, len(stages), done_dirs, train_dirs, say, bar)
                 records += done
                 failed.update(failures)
     finally:
@@ -259,36 +260,43 @@ def process_threads(available: int, workers: int) -> int:
 
 
 def _run_group(group: list[tuple[int, Stage]], total: int, done_dirs, train_dirs, say,
-               advance: Callable[[int], None] = lambda n: None) -> tuple[list[dict], dict]:
-    """One method's stages in a row, sharing one ``TrainingCache``; (records, failures)."""
+               bar=None) -> tuple[list[dict], dict]:
+    """One method's stages in a row, sharing one ``TrainingCache``; (records, failures). ``bar``: the
+    progress bar to name each stage on and advance (None in a worker process)."""
     failed: dict[tuple[str, str], str] = {}
     records = []
     trainings = TrainingCache()
     try:
         for i, st in group:
+            if bar is not None:
+                bar.set_postfix_str(f"{st.method} {st.name}")
             label = f"[{i:>{len(str(total))}}/{total}] {st.method} {st.name}"
             records.append(_one_stage(st, label, done_dirs, train_dirs, failed, say, trainings))
-            advance(1)
+            if bar is not None:
+                bar.update(1)
     finally:
         trainings.close()
     return records, failed
 
 
-def _group_in_process(group: list[tuple[int, Stage]], total: int, done_dirs, train_dirs,
-                      threads: int) -> tuple[list[dict], dict]:
+def _group_in_process(group: list[tuple[int, Stage]], total: int, done_dirs, train_dirs, threads: int,
+                      progress: bool) -> tuple[list[dict], dict]:
     """``_run_group`` in a worker process, torch on ``threads`` threads where a stage sets none (its
-    --threads: the trainings; an attack sets its own): its stage lines go straight to stderr."""
+    --threads: the trainings; an attack sets its own): its stage lines (with ``progress``) go straight
+    to stderr."""
     import torch
 
     def say(text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
+        if progress:
+            print(text, file=sys.stderr, flush=True)
 
     torch.set_num_threads(threads)
     with runner.shared_datasets():
         return _run_group(group, total, done_dirs, train_dirs, say)
 
 
-def _run_in_processes(groups, total: int, done_dirs, train_dirs, workers: int, bar, say) -> tuple[list[dict], dict]:
+def _run_in_processes(groups, total: int, done_dirs, train_dirs, workers: int, bar, say,
+                      progress: bool) -> tuple[list[dict], dict]:
     """The method groups in ``workers`` fresh (spawned) processes, the largest estimated group first;
     the records in the stages' order. Each process gets an equal share of torch's threads (at least
     one), so that the processes do not oversubscribe the cores: a stage without --threads computes
@@ -303,7 +311,8 @@ def _run_in_processes(groups, total: int, done_dirs, train_dirs, workers: int, b
         [st for _, st in groups[k] if not st.resumable.complete()]))
     results: dict[int, tuple[list[dict], dict]] = {}
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_group_in_process, groups[k], total, done_dirs, train_dirs, threads): k for k in order}
+        futures = {pool.submit(_group_in_process, groups[k], total, done_dirs, train_dirs, threads, progress): k
+                   for k in order}
         for future in as_completed(futures):
             k = futures[future]
             try:
