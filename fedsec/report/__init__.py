@@ -21,6 +21,8 @@ One training serves several stages (``fedsec.attack.TrainingCache``): the train 
 round, and the method's audit and its attacks on real local training (same rounds trained, no
 victim setting) use that federation instead of training it again; a textbook cell trains its own
 (its targets train differently in the attacked rounds). The numbers are those of separate runs.
+With ``jobs`` > 1 (``--jobs``; the audit preset: 2) each method's run of stages goes to one of that
+many spawned processes, torch's threads shared out between them (``stages.run_stages``).
 
 Every method uses the same ``RunConfig`` except ``method`` and the hyperparameters that method
 takes, so all see the same partition, initial model and seeds.
