@@ -373,6 +373,11 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
               help="Malicious-server attacks (trap, binning, ...): the clients' numbers of training images the "
                    "report's \"Malicious server\" section measures, each with the client-side download check off "
                    "and on; an error without such an attack in --attacks [10,50].")
+@click.option("--real-sizes", default=None, metavar="N,N,...",
+              help="Gradient attacks on the clients' real local training, one cell per client size N "
+                   "(<attack>@real-nN, each a federation of clients of exactly N training images: leakage falls "
+                   "with N); without --preset audit these are the gradient attacks' only cells; an error without "
+                   "a gradient attack in --attacks [--preset audit: 10,50].")
 @click.option("--mia/--no-mia", default=False, show_default=True,
               help="Add a membership-inference stage per method (`fedsec mia` with its defaults: 4 shadow "
                    "federations per method, so about five times the training).")
@@ -388,7 +393,8 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
               help="Folder: <method>/<stage>/ stage folders, report.md, report.html, results.csv, summary.csv, "
                    "plots; rerun with the same --out to resume.")
 @click.pass_context
-def report(ctx, methods, attacks, attack_rounds, targets, iterations, malicious_sizes, mia, reuse, jobs, out, **opts):
+def report(ctx, methods, attacks, attack_rounds, targets, iterations, malicious_sizes, real_sizes, mia, reuse, jobs, out,
+           **opts):
     """Train, audit and attack several methods on the same partition and seeds; write one comparison.
 
     For each method: train (accuracy), audit (what is uploaded, findings), then each attack. Outputs
@@ -430,7 +436,7 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, malicious_
             raise UserError(f"report takes --{flag}s, not --{flag}")
     method_list = rep.parse_methods(methods)
     attack_list, settings = presets.report_plan(opts.get("preset"), attacks, attack_rounds, targets, iterations,
-                                                lambda name: explicit(ctx, name), malicious_sizes)
+                                                lambda name: explicit(ctx, name), malicious_sizes, real_sizes)
     opts["method"] = None  # set per method; keeps --preset's FedeCouple values from other methods
     base = config_from_options(ctx, **opts)
     mia_settings = None

@@ -51,24 +51,31 @@ def attack_plan(attack: str, given: dict, is_explicit: Explicit, train_images: i
 
 
 def report_plan(preset: str | None, attack_text: str, attack_rounds: str, targets: int, iterations: str | None,
-                is_explicit: Explicit, malicious_sizes: str | None = None):
+                is_explicit: Explicit, malicious_sizes: str | None = None, real_sizes: str | None = None):
     """(attacks, ``ReportSettings``) of ``fedsec report``: the audit's plan under the explicit flags
-    with ``--preset audit``, else the flags."""
+    with ``--preset audit``, else the flags (``--real-sizes`` alone: each gradient attack on the real
+    local training of clients of each size, no textbook cell)."""
     from . import report as rep
 
     sizes = rep.parse_sizes(malicious_sizes)
+    real = rep.parse_sizes(real_sizes, "--real-sizes", ()) if real_sizes is not None else None
     attack_list = rep.parse_attacks(attack_text if preset != "audit" or is_explicit("attacks")
                                     else ",".join(rep.AUDIT_ATTACKS))
-    if malicious_sizes is not None and not any(attacks.get(a).kind == "malicious" for a in attack_list):
-        names = ", ".join(attacks.names("malicious"))
-        raise UserError(f"--malicious-sizes applies to the malicious-server attacks ({names}): add one to --attacks "
-                        f"or drop --malicious-sizes")
+    for given, kind, flag in ((malicious_sizes, "malicious", "--malicious-sizes"), (real_sizes, "gradient", "--real-sizes")):
+        if given is not None and not any(attacks.get(a).kind == kind for a in attack_list):
+            names = ", ".join(attacks.names(kind))
+            raise UserError(f"{flag} applies to the {'malicious-server' if kind == 'malicious' else 'gradient'} "
+                            f"attacks ({names}): add one to --attacks or drop {flag}")
     if preset != "audit":
+        sized = {} if real is None else {"victim_settings": ("real",), "real_sizes": real}
         return attack_list, rep.ReportSettings(rounds=tuple(rep.parse_rounds(attack_rounds)), targets=targets,
-                                               iterations=rep.parse_iterations(iterations), malicious_sizes=sizes)
+                                               iterations=rep.parse_iterations(iterations), malicious_sizes=sizes,
+                                               **sized)
     settings = rep.audit_preset(rep.parse_iterations(iterations))
     if is_explicit("malicious_sizes"):
         settings = replace(settings, malicious_sizes=sizes)
+    if real is not None:
+        settings = replace(settings, real_sizes=real)
     if is_explicit("attack_rounds"):  # the malicious-server section's rounds too
         settings = replace(settings, rounds=tuple(rep.parse_rounds(attack_rounds)), malicious_rounds=None)
     if is_explicit("targets"):

@@ -460,3 +460,30 @@ def test_fedsec_attack_preset_audit_with_train_images_takes_that_sized_cells_pla
     assert (sized["targets"], sized["iterations"], sized["victim_batch"]) == (4, 500, 0)
     assert (whole["targets"], whole["iterations"], whole["victim_batch"]) == (2, 100, 0)
     assert presets.attack_plan("ig", given, lambda name: name == "iterations", train_images=10)["iterations"] is None
+
+
+def test_real_sizes_give_one_real_training_cell_per_client_size(tmp_path):
+    """``--real-sizes 4,6`` without a preset: the gradient attack's cells are its real local training on
+    federations of clients of 4 and of 6 training images (FedPAC's replay: every image rebuilt and scored)."""
+    out = tmp_path / "r"
+    main(["report", "--methods", "fedpac", "--attacks", "ig,labels", "--real-sizes", "6,4", "--dataset", "digits",
+          "--clients", "3", "--rounds", "1", "--targets", "1", "--iterations", "2", "--threads", "1", "--out", str(out)])
+    summary = pd.read_csv(out / "summary.csv")
+    for size in (4, 6):
+        assert summary.loc[0, f"ig@real-n{size}_status"] == "done"
+        assert summary.loc[0, f"ig@real-n{size}_n_images"] == size
+        config = json.loads((out / "fedpac" / f"attack-ig@real-n{size}" / "summary.json").read_text())["config"]
+        assert config["train_images"] == size
+    assert "ig_status" not in summary and summary.loc[0, "labels_status"] == "done"
+
+
+@pytest.mark.parametrize("flags,needle", [(["--attacks", "labels", "--real-sizes", "10"], "applies to the gradient"),
+                                          (["--attacks", "ig", "--real-sizes", "ten"], "expects comma-separated"),
+                                          (["--attacks", "ig", "--real-sizes", "100000"], "the smallest client holds")])
+def test_bad_real_sizes_are_one_line_exit_2_nothing_written(tmp_path, capsys, flags, needle):
+    with pytest.raises(SystemExit) as exc:
+        main(["report", "--methods", "fedavg", "--dataset", "digits", "--clients", "3", *flags, "--out",
+              str(tmp_path / "r")])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and "--real-sizes" in line and needle in line, line
+    assert not (tmp_path / "r").exists()

@@ -48,6 +48,8 @@ def validate(base: RunConfig, methods: list[str], attack_names: list[str], setti
     stages = plan(base, methods, settings.attack_plan(settings.keys(attack_names)), out, mia, malicious)
     if malicious:
         check_sizes(stages[0].config, settings.malicious_sizes)
+    if settings.real_sizes and any(st.attack and settings.cell_size(st.attack) for st in stages):
+        check_sizes(stages[0].config, settings.real_sizes, "--real-sizes")
     for st in stages:
         runner.build_method(st.config)
         st.config.federation.validate(st.config.data.clients)
@@ -58,13 +60,14 @@ def validate(base: RunConfig, methods: list[str], attack_names: list[str], setti
     return settings, stages
 
 
-def check_sizes(base: RunConfig, sizes: Iterable[int]) -> None:
-    """A one-line error when a ``--malicious-sizes`` value exceeds a client's training split."""
+def check_sizes(base: RunConfig, sizes: Iterable[int], flag: str = "--malicious-sizes") -> None:
+    """A one-line error when a ``flag`` (``--malicious-sizes``, ``--real-sizes``) value exceeds a
+    client's training split."""
     whole = runner.prepare(sized_config(base, 1).updated(train_images=None))
     smallest = min(len(t) for t in whole.partition.train)
     too_big = [n for n in sizes if n > smallest]
     if too_big:
-        raise UserError(f"--malicious-sizes {too_big[0]}: the smallest client holds {smallest} training images on "
+        raise UserError(f"{flag} {too_big[0]}: the smallest client holds {smallest} training images on "
                         f"this partition; choose sizes of at most {smallest} (or fewer --clients)")
 
 

@@ -131,18 +131,19 @@ class MaliciousCell:
         return f"{self.attack}@n{self.size}" + ("+check" if self.check else "")
 
 
-def parse_sizes(text: str | Iterable[int] | None) -> tuple[int, ...]:
-    """``--malicious-sizes "10,50"`` → (10, 50): training images per client, sorted, unique, each ≥ 1."""
+def parse_sizes(text: str | Iterable[int] | None, flag: str = "--malicious-sizes",
+                default: tuple[int, ...] = DEFAULT_MALICIOUS_SIZES) -> tuple[int, ...]:
+    """``"10,50"`` (``--malicious-sizes``, ``--real-sizes``) → (10, 50): training images per client,
+    sorted, unique, each ≥ 1; None → ``default``."""
     if text is None:
-        return DEFAULT_MALICIOUS_SIZES
+        return default
     items = [t.strip() for t in text.split(",")] if isinstance(text, str) else [str(t) for t in text]
     try:
         sizes = sorted({int(t) for t in items if t != ""})
     except ValueError:
-        raise UserError(f"--malicious-sizes expects comma-separated image counts per client (e.g. 10,50), "
-                        f"got {text!r}") from None
+        raise UserError(f"{flag} expects comma-separated image counts per client (e.g. 10,50), got {text!r}") from None
     if not sizes or sizes[0] < 1:
-        raise UserError(f"--malicious-sizes needs image counts of at least 1 per client (e.g. 10,50), got {text!r}")
+        raise UserError(f"{flag} needs image counts of at least 1 per client (e.g. 10,50), got {text!r}")
     return tuple(sizes)
 
 
