@@ -77,8 +77,8 @@ def build_report(base: RunConfig, methods: list[str], out: str | Path, attacks: 
                  jobs: int = 1) -> dict:
     """Run (or resume, or reuse) every stage, then write the report files; returns their paths and the
     summary. ``mia`` (a ``fedsec.mia.MiaSettings``) adds a membership-inference stage per method.
-    ``jobs``: processes running the methods' stages side by side (``stages.run_stages``; the numbers
-    do not depend on it)."""
+    ``jobs``: processes running the methods' stages side by side (``stages.run_stages``; with the
+    same threads per stage the numbers do not depend on it)."""
     settings = settings or ReportSettings()
     out = Path(out)
     attack_names = parse_attacks(list(attacks))
