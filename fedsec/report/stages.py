@@ -212,15 +212,15 @@ def run_stages(stages: list[Stage], reuse_dirs: list[Path], progress: bool,
     todo = [st for st in stages if not st.resumable.complete() and find_reusable(st, done_dirs, train_dirs) is None]
     groups = method_groups(stages)
     workers = max(1, min(int(jobs), len(groups)))
+    loads = [estimate_seconds([st for _, st in g if st in todo]) for g in groups]  # each group's stages to compute
     if todo:
-        by_method = [[st for st in todo if st.method == g[0][1].method] for g in groups]
-        wall = parallel_wall_seconds([estimate_seconds(t) for t in by_method], workers)
+        wall = parallel_wall_seconds(loads, workers)
         say(f"{len(todo)} of {len(stages)} stages to compute: {estimate.describe(wall)} on a 2-core machine like the "
             f"one the rates were measured on" + (f", {workers} processes" if workers > 1 else "") + " (fedsec.estimate)")
     t0 = time.perf_counter()
     try:
         if workers > 1:
-            records, failed = _run_in_processes(groups, len(stages), done_dirs, train_dirs, workers, bar, say,
+            records, failed = _run_in_processes(groups, loads, len(stages), done_dirs, train_dirs, workers, bar, say,
                                                 progress)
         else:
             records, failed = [], {}
@@ -295,9 +295,9 @@ def _group_in_process(group: list[tuple[int, Stage]], total: int, done_dirs, tra
         return _run_group(group, total, done_dirs, train_dirs, say)
 
 
-def _run_in_processes(groups, total: int, done_dirs, train_dirs, workers: int, bar, say,
+def _run_in_processes(groups, loads: list[float], total: int, done_dirs, train_dirs, workers: int, bar, say,
                       progress: bool) -> tuple[list[dict], dict]:
-    """The method groups in ``workers`` fresh (spawned) processes, the largest estimated group first;
+    """The method groups in ``workers`` fresh (spawned) processes, the largest estimated load first;
     the records in the stages' order. Each process gets an equal share of torch's threads (at least
     one), so that the processes do not oversubscribe the cores: a stage without --threads computes
     as ``--jobs 1`` with that many threads would (thread counts change float rounding)."""
@@ -307,8 +307,7 @@ def _run_in_processes(groups, total: int, done_dirs, train_dirs, workers: int, b
     import torch
 
     threads = process_threads(torch.get_num_threads(), workers)
-    order = sorted(range(len(groups)), key=lambda k: -estimate_seconds(
-        [st for _, st in groups[k] if not st.resumable.complete()]))
+    order = sorted(range(len(groups)), key=lambda k: -loads[k])
     results: dict[int, tuple[list[dict], dict]] = {}
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {pool.submit(_group_in_process, groups[k], total, done_dirs, train_dirs, threads, progress): k
