@@ -388,7 +388,7 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
               help="Processes that run the methods' stages side by side (one method per process at a time). Each "
                    "stage computes on --threads threads (unset: torch's default shared out over the processes; "
                    "attacks: 1), so the numbers are those of --jobs 1 with the same --threads; memory grows with "
-                   "each process (about 3 GB for --preset audit) [1; --preset audit: 2].")
+                   "each process (about 2 GB for --preset audit) [1; --preset audit: 2].")
 @click.option("--out", type=click.Path(file_okay=False), required=True,
               help="Folder: <method>/<stage>/ stage folders, report.md, report.html, results.csv, summary.csv, "
                    "plots; rerun with the same --out to resume.")
