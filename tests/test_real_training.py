@@ -222,3 +222,38 @@ def test_the_largest_exposed_size_is_the_largest_n_whose_interval_clears_the_pri
     assert client_size_figure(rows).startswith(b"\x89PNG")
     zero_prior = dict(rows[0], prior_psnr=0.0)  # a measured 0.0 is a number, not "missing"
     assert "| 0.00 |" in client_size_table([zero_prior])
+
+
+# ------------------------------------------------------------------------------------------------
+# the layer-input solve (attacks/inversion/disaggregation.py)
+
+
+def test_label_splits_lists_every_distinct_assignment_of_the_counts_to_the_steps():
+    from attacks.inversion.disaggregation import label_splits
+
+    counts = torch.tensor([2, 1, 1])  # classes 0, 0, 1, 2 in two steps of two
+    assert label_splits(counts, 2, 2) == [[0, 0, 1, 2], [0, 1, 0, 2], [0, 2, 0, 1], [1, 2, 0, 0]]
+    assert label_splits(torch.tensor([4]), 1, 4) == [[0, 0, 0, 0]]
+    assert label_splits(torch.tensor([1] * 8), 4, 2, limit=100) is None  # 2520 splits
+
+
+def test_the_layer_inputs_of_a_multi_step_client_are_solved_at_their_steps_weights(digits):
+    """FedAvg, 4 images in two SGD steps of 2: the solve finds which labels went to which step and each
+    image's input at the extractor's last linear layer under the weights of the step that used it."""
+    from attacks.inversion.disaggregation import layer_inputs
+    from attacks.inversion.fedavg_leakage import _setup
+    from attacks.inversion.forward_check import slot_positions
+
+    torch.set_num_threads(TEST_THREADS)
+    obs, images, labels, records = _trained_client(digits, "fedavg", 4, 2, 1)
+    setup = _setup(obs)
+    layer = setup.layer
+    assert layer is not None and setup.trace["closed_form"]["layer_inputs"]["solved"]
+    index = torch.tensor(slot_positions(setup.matcher, len(images), records))
+    _, states = setup.matcher.replay_states(images[index], labels[index])
+    for t, params in enumerate(states):
+        rows = slice(2 * t, 2 * t + 2)
+        assert sorted(layer.labels[rows].tolist()) == sorted(labels[index][rows].tolist())
+        truth = layer_inputs(setup.matcher, layer, params, images[index][rows])
+        error = torch.cdist(layer.inputs[rows].double(), truth.double()).min(dim=0).values / truth.norm(dim=1)
+        assert float(error.max()) < 1e-3, error

@@ -30,6 +30,12 @@ server knows, on dummy images, and matches the simulated update to the observed 
   ``STALL_TOLERANCE`` over a window of the last phase (it stopped moving), and further starts are
   skipped once the data term is below ``SOLVED_DATA_TERM``.
 
+* **the layer inputs first** (``attacks.inversion.disaggregation``): for plain SGD with each image used
+  once, every slot's label and input at the extractor's last linear layer (at its step's weights) are
+  solved from the update where the fit is exact; then the labels are fixed, the first start is rebuilt
+  from those inputs (learning rate ``CLOSED_FORM_LR``), the inputs are matched (``INPUT_WEIGHT``; zero
+  at the truth), and IG's final stage polishes the kept start.
+
 Every image of the client's epoch (the ``(n // B)·B`` it trains on; a ragged last batch is dropped
 by the client too) is rebuilt and scored one to one against the client's images (``scoring
 "images"``). Not from the paper's code: written from its description.
@@ -50,8 +56,11 @@ from torch.func import functional_call
 from ..base import AttackResult, Budget, NotApplicable, Observation
 from .batching import Batch, build_each
 from .closed_form import round_to_total
+from .disaggregation import LayerInputs, disaggregate, input_term, replayed, start_images
 from .ig import milestones, total_variation
-from .forward_model import GradientMatcher, combine_epoch_copies
+from .final_stage import ITERATION_SHARE, TEMPERATURES, polish
+from .forward_check import OBJECTIVE_FLOOR
+from .forward_model import START_ITERATIONS, GradientMatcher, combine_epoch_copies
 from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
 
 LR = 0.1
@@ -65,6 +74,10 @@ SINKHORN_ITERATIONS = 30
 STALL_TOLERANCE = 1e-3
 SOLVED_DATA_TERM = 1e-3
 ABSENT = -1e4  # logit of a class the counts exclude (exp underflows to 0 without NaN)
+# with the layer inputs solved (``attacks.inversion.disaggregation``): the weight of their term and the
+# learning rate of the start rebuilt from them (a step of LR would throw that start away)
+INPUT_WEIGHT = 1.0
+CLOSED_FORM_LR = 0.01
 
 
 def epoch_order_term(images: torch.Tensor, copies: int) -> torch.Tensor:
@@ -147,6 +160,7 @@ class _Setup:
     counts: torch.Tensor | None
     trace: dict
     notes: list[str] = field(default_factory=list)
+    layer: LayerInputs | None = None  # each slot's label and input at the last linear layer, solved first
 
     @property
     def slots(self) -> int:
@@ -180,14 +194,27 @@ def _setup(observation: Observation, mode: str = "auto") -> _Setup:
                              "label_counts_source": how},
              "label_source": (f"counts fixed first ({how}); slots by Sinkhorn-scaled logits" if counts is not None
                               else f"joint (label logits optimised with the images; no counts: {how})")}
+    layer, layer_trace = disaggregate(matcher, counts)
+    trace["closed_form"]["layer_inputs"] = layer_trace
     notes = list(matcher.notes)
+    if layer is not None:
+        trace["label_source"] = f"counts fixed first ({how}); slots by the layer-input solve"
+        notes.append(f"closed form: every slot's label and input at {layer_trace['layer']} solved from the update "
+                     f"({layer_trace['splits']} label splits into the steps tried, relative residual "
+                     f"{layer.residual:.1e}): the first start is rebuilt from them and they are matched "
+                     f"(weight {INPUT_WEIGHT:g})")
+    elif layer_trace.get("applied"):
+        notes.append(f"closed form: the layer inputs were not solved ({layer_trace['why']}): the attack runs "
+                     f"without them")
     if matcher.epoch_copies > 1:
         notes.append(f"the {matcher.epoch_copies} epoch copies are tied by the epoch-order-invariant term "
                      f"(weight {ORDER_WEIGHT:g})")
-    return _Setup(matcher, [t.detach() for t in matcher.target], counts, trace, notes)
+    return _Setup(matcher, [t.detach() for t in matcher.target], counts, trace, notes, layer)
 
 
 def _labels(setup: _Setup, logits: torch.Tensor) -> torch.Tensor:
+    if setup.layer is not None:
+        return F.one_hot(setup.layer.labels, logits.shape[-1]).to(logits.dtype)
     if setup.counts is None:
         return torch.softmax(logits, dim=-1)
     return sinkhorn_labels(logits, setup.counts.to(logits.device), setup.matcher.epoch_copies)
@@ -197,9 +224,15 @@ def _terms(setup: _Setup, x: torch.Tensor, logits: torch.Tensor, tv_weight: floa
            order_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(objective, data term) at images ``x`` (slots, then free copies) and label logits."""
     matcher = setup.matcher
-    data = matcher.cosine_objective(matcher.dummy(x, _labels(setup, logits)), setup.target)
+    if setup.layer is None:
+        data = matcher.cosine_objective(matcher.dummy(x, _labels(setup, logits)), setup.target)
+        extra = 0.0
+    else:  # the plain replay (no other closed-form term: ``disaggregation.applies``), read at every step
+        dummy, states = replayed(matcher, x, _labels(setup, logits))
+        data = matcher.cosine_objective(dummy, setup.target)
+        extra = INPUT_WEIGHT * input_term(matcher, setup.layer, states, x)
     slots = x[:setup.slots]
-    total = data + tv_weight * total_variation(x) + order_weight * epoch_order_term(slots, matcher.epoch_copies)
+    total = data + extra + tv_weight * total_variation(x) + order_weight * epoch_order_term(slots, matcher.epoch_copies)
     return total, data
 
 
@@ -209,10 +242,14 @@ def _start(setup: _Setup, budget: Budget, seed: int, restart: int, tv_weight: fl
     gen = torch.Generator().manual_seed(seed * 1009 + restart)
     shape = (setup.slots + matcher.free_copies, *matcher.observation.image_shape)
     device = matcher.observation.device
-    x = torch.rand(shape, generator=gen).to(device).requires_grad_(True)
+    x = torch.rand(shape, generator=gen).to(device)
+    lr = LR
+    if restart == 0 and setup.layer is not None:  # the first start: the images rebuilt from the solved inputs
+        x, lr = start_images(matcher, setup.layer, START_ITERATIONS).to(device), CLOSED_FORM_LR
+    x.requires_grad_(True)
     logits = (0.01 * torch.randn((setup.slots, matcher.observation.num_classes), generator=gen)).to(device)
     logits.requires_grad_(True)
-    opt = torch.optim.Adam([x, logits], lr=LR)
+    opt = torch.optim.Adam([x, logits], lr=lr)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones(iterations), gamma=0.1)
     window, last_phase = max(10, iterations // 20), milestones(iterations)[-1]
     best, checkpoint, history, steps = float("inf"), float("inf"), [], 0
@@ -263,6 +300,7 @@ def _attack(setup: _Setup, budget: Budget, seed: int, tv_weight: float = TV_WEIG
         if starts[-1]["data_term"] <= SOLVED_DATA_TERM:
             break
     best = min(starts, key=lambda s: s["objective"])
+    final = _final_stage(setup, best, int(budget.iterations) // ITERATION_SHARE) if setup.layer is not None else None
     matcher = setup.matcher
     copies = matcher.epoch_copies
     labels = hard_labels(best["probs"], setup.counts, copies)
@@ -270,9 +308,36 @@ def _attack(setup: _Setup, budget: Budget, seed: int, tv_weight: float = TV_WEIG
     rebuilt = combine_epoch_copies(slots.cpu(), copies).clamp(0, 1)
     trace = {**setup.trace, "objective": best["objective"], "data_term": best["data_term"],
              "restart_objectives": [s["objective"] for s in starts], "steps_per_start": [s["steps"] for s in starts],
-             "history": [s["history"] for s in starts], "seconds": time.perf_counter() - started}
+             "history": [s["history"] for s in starts], "final_stage": final, "seconds": time.perf_counter() - started}
     return AttackResult(images=rebuilt, labels=_aligned_labels(slots.cpu(), labels, copies), trace=trace,
                         notes=setup.notes, variables={"images": best["images"], "labels": best["probs"]})
+
+
+def _final_stage(setup: _Setup, best: dict, iterations: int) -> dict | None:
+    """IG's final stage (``attacks.inversion.final_stage``) on the kept start, where the layer inputs are
+    solved: the data term and the input term (both zero at the truth, no TV), by bounded L-BFGS over a
+    continuation of the model's kinks; the images change only where the data term fell."""
+    if iterations < 1 or best["data_term"] <= OBJECTIVE_FLOOR:
+        return None
+    matcher, labels = setup.matcher, best["probs"]
+
+    def evaluate(stacked: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.enable_grad():
+            x = stacked[0].detach().requires_grad_(True)
+            dummy, states = replayed(matcher, x, labels)
+            value = matcher.cosine_objective(dummy, setup.target) + INPUT_WEIGHT * input_term(matcher, setup.layer,
+                                                                                              states, x)
+            gradient, = torch.autograd.grad(value, x)
+        return value.detach().reshape(1), gradient.unsqueeze(0)
+
+    stage = polish(evaluate, matcher.model, best["images"].unsqueeze(0), iterations, floor=OBJECTIVE_FLOOR)
+    with torch.no_grad():
+        data = float(matcher.cosine_objective(matcher.dummy(stage.images[0], labels), setup.target))
+    if data < best["data_term"]:
+        best.update(images=stage.images[0].detach().clone(), data_term=data)
+    return {"temperatures": list(TEMPERATURES), "iterations_per_temperature": iterations,
+            "evaluations": stage.evaluations, "objective_before": float(stage.before[0]),
+            "objective_after": float(stage.after[0]), "data_term_after": data}
 
 
 def _aligned_labels(slots: torch.Tensor, labels: torch.Tensor, copies: int) -> torch.Tensor:

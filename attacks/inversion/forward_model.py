@@ -466,18 +466,24 @@ class GradientMatcher:
         return [simulated[n] - before[n] for n in self.names] + [simulated[n] for n in self.aux_names]
 
     def _replay(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        return self.replay_states(x, y)[0]
+
+    def replay_states(self, x: torch.Tensor, y: torch.Tensor) -> tuple[list[torch.Tensor], list[dict]]:
+        """The plain replay's counterpart of the targets, and the weights each step started from (a
+        closed form that holds the images' inputs at their step's weights reads them there)."""
         hp = self.hyperparameters
         start = self.update.before
         trained = list(start)  # plain SGD on every parameter (uploaded or kept private)
-        current = dict(start)
+        current, states = dict(start), []
         b = x.shape[0]
         bs = max(1, min(hp.batch_size, b))
         for step in range(hp.steps):
             lo = (step * bs) % b
+            states.append(current)
             gradients = self._gradient(current, trained, x[lo:lo + bs], y[lo:lo + bs])
             current = {n: current[n] - hp.lr * gradients[n] for n in trained}
         factor = -1.0 / (hp.lr * max(hp.steps, 1))
-        return [factor * (current[n] - start[n]) for n in self.names]
+        return [factor * (current[n] - start[n]) for n in self.names], states
 
     # -- comparing the two sides -----------------------------------------------------------------
     def l2_objective(self, dummy: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
