@@ -33,8 +33,8 @@ server knows, on dummy images, and matches the simulated update to the observed 
 * **the layer inputs first** (``attacks.inversion.disaggregation``): for plain SGD with each image used
   once, every slot's label and input at the extractor's last linear layer (at its step's weights) are
   solved from the update where the fit is exact; then the labels are fixed, the first start is rebuilt
-  from those inputs (learning rate ``CLOSED_FORM_LR``), the inputs are matched (``INPUT_WEIGHT``; zero
-  at the truth), and IG's final stage polishes the kept start.
+  from those inputs, the inputs are matched (``INPUT_WEIGHT``; zero at the truth), and IG's final stage
+  polishes the kept start.
 
 Every image of the client's epoch (the ``(n // B)·B`` it trains on; a ragged last batch is dropped
 by the client too) is rebuilt and scored one to one against the client's images (``scoring
@@ -74,10 +74,12 @@ SINKHORN_ITERATIONS = 30
 STALL_TOLERANCE = 1e-3
 SOLVED_DATA_TERM = 1e-3
 ABSENT = -1e4  # logit of a class the counts exclude (exp underflows to 0 without NaN)
-# with the layer inputs solved (``attacks.inversion.disaggregation``): the weight of their term and the
-# learning rate of the start rebuilt from them (a step of LR would throw that start away)
+# with the layer inputs solved (``attacks.inversion.disaggregation``): the weight of their term. Chosen with
+# the first start's learning rate on a tuning federation (seed 1, weak, --train-images 4, batches of 2, one
+# epoch, 4 clients, 16 images; BENCHMARKS.md, "Real local training (issue 24)"): (weight, lr) (0, 0.01) 20.28,
+# (0.1, 0.01) 22.74, (1, 0.01) 22.70, (1, 0.03) 23.45, (1, 0.1) 24.06, (3, 0.1) 23.09 dB: the start from the
+# solved inputs takes LR like every other start
 INPUT_WEIGHT = 1.0
-CLOSED_FORM_LR = 0.01
 
 
 def epoch_order_term(images: torch.Tensor, copies: int) -> torch.Tensor:
@@ -243,13 +245,12 @@ def _start(setup: _Setup, budget: Budget, seed: int, restart: int, tv_weight: fl
     shape = (setup.slots + matcher.free_copies, *matcher.observation.image_shape)
     device = matcher.observation.device
     x = torch.rand(shape, generator=gen).to(device)
-    lr = LR
     if restart == 0 and setup.layer is not None:  # the first start: the images rebuilt from the solved inputs
-        x, lr = start_images(matcher, setup.layer, START_ITERATIONS).to(device), CLOSED_FORM_LR
+        x = start_images(matcher, setup.layer, START_ITERATIONS).to(device)
     x.requires_grad_(True)
     logits = (0.01 * torch.randn((setup.slots, matcher.observation.num_classes), generator=gen)).to(device)
     logits.requires_grad_(True)
-    opt = torch.optim.Adam([x, logits], lr=lr)
+    opt = torch.optim.Adam([x, logits], lr=LR)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones(iterations), gamma=0.1)
     window, last_phase = max(10, iterations // 20), milestones(iterations)[-1]
     best, checkpoint, history, steps = float("inf"), float("inf"), [], 0
