@@ -257,3 +257,20 @@ def test_the_layer_inputs_of_a_multi_step_client_are_solved_at_their_steps_weigh
         truth = layer_inputs(setup.matcher, layer, params, images[index][rows])
         error = torch.cdist(layer.inputs[rows].double(), truth.double()).min(dim=0).values / truth.norm(dim=1)
         assert float(error.max()) < 1e-3, error
+
+
+def test_fedavg_leak_takes_the_solved_labels_and_polishes_where_the_layer_inputs_are_solved(digits, monkeypatch):
+    """The attack on the 4-image client: its labels are the true ones (from the solve, not the optimiser),
+    the trace records the solve and the final stage, and the rebuilt images are in [0, 1]."""
+    import attacks.inversion.fedavg_leakage as leakage
+    from attacks.base import Budget
+    from attacks.inversion.fedavg_leakage import _attack, _setup
+
+    torch.set_num_threads(TEST_THREADS)
+    monkeypatch.setattr(leakage, "START_ITERATIONS", 20)  # the start's inversion: short (its result is not asserted)
+    obs, images, labels, records = _trained_client(digits, "fedavg", 4, 2, 1)
+    result = _attack(_setup(obs), Budget(iterations=80, restarts=1), seed=0)
+    assert sorted(result.labels.tolist()) == sorted(labels.tolist())
+    assert result.trace["closed_form"]["layer_inputs"]["solved"]
+    assert result.trace["final_stage"]["iterations_per_temperature"] == 2
+    assert result.images.shape == images.shape and 0.0 <= float(result.images.min()) <= float(result.images.max()) <= 1.0

@@ -301,7 +301,8 @@ def _attack(setup: _Setup, budget: Budget, seed: int, tv_weight: float = TV_WEIG
         if starts[-1]["data_term"] <= SOLVED_DATA_TERM:
             break
     best = min(starts, key=lambda s: s["objective"])
-    final = _final_stage(setup, best, int(budget.iterations) // ITERATION_SHARE) if setup.layer is not None else None
+    final = (_final_stage(setup, best, int(budget.iterations) // ITERATION_SHARE, tv_weight, order_weight)
+             if setup.layer is not None else None)
     matcher = setup.matcher
     copies = matcher.epoch_copies
     labels = hard_labels(best["probs"], setup.counts, copies)
@@ -314,7 +315,7 @@ def _attack(setup: _Setup, budget: Budget, seed: int, tv_weight: float = TV_WEIG
                         notes=setup.notes, variables={"images": best["images"], "labels": best["probs"]})
 
 
-def _final_stage(setup: _Setup, best: dict, iterations: int) -> dict | None:
+def _final_stage(setup: _Setup, best: dict, iterations: int, tv_weight: float, order_weight: float) -> dict | None:
     """IG's final stage (``attacks.inversion.final_stage``) on the kept start, where the layer inputs are
     solved: the data term and the input term (both zero at the truth, no TV), by bounded L-BFGS over a
     continuation of the model's kinks; the images change only where the data term fell."""
@@ -332,10 +333,11 @@ def _final_stage(setup: _Setup, best: dict, iterations: int) -> dict | None:
         return value.detach().reshape(1), gradient.unsqueeze(0)
 
     stage = polish(evaluate, matcher.model, best["images"].unsqueeze(0), iterations, floor=OBJECTIVE_FLOOR)
-    with torch.no_grad():
-        data = float(matcher.cosine_objective(matcher.dummy(stage.images[0], labels), setup.target))
-    if data < best["data_term"]:
-        best.update(images=stage.images[0].detach().clone(), data_term=data)
+    images = stage.images[0].detach().clone()
+    with torch.no_grad():  # the labels are the solve's: the logits only give their shape
+        total, data = _terms(setup, images, torch.zeros_like(labels), tv_weight, order_weight)
+    if float(data) < best["data_term"]:
+        best.update(images=images, data_term=float(data), objective=float(total))
     return {"temperatures": list(TEMPERATURES), "iterations_per_temperature": iterations,
             "evaluations": stage.evaluations, "objective_before": float(stage.before[0]),
             "objective_after": float(stage.after[0]), "data_term_after": data}
