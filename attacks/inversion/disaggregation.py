@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ from torch.func import functional_call
 
 from ..layer_inversion import invert_layer_inputs
 
-from .closed_form import inverse_activation, last_linear_layer
+from .closed_form import _names_below, inverse_activation, last_linear_layer
 
 SOLVED_RESIDUAL = 1e-6  # Σ of the relative squared errors of the four simulated updates
 MAX_SPLITS = 100  # label splits into steps tried at most (6 images in 3 steps of 2: at most 90)
@@ -60,7 +60,6 @@ class LayerInputs:
     inputs: torch.Tensor  # (slots, in_features)
     labels: torch.Tensor  # (slots,) class ids
     residual: float
-    trace: dict = field(default_factory=dict)
 
 
 def label_splits(counts: torch.Tensor, steps: int, batch: int, limit: int = MAX_SPLITS) -> list[list[int]] | None:
@@ -192,7 +191,7 @@ def disaggregate(matcher, counts: torch.Tensor | None) -> tuple[LayerInputs | No
     if not splits:
         return None, {"applied": False, "why": f"more than {MAX_SPLITS} ways to split the labels into the steps"}
     basis = torch.linalg.svd(top.observed[0], full_matrices=False)[2][:slots].T  # (in_features, slots)
-    below = [n for n in matcher.update.names if n.startswith("extractor.") and not n.startswith(f"extractor.{child}.")]
+    below = _names_below(matcher.model, matcher.update, position)
     mean_image = matcher.model.normalize.mean.reshape(1, -1, 1, 1).expand(1, *matcher.observation.image_shape)
     with torch.no_grad():
         layers = matcher.model.extractor[:position]
@@ -228,7 +227,7 @@ def disaggregate(matcher, counts: torch.Tensor | None) -> tuple[LayerInputs | No
     if value > SOLVED_RESIDUAL:
         return None, {**trace, "why": f"no split reproduced the update (best residual {value:.1e})"}
     inputs = (coefficients @ basis.T).to(torch.float32)
-    return LayerInputs(position, below, inputs, torch.tensor(split, device=device), value, trace), trace
+    return LayerInputs(position, below, inputs, torch.tensor(split, device=device), value), trace
 
 
 def replayed(matcher, x: torch.Tensor, y: torch.Tensor) -> tuple[list[torch.Tensor], list[dict]]:
