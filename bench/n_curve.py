@@ -22,7 +22,7 @@ METHODS = ("fedavg", "fedecouple", "fedper", "fedpac", "fedproto")
 ATTACK_FOR = {"fedproto": "proto"}  # a method without weights gets the attack that applies to it
 COLUMNS = ("method", "attack", "train_images", "mean_psnr", "mean_psnr_low", "mean_psnr_high", "prior_psnr",
            "success_rate", "label_count_error", "n_images", "n_targets", "mis_specified_targets",
-           "not_converged_targets", "seconds", "note")
+           "not_converged_targets", "iterations", "seconds", "note")
 
 
 def measure_cell(method: str, n: int, *, batch_size: int = 10, epochs: int = 1, targets: int = 4,
@@ -54,6 +54,7 @@ def measure_cell(method: str, n: int, *, batch_size: int = 10, epochs: int = 1, 
             "label_count_error": max(errors) if errors else None, "n_images": summary.get("n_images"),
             "n_targets": summary.get("n_targets"), "mis_specified_targets": summary.get("mis_specified_targets"),
             "not_converged_targets": summary.get("not_converged_targets"),
+            "iterations": (summary.get("budget") or {}).get("iterations"),
             "seconds": round(time.perf_counter() - started, 1), "note": ""}
 
 

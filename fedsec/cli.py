@@ -377,7 +377,7 @@ def audit(ctx, out, evidence, evidence_iterations, **opts):
               help="Gradient attacks on the clients' real local training, one cell per client size N "
                    "(<attack>@real-nN, each a federation of clients of exactly N training images: leakage falls "
                    "with N); without --preset audit these are the gradient attacks' only cells; an error without "
-                   "a gradient attack in --attacks [--preset audit: 10,50].")
+                   "a gradient attack in --attacks [--preset audit: 4,10,50].")
 @click.option("--mia/--no-mia", default=False, show_default=True,
               help="Add a membership-inference stage per method (`fedsec mia` with its defaults: 4 shadow "
                    "federations per method, so about five times the training).")
@@ -414,11 +414,11 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, malicious_
     Example: fedsec report --methods fedecouple,fedper,fedpac,fedproto --out runs/report
 
     --preset audit: 20 clients, 20 rounds; attacks ig, proto and labels at round 0 and round 19; IG in
-    three cells, ig@textbook (16 clients, one step on 2 images each), ig@real-n10 and ig@real-n50 (the
-    real local training of 4 clients of 10 and 2 clients of 50 training images, each size its own
-    federation; every image they trained on); proto on 11 clients, labels on all 20: at least 32
-    images per image cell, each with its interval and share recovered. One start per reconstruction,
-    500 IG steps (textbook, n10) and 100 (n50). Explicit flags win (--iterations ig@real=300 for every
+    four cells, ig@textbook (16 clients, one step on 2 images each), ig@real-n4, ig@real-n10 and
+    ig@real-n50 (the real local training of 8 clients of 4, 4 of 10 and 2 of 50 training images, each
+    size its own federation; every image they trained on; the report's "Leakage vs client size");
+    proto on 11 clients, labels on all 20: at least 32 images per image cell, each with its interval
+    and share recovered. One start per reconstruction, 500 IG steps (textbook, n4, n10) and 100 (n50). Explicit flags win (--iterations ig@real=300 for every
     size, ig@real-n10=300 for one; --attacks, --attack-rounds, --targets). The report prints its time
     estimate before it starts.
 

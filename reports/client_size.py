@@ -1,13 +1,50 @@
 """Leakage as a function of how many images a client trains on (issue 24): pure rendering of the
 cells ``bench/n_curve.py`` measures (rows in, Markdown text or PNG bytes out; nothing touches the
 disk). A row: method, attack, train_images (N), mean_psnr, mean_psnr_low/high (its interval),
-prior_psnr, success_rate, n_images, n_targets, seconds, and ``note`` (why a cell has no figure)."""
+prior_psnr, success_rate, n_images, n_targets, iterations (the budget), seconds, and ``note`` (why a cell has no figure)."""
 from __future__ import annotations
 
+import html
 import math
+from typing import Mapping
 
 from .figures import png_bytes
 from .formatting import finite_or_none, interval_text
+
+
+PLOT_CLIENT_SIZE = "leakage_by_client_size.png"
+NOTE = ("The gradient attacks on the clients' real local training, one federation per client size N (every client "
+        "trains on exactly N images, one local epoch; every image an attacked client trained on is rebuilt and "
+        "matched to the truth one to one). Intervals are 95 % and resample the attacked clients. A client size is "
+        "exposed where the interval lies above the prior (the data set's mean image); a cell at its prior whose "
+        "targets stopped short of the truth is a lower bound set by the attack's budget, not evidence of little "
+        "leakage.")
+
+
+def section_markdown(meta: Mapping) -> list[str]:
+    """The report's "Leakage vs client size" section (Markdown lines): the note, the table, the figure;
+    nothing without sized real-training cells (``meta["client_size"]``)."""
+    rows = list(meta.get("client_size") or [])
+    if not rows:
+        return []
+    return ["## Leakage vs client size", "", NOTE, "", client_size_table(rows), "",
+            f"![Leakage vs client size]({PLOT_CLIENT_SIZE})", ""]
+
+
+def section_html(meta: Mapping, plot: bytes | None, data_uri) -> list[str]:
+    """The same section in HTML (every string escaped; the figure as a data URI)."""
+    rows = list(meta.get("client_size") or [])
+    if not rows:
+        return []
+    e = lambda text: html.escape(str(text), quote=True)  # noqa: E731
+    out = ["<h2>Leakage vs client size</h2>", f'<p class="muted">{e(NOTE)}</p>', "<table>",
+           "<tr>" + "".join(f"<th>{e(c)}</th>" for c in HEADER) + "</tr>"]
+    out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in line) + "</tr>" for line in table_rows(rows)]
+    out += ["</table>", "<ul>" + "".join(f"<li>{e(x)}</li>" for x in exposed_lines(rows)) + "</ul>"]
+    if plot is not None:
+        out.append(f'<figure><img src="{data_uri(plot)}" alt="Leakage vs client size">'
+                   f"<figcaption>Mean PSNR against the number of training images per client</figcaption></figure>")
+    return out
 
 
 def largest_exposed(rows: list[dict]) -> dict[str, int | None]:
@@ -15,6 +52,8 @@ def largest_exposed(rows: list[dict]) -> dict[str, int | None]:
     "clients holding at most N images are exposed"; None where no measured N is."""
     out: dict[str, int | None] = {}
     for row in rows:
+        if finite_or_none(row.get("mean_psnr")) is None:  # not measured (a note): says nothing either way
+            continue
         method = row["method"]
         out.setdefault(method, None)
         low, prior = finite_or_none(row.get("mean_psnr_low")), finite_or_none(row.get("prior_psnr"))
@@ -23,28 +62,52 @@ def largest_exposed(rows: list[dict]) -> dict[str, int | None]:
     return out
 
 
-def client_size_table(rows: list[dict]) -> str:
-    """A Markdown table, one line per (method, N), and the largest exposed N per method under it."""
-    lines = ["| method | attack | N | mean PSNR [95 % interval] | prior | recovered | images (clients) | seconds "
-             "| mis-specified / stopped short |",
-             "|---|---|---:|---|---:|---:|---|---:|---|"]
+HEADER = ["method", "attack", "N", "mean PSNR [95 % interval]", "prior", "recovered", "images (clients)", "iterations",
+          "seconds", "mis-specified / stopped short"]
+
+
+def table_rows(rows: list[dict]) -> list[list[str]]:
+    """The table's lines as plain strings (``HEADER``'s columns), one per (method, N), in that order."""
+    body = []
     for row in sorted(rows, key=lambda r: (r["method"], int(r["train_images"]))):
+        lead = [str(row["method"]), str(row.get("attack", "")), str(row["train_images"])]
         mean = finite_or_none(row.get("mean_psnr"))
         if mean is None:
-            lines.append(f"| {row['method']} | {row.get('attack', '')} | {row['train_images']} | "
-                         f"{row.get('note') or 'not measured'} | | | | | |")
+            body.append(lead + [str(row.get("note") or "not measured")] + [""] * (len(HEADER) - 4))
             continue
         rate = finite_or_none(row.get("success_rate"))
-        lines.append(f"| {row['method']} | {row.get('attack', '')} | {row['train_images']} | {mean:.2f}"
-                     f"{interval_text(row.get('mean_psnr_low'), row.get('mean_psnr_high'))} | "
-                     f"{_or(row.get('prior_psnr'), float('nan')):.2f} | "
-                     f"{'n/a' if rate is None else f'{100 * rate:.0f} %'} | {row.get('n_images')} "
-                     f"({row.get('n_targets')}) | {float(row.get('seconds') or 0):.0f} | {_check(row)} |")
-    exposed = largest_exposed(rows)
-    lines.append("")
-    lines += [f"- {m}: " + (f"exposed up to N = {n} (interval above the prior)" if n is not None
-                            else "no measured N has its interval above the prior") for m, n in exposed.items()]
-    return "\n".join(lines)
+        body.append(lead + [f"{mean:.2f}{interval_text(row.get('mean_psnr_low'), row.get('mean_psnr_high'))}",
+                            f"{_or(row.get('prior_psnr'), float('nan')):.2f}",
+                            "n/a" if rate is None else f"{100 * rate:.0f} %",
+                            f"{row.get('n_images')} ({row.get('n_targets')})", _budget(row), _seconds(row),
+                            _check(row)])
+    return body
+
+
+def exposed_lines(rows: list[dict]) -> list[str]:
+    """One sentence per method: the largest N whose interval clears the prior, or that none does."""
+    return [f"{m}: " + (f"exposed up to N = {n} (interval above the prior)" if n is not None
+                        else "no measured N has its interval above the prior")
+            for m, n in largest_exposed(rows).items()]
+
+
+def client_size_table(rows: list[dict]) -> str:
+    """A Markdown table, one line per (method, N), and the largest exposed N per method under it."""
+    lines = ["| " + " | ".join(HEADER) + " |", "|---|---|---:|---|---:|---:|---|---:|---:|---|"]
+    lines += ["| " + " | ".join(line) + " |" for line in table_rows(rows)]
+    return "\n".join(lines + [""] + [f"- {x}" for x in exposed_lines(rows)])
+
+
+def _seconds(row: dict) -> str:
+    number = finite_or_none(row.get("seconds"))
+    return "–" if number is None else f"{number:.0f}"
+
+
+def _budget(row: dict) -> str:
+    """The attack's iterations per start in a cell ("default" where the row predates the column): cells
+    of large N may run on a cut budget, which makes a figure at the prior a weaker lower bound."""
+    number = finite_or_none(row.get("iterations"))
+    return "default" if number is None else str(int(number))
 
 
 def _check(row: dict) -> str:
@@ -79,7 +142,9 @@ def client_size_figure(rows: list[dict], title: str = "Leakage vs client size") 
         colour = f"C{k % 10}"
         ax.errorbar(n, mean, yerr=[low, high], marker="o", capsize=3, color=colour, label=method)
         prior = [finite_or_none(r.get("prior_psnr")) for r in mine]
-        ax.plot(n, [math.nan if p is None else p for p in prior], linestyle="--", color=colour, alpha=0.6)
+        # a dash marks the prior at each N too, so that a single client size shows its prior
+        ax.plot(n, [math.nan if p is None else p for p in prior], linestyle="--", marker="_", markersize=14,
+                color=colour, alpha=0.6)
     ax.set_xscale("log")
     ax.set_xlabel("training images per client (N)")
     ax.set_ylabel("mean PSNR (dB); dashed: prior")

@@ -44,6 +44,7 @@ import pandas as pd
 from .audit import SEVERITIES
 from .figures import png_bytes
 from .formatting import finite_or_none, interval_text, is_true
+from . import client_size
 from .malicious import PLOT_MALICIOUS, section_html, section_markdown, share_by_size_figure
 
 PLOT_PSNR = "psnr_by_method.png"
@@ -412,6 +413,7 @@ def render_markdown(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mappin
                 f"![Leakage by round]({PLOT_BY_ROUND})", ""]
     if meta.get("comparisons"):
         out += ["## Which method leaks more", "", COMPARISON_NOTE.format(rule=success_rule(meta)), ""] + [f"* {_md_cell(c)}" for c in meta["comparisons"]] + [""]
+    out += client_size.section_markdown(meta)
     out += section_markdown(meta, meta["methods"])
     out += _mia_markdown(meta)
     out += ["## PSNR definition", "", str(meta.get("psnr_definition", "")).strip(), ""]
@@ -516,6 +518,7 @@ def render_html(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, m
     if meta.get("comparisons"):
         h += ["<h2>Which method leaks more</h2>", f'<p class="muted">{e(COMPARISON_NOTE.format(rule=success_rule(meta)))}</p>',
               "<ul>" + "".join(f"<li>{e(c)}</li>" for c in meta["comparisons"]) + "</ul>"]
+    h += client_size.section_html(meta, plots.get(client_size.PLOT_CLIENT_SIZE), data_uri)
     h += section_html(meta, meta["methods"], plots.get(PLOT_MALICIOUS), data_uri)
     h += _mia_html(meta)
     h += ["<h2>PSNR definition</h2>", f"<pre>{e(str(meta.get('psnr_definition', '')).strip())}</pre>",
@@ -542,12 +545,14 @@ def render_html(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, m
 def render(summary: pd.DataFrame, results: pd.DataFrame, findings: pd.DataFrame, grids: Mapping,
            meta: Mapping) -> dict[str, str | bytes]:
     """Every output file's content: ``report.md``, ``report.html`` and the plots (the by-round one when
-    the attacks ran at several rounds)."""
+    the attacks ran at several rounds, the client-size one with sized real-training cells)."""
     plots = {PLOT_PSNR: psnr_plot(summary, results, meta), PLOT_SCATTER: scatter_plot(summary, meta)}
     if meta.get("by_round"):  # attacks at several rounds: leakage across training
         from .figures import leakage_by_round
 
         plots[PLOT_BY_ROUND] = leakage_by_round(results, meta["psnr_cap_db"])
+    if meta.get("client_size"):  # sized real-training cells: leakage against the client's size
+        plots[client_size.PLOT_CLIENT_SIZE] = client_size.client_size_figure(list(meta["client_size"]))
     if meta.get("malicious"):  # the malicious-server section's figure
         plots[PLOT_MALICIOUS] = share_by_size_figure(meta)
     return {"report.md": render_markdown(summary, findings, grids, meta),

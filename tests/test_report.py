@@ -351,14 +351,14 @@ def test_the_audit_preset_plans_at_least_32_images_per_image_cell():
 
     settings = rep.audit_preset()
     cells = settings.keys(rep.AUDIT_ATTACKS)
-    assert cells == ["ig@textbook", "ig@real-n10", "ig@real-n50", "proto", "labels"] and settings.rounds == (0, 19)
+    assert cells == ["ig@textbook", "ig@real-n4", "ig@real-n10", "ig@real-n50", "proto", "labels"] and settings.rounds == (0, 19)
     prep = prepare(RunConfig.of(dataset="mnist5k", **AUDIT_FEDERATION))
     smallest = min(len(prep.partition.train[c]) for c in range(prep.config.data.clients))
     plan = {c: settings.for_attack(c) for c in cells + ["ig@real"]}
     assert plan["ig@textbook"].targets * plan["ig@textbook"].victim_batch >= 32
-    for cell in ("ig@real-n10", "ig@real-n50"):  # real local training of clients of N images: N per target
+    for cell in ("ig@real-n4", "ig@real-n10", "ig@real-n50"):  # real local training of clients of N images
         assert plan[cell].victim_batch == 0 and plan[cell].targets * settings.cell_size(cell) >= 32
-    assert (plan["ig@real-n10"].iterations, plan["ig@real-n50"].iterations) == (500, 100)  # n50: ig@real's entry
+    assert [plan[f"ig@real-n{n}"].iterations for n in (4, 10, 50)] == [500, 500, 100]  # n50: ig@real's entry
     # `fedsec attack ig --preset audit` attacks the federation's own clients (no size)
     assert plan["ig@real"].victim_batch == 0 and plan["ig@real"].targets * smallest >= 32
     assert settings.cell_size("ig@real") is None
@@ -377,11 +377,11 @@ def test_preset_audit_on_the_command_line_prints_an_estimate_and_writes_both_set
           "--threads", str(TEST_THREADS), "--out", str(out)])  # returns (exit 0); a failure exits non-zero
     captured = capsys.readouterr()
     assert re.search(r"\d+ of \d+ stages to compute: about \d+ (s|min)", captured.err)
-    assert "ig@textbook" in captured.out and "ig@real-n10" in captured.out and "ig@real-n50" in captured.out
+    assert all(f"ig@{cell}" in captured.out for cell in ("textbook", "real-n4", "real-n10", "real-n50"))
     summary = pd.read_csv(out / "summary.csv")
     assert summary.loc[0, "ig@textbook_n_images"] == 2 * 1 * 2  # 2 rounds x 1 target x 2 images (the preset's batch)
     assert summary.loc[0, "proto_status"] == "done"
-    for size in (10, 50):  # real local training of 1 client of N images per round, on its own federation
+    for size in (4, 10, 50):  # real local training of 1 client of N images per round, on its own federation
         assert summary.loc[0, f"ig@real-n{size}_status"] == "done"
         assert summary.loc[0, f"ig@real-n{size}_n_images"] == 2 * size
         sized = json.loads((out / "fedpac" / f"attack-ig@real-n{size}" / "summary.json").read_text())["config"]
@@ -475,6 +475,13 @@ def test_real_sizes_give_one_real_training_cell_per_client_size(tmp_path):
         config = json.loads((out / "fedpac" / f"attack-ig@real-n{size}" / "summary.json").read_text())["config"]
         assert config["train_images"] == size
     assert "ig_status" not in summary and summary.loc[0, "labels_status"] == "done"
+    # the report's "Leakage vs client size" section: a line per N (the cut budget shown), the figure
+    markdown, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    assert "## Leakage vs client size" in markdown and "![Leakage vs client size](leakage_by_client_size.png)" in markdown
+    for size in (4, 6):
+        assert f"| fedpac, round 0 | ig | {size} | " in markdown
+    assert "| 2 | – | " in markdown and "- fedpac, round 0: " in markdown
+    assert "<h2>Leakage vs client size</h2>" in page and (out / "leakage_by_client_size.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("flags,needle", [(["--attacks", "labels", "--real-sizes", "10"], "applies to the gradient"),

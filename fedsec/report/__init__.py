@@ -13,7 +13,7 @@ Stages, for every method (each in ``out/<method>/<stage>/``):
                      (``ReportSettings.victim_settings``, ``--preset audit``) a gradient attack is
                      one stage per setting, ``attack-ig@textbook`` and ``attack-ig@real``: the
                      report's *cells*, which name its columns and ``results.csv``'s ``attack``.
-                     With ``real_sizes`` (the preset: 10, 50) the real setting is one cell per
+                     With ``real_sizes`` (the preset: 4, 10, 50) the real setting is one cell per
                      client size N, ``attack-ig@real-n<N>``, on a federation of clients of exactly
                      N training images (trained by the stage, like the malicious section's).
 

@@ -21,7 +21,8 @@ from ..versions import provenance
 from .settings import DEFAULT_ATTACKS, ReportSettings, attack_of, parse_sizes
 from .stages import Stage, check_reuse_dirs, plan, run_stages, sized_config
 from .malicious import malicious_meta, section_table
-from .tables import assemble, leakage_by_round, lower_bound_flags, method_comparisons, psnr_definition
+from .tables import (assemble, client_size_rows, leakage_by_round, lower_bound_flags, method_comparisons,
+                     psnr_definition)
 
 
 def validate(base: RunConfig, methods: list[str], attack_names: list[str], settings: ReportSettings, out: Path,
@@ -177,6 +178,7 @@ def _write_report(base: RunConfig, methods: list[str], attack_names: list[str], 
     meta = _report_meta(base, methods, attack_names, cells, details, records, notes, command, mia_summaries,
                         method_comparisons(summary, results, methods, attack_names))
     meta["by_round"] = by_round.to_dict("records") if by_round["round"].nunique() > 1 else []
+    meta["client_size"] = client_size_rows(by_round, summary, cells)
     tables = {"results.csv": results, "summary.csv": summary, "findings.csv": findings, "by_round.csv": by_round}
     section, section_meta = malicious
     if section_meta is not None:

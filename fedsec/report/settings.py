@@ -150,7 +150,7 @@ def parse_sizes(text: str | Iterable[int] | None, flag: str = "--malicious-sizes
 def audit_preset(iterations: dict[str, int] | None = None) -> ReportSettings:
     """``--preset audit``'s attack plan (the federation is ``runner.AUDIT_FEDERATION``): attacks at
     round 0 and at the last round, IG in the textbook setting (16 clients, one step on 2 images each)
-    and on real local training of clients of 10 and of 50 training images (``AUDIT_REAL_SIZES``: 4
+    and on real local training of clients of 4, 10 and 50 training images (``AUDIT_REAL_SIZES``: 8, 4
     and 2 clients, every image they trained on; a federation of its own per size), prototype
     inversion on 11 clients (3 prototypes each) and label inference on all 20: at least 32 images per
     image cell. One start per reconstruction; IG's budget is cut where each step replays several
@@ -160,7 +160,7 @@ def audit_preset(iterations: dict[str, int] | None = None) -> ReportSettings:
     user = iterations or {}
     kept = {k: v for k, v in AUDIT_ITERATIONS.items() if not any(_covers(u, k) for u in user)}
     return ReportSettings(rounds=AUDIT_ROUNDS, victim_settings=VICTIM_SETTINGS, textbook_batch=2, restarts=1,
-                          targets_by={"ig@textbook": 16, "ig@real": 2, "ig@real-n10": 4, "proto": 11, "labels": 20,
+                          targets_by={"ig@textbook": 16, "ig@real": 2, "ig@real-n4": 8, "ig@real-n10": 4, "proto": 11, "labels": 20,
                                       **{a: AUDIT_MALICIOUS_TARGETS for a in attacks.names("malicious")}},
                           malicious_sizes=DEFAULT_MALICIOUS_SIZES, malicious_rounds=(0,), real_sizes=AUDIT_REAL_SIZES,
                           iterations={**kept, **user})
@@ -175,8 +175,10 @@ AUDIT_ATTACKS = ("ig", "proto", "labels", "trap")
 AUDIT_MALICIOUS_TARGETS = 4
 AUDIT_ROUNDS = (0, 19)
 # ig@real: the federation's own clients (~180 images), as ``fedsec attack ig --preset audit`` runs it
-AUDIT_ITERATIONS = {"ig@textbook": 500, "ig@real": 100, "ig@real-n10": 500, "proto": 300}
-AUDIT_REAL_SIZES = (10, 50)
+AUDIT_ITERATIONS = {"ig@textbook": 500, "ig@real": 100, "ig@real-n4": 500, "ig@real-n10": 500, "proto": 300}
+# the preset's client sizes on the curve of real local training: 4 (one step of 4 images with batches of
+# 10: the curve's start), 10 (one step of 10) and 50 (five steps)
+AUDIT_REAL_SIZES = (4, 10, 50)
 
 
 def parse_iterations(text: str | None) -> dict[str, int]:

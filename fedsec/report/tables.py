@@ -16,7 +16,7 @@ from reports.formatting import finite_or_none, interval_text, is_true
 
 from .. import io
 from ..attack import IMAGE_COLUMNS, LABEL_COLUMNS
-from .settings import attack_of
+from .settings import attack_of, cell_setting
 from .stages import Stage
 
 RESULT_COLUMNS = list(dict.fromkeys(IMAGE_COLUMNS + LABEL_COLUMNS))
@@ -243,6 +243,34 @@ def leakage_by_round(results: pd.DataFrame, methods: list[str], cells: list[str]
                             "success_rate_ci_high": stats["success_rate_ci"][1],
                             "mis_specified_targets": flag("mis_specified"), "not_converged_targets": flag("not_converged")})
     return pd.DataFrame(out, columns=columns)
+
+
+def client_size_rows(by_round: pd.DataFrame, summary: pd.DataFrame, cells: dict) -> list[dict]:
+    """The real-training cells of the report's client sizes (``<attack>@real-n<N>``) as
+    ``reports.client_size`` rows, one per method, attacked round and N: the method label names the
+    round ("fedavg, round 0"), so the largest exposed N is per method and round. A cell that gave no
+    images (not applicable, failed) is one row with its status as the note. ``cells`` maps a cell key
+    to its ``AttackSettings`` (the iterations it ran with; None: the attack's default)."""
+    rows = []
+    for r in summary.to_dict("records"):
+        for key in cells:
+            setting, size = cell_setting(key)
+            status = r.get(f"{key}_status")
+            if setting == "real" and size is not None and isinstance(status, str) and status != "done":
+                rows.append({"method": r["method"], "attack": attack_of(key), "train_images": size, "note": status})
+    for r in by_round.to_dict("records"):
+        setting, size = cell_setting(str(r["attack"]))
+        if setting != "real" or size is None:
+            continue
+        settings = cells.get(r["attack"])
+        rows.append({"method": f"{r['method']}, round {int(r['round'])}", "attack": attack_of(str(r["attack"])),
+                     "train_images": size, "mean_psnr": r["mean_psnr"], "mean_psnr_low": r["mean_psnr_ci_low"],
+                     "mean_psnr_high": r["mean_psnr_ci_high"], "prior_psnr": r["prior_psnr"],
+                     "success_rate": r["success_rate"], "n_images": r["n_images"], "n_targets": r["n_targets"],
+                     "mis_specified_targets": r["mis_specified_targets"],
+                     "not_converged_targets": r["not_converged_targets"],
+                     "iterations": getattr(settings, "iterations", None)})
+    return rows
 
 
 def psnr_definition() -> str:
