@@ -283,8 +283,8 @@ def attack(ctx, attack, attack_rounds, targets, iterations, restarts, victim_bat
     torch runs one thread unless --threads is given.
 
     --preset audit: 20 clients, attack rounds 0 and 19, the audit's plan for this attack: gradient
-    attacks on 2 clients' real local training (every image they trained on; 100 IG steps, one start;
-    with --train-images 10 the report's ig@real-n10 cell: 4 clients, 500 steps), or with an explicit
+    attacks on 2 clients' real local training (every image they trained on; 100 steps, one start;
+    with --train-images 10 the report's <attack>@real-n10 cell: 4 clients, 500 steps), or with an explicit
     --victim-batch B the textbook setting (16 clients). Explicit flags win.
     """
     from .attack import AttackSettings, default_out, parse_rounds, run_attack
@@ -413,14 +413,15 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, malicious_
 
     Example: fedsec report --methods fedecouple,fedper,fedpac,fedproto --out runs/report
 
-    --preset audit: 20 clients, 20 rounds; attacks ig, proto and labels at round 0 and round 19; IG in
-    four cells, ig@textbook (16 clients, one step on 2 images each), ig@real-n4, ig@real-n10 and
-    ig@real-n50 (the real local training of 8 clients of 4, 4 of 10 and 2 of 50 training images, each
-    size its own federation; every image they trained on; the report's "Leakage vs client size");
-    proto on 11 clients, labels on all 20: at least 32 images per image cell, each with its interval
-    and share recovered. One start per reconstruction, 500 IG steps (textbook, n4, n10) and 100 (n50). Explicit flags win (--iterations ig@real=300 for every
-    size, ig@real-n10=300 for one; --attacks, --attack-rounds, --targets). The report prints its time
-    estimate before it starts.
+    --preset audit: 20 clients, 20 rounds; attacks ig, fedavg-leak, proto and labels at round 0 and
+    round 19; ig@textbook (16 clients, one step on 2 images each); the attack built for real local
+    training in three cells, fedavg-leak@real-n4, -n10 and -n50 (8 clients of 4, 4 of 10 and 2 of 50
+    training images, each size its own federation; every image they trained on; the report's "Leakage
+    vs client size"); proto on 11 clients, labels on all 20: at least 32 images per image cell, each
+    with its interval and share recovered. One start per reconstruction, 500 steps (textbook, n4, n10)
+    and 100 (n50). Explicit flags win (--iterations fedavg-leak@real=300 for every size,
+    fedavg-leak@real-n10=300 for one; --attacks, --attack-rounds, --targets). The report prints its
+    time estimate before it starts.
 
     Malicious-server attacks (--attacks trap, binning, ...) get their own section instead of a headline
     column: per method, clients of each --malicious-sizes N training images, the download check off and

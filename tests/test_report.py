@@ -351,20 +351,24 @@ def test_the_audit_preset_plans_at_least_32_images_per_image_cell():
 
     settings = rep.audit_preset()
     cells = settings.keys(rep.AUDIT_ATTACKS)
-    assert cells == ["ig@textbook", "ig@real-n4", "ig@real-n10", "ig@real-n50", "proto", "labels"] and settings.rounds == (0, 19)
+    # IG in the textbook setting, the attack built for real local training in the real one
+    real = [f"fedavg-leak@real-n{n}" for n in (4, 10, 50)]
+    assert cells == ["ig@textbook", *real, "proto", "labels"] and settings.rounds == (0, 19)
     prep = prepare(RunConfig.of(dataset="mnist5k", **AUDIT_FEDERATION))
     smallest = min(len(prep.partition.train[c]) for c in range(prep.config.data.clients))
     plan = {c: settings.for_attack(c) for c in cells + ["ig@real"]}
     assert plan["ig@textbook"].targets * plan["ig@textbook"].victim_batch >= 32
-    for cell in ("ig@real-n4", "ig@real-n10", "ig@real-n50"):  # real local training of clients of N images
+    for cell in real:  # real local training of clients of N images
         assert plan[cell].victim_batch == 0 and plan[cell].targets * settings.cell_size(cell) >= 32
-    assert [plan[f"ig@real-n{n}"].iterations for n in (4, 10, 50)] == [500, 500, 100]  # n50: ig@real's entry
+    assert [plan[c].iterations for c in real] == [500, 500, 100]  # n50: fedavg-leak@real's entry
     # `fedsec attack ig --preset audit` attacks the federation's own clients (no size)
     assert plan["ig@real"].victim_batch == 0 and plan["ig@real"].targets * smallest >= 32
     assert settings.cell_size("ig@real") is None
     # --iterations ig@real=300 covers every size; a cell's own entry only that cell
-    assert {rep.audit_preset({"ig@real": 300}).for_attack(c).iterations for c in ("ig@real-n10", "ig@real-n50")} == {300}
-    assert rep.audit_preset({"ig@real-n50": 7}).for_attack("ig@real-n10").iterations == 500
+    assert {rep.audit_preset({"fedavg-leak@real": 300}).for_attack(c).iterations for c in real} == {300}
+    assert rep.audit_preset({"fedavg-leak@real-n50": 7}).for_attack(real[1]).iterations == 500
+    # `fedsec attack ig --preset audit --train-images 10` keeps IG's own plan for that size
+    assert (rep.audit_preset().for_attack("ig@real-n10").targets, rep.audit_preset().for_attack("ig@real-n10").iterations) == (4, 500)
     assert plan["proto"].targets * prep.config.data.classes_per_client >= 32
     assert all(s.rounds_to_train == AUDIT_FEDERATION["rounds"] for s in plan.values())
 
@@ -377,14 +381,15 @@ def test_preset_audit_on_the_command_line_prints_an_estimate_and_writes_both_set
           "--threads", str(TEST_THREADS), "--out", str(out)])  # returns (exit 0); a failure exits non-zero
     captured = capsys.readouterr()
     assert re.search(r"\d+ of \d+ stages to compute: about \d+ (s|min)", captured.err)
-    assert all(f"ig@{cell}" in captured.out for cell in ("textbook", "real-n4", "real-n10", "real-n50"))
+    assert all(cell in captured.out for cell in ("ig@textbook", "fedavg-leak@real-n4", "fedavg-leak@real-n10",
+                                                  "fedavg-leak@real-n50"))
     summary = pd.read_csv(out / "summary.csv")
     assert summary.loc[0, "ig@textbook_n_images"] == 2 * 1 * 2  # 2 rounds x 1 target x 2 images (the preset's batch)
     assert summary.loc[0, "proto_status"] == "done"
     for size in (4, 10, 50):  # real local training of 1 client of N images per round, on its own federation
-        assert summary.loc[0, f"ig@real-n{size}_status"] == "done"
-        assert summary.loc[0, f"ig@real-n{size}_n_images"] == 2 * size
-        sized = json.loads((out / "fedpac" / f"attack-ig@real-n{size}" / "summary.json").read_text())["config"]
+        assert summary.loc[0, f"fedavg-leak@real-n{size}_status"] == "done"
+        assert summary.loc[0, f"fedavg-leak@real-n{size}_n_images"] == 2 * size
+        sized = json.loads((out / "fedpac" / f"attack-fedavg-leak@real-n{size}" / "summary.json").read_text())["config"]
         assert sized["train_images"] == size
     config = json.loads((out / "fedpac" / "train" / "config.json").read_text())["config"]
     assert (config["clients"], config["rounds"]) == (4, 2)

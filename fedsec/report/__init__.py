@@ -11,10 +11,11 @@ Stages, for every method (each in ``out/<method>/<stage>/``):
                      (``dlg`` on FedProto, ``proto`` on a method that uploads no prototypes, ...)
                      is recorded as ``not applicable: <reason>``. With victim settings
                      (``ReportSettings.victim_settings``, ``--preset audit``) a gradient attack is
-                     one stage per setting, ``attack-ig@textbook`` and ``attack-ig@real``: the
+                     one stage per setting, ``attack-ig@textbook`` and ``attack-ig@real`` (the preset:
+                     IG in the textbook setting, ``fedavg-leak`` in the real one): the
                      report's *cells*, which name its columns and ``results.csv``'s ``attack``.
                      With ``real_sizes`` (the preset: 4, 10, 50) the real setting is one cell per
-                     client size N, ``attack-ig@real-n<N>``, on a federation of clients of exactly
+                     client size N, ``attack-<attack>@real-n<N>``, on a federation of clients of exactly
                      N training images (trained by the stage, like the malicious section's).
 
 One training serves several stages (``fedsec.attack.TrainingCache``): the train stage records every

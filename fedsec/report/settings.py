@@ -50,7 +50,9 @@ class ReportSettings:
     own federation of clients of exactly N training images (``--train-images N``; leakage falls
     with the images a client trains on, so one size says little): without, one cell on the
     federation's own clients. ``iterations`` and ``targets_by`` may name a cell (``ig@real-n10``),
-    its setting (``ig@real``, for every size) or an attack (``ig``)."""
+    its setting (``ig@real``, for every size) or an attack (``ig``). ``settings_by`` narrows an
+    attack's cells to some of the victim settings (the preset: IG in the textbook setting, the
+    attack built for real local training, ``fedavg-leak``, in the real one)."""
 
     rounds: tuple[int, ...] = (0,)
     targets: int = DEFAULT_TARGETS
@@ -63,14 +65,18 @@ class ReportSettings:
     malicious_sizes: tuple[int, ...] = DEFAULT_MALICIOUS_SIZES  # the section's clients' training images
     malicious_rounds: tuple[int, ...] | None = None  # the section's attacked rounds (None: ``rounds``)
     real_sizes: tuple[int, ...] = ()  # the real-training cells' client sizes (empty: the federation's clients)
+    settings_by: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per attack: its victim settings
 
     def keys(self, attack_names: Iterable[str]) -> list[str]:
         """The report's cells: one per attack, or one per attack and victim setting (gradient attacks).
         A malicious server's attacks have their own section (``malicious_cells``), not cells."""
-        settings = [s for v in self.victim_settings
+        def settings(attack: str) -> list[str]:
+            chosen = [v for v in self.victim_settings if v in self.settings_by.get(attack, self.victim_settings)]
+            return [s for v in chosen
                     for s in ([f"real-n{n}" for n in self.real_sizes] if v == "real" and self.real_sizes else [v])]
+
         return [f"{a}@{v}" if v else a for a in attack_names if attacks.get(a).kind != "malicious"
-                for v in (settings if attacks.get(a).kind == "gradient" and settings else [""])]
+                for v in (settings(a) if attacks.get(a).kind == "gradient" and self.victim_settings else [""])]
 
     def cell_size(self, key: str) -> int | None:
         """The training images of the clients a cell attacks (None: the federation's own)."""
@@ -149,20 +155,24 @@ def parse_sizes(text: str | Iterable[int] | None, flag: str = "--malicious-sizes
 
 def audit_preset(iterations: dict[str, int] | None = None) -> ReportSettings:
     """``--preset audit``'s attack plan (the federation is ``runner.AUDIT_FEDERATION``): attacks at
-    round 0 and at the last round, IG in the textbook setting (16 clients, one step on 2 images each)
-    and on real local training of clients of 4, 10 and 50 training images (``AUDIT_REAL_SIZES``: 8, 4
+    round 0 and at the last round, IG in the textbook setting (16 clients, one step on 2 images each),
+    the attack built for real local training (``fedavg-leak``: Dimitrov et al., with the layer-input
+    solve where it applies) on clients of 4, 10 and 50 training images (``AUDIT_REAL_SIZES``: 8, 4
     and 2 clients, every image they trained on; a federation of its own per size), prototype
     inversion on 11 clients (3 prototypes each) and label inference on all 20: at least 32 images per
-    image cell. One start per reconstruction; IG's budget is cut where each step replays several
+    image cell. One start per reconstruction; the budget is cut where each step replays several
     local steps (50 images: five, FedeCouple's phases each). The malicious-server section (``trap``):
     4 clients of 10 and of 50 training images at round 0, the check off and on. ``iterations`` (the
     user's ``--iterations``) win over the preset's for every cell they name or cover."""
     user = iterations or {}
     kept = {k: v for k, v in AUDIT_ITERATIONS.items() if not any(_covers(u, k) for u in user)}
+    sized = {f"{a}@real-n{n}": t for a in ("ig", REAL_TRAINING_ATTACK) for n, t in AUDIT_REAL_TARGETS.items()}
     return ReportSettings(rounds=AUDIT_ROUNDS, victim_settings=VICTIM_SETTINGS, textbook_batch=2, restarts=1,
-                          targets_by={"ig@textbook": 16, "ig@real": 2, "ig@real-n4": 8, "ig@real-n10": 4, "proto": 11, "labels": 20,
+                          targets_by={"ig@textbook": 16, "ig@real": 2, f"{REAL_TRAINING_ATTACK}@real": 2, **sized,
+                                      "proto": 11, "labels": 20,
                                       **{a: AUDIT_MALICIOUS_TARGETS for a in attacks.names("malicious")}},
                           malicious_sizes=DEFAULT_MALICIOUS_SIZES, malicious_rounds=(0,), real_sizes=AUDIT_REAL_SIZES,
+                          settings_by={"ig": ("textbook",), REAL_TRAINING_ATTACK: ("real",)},
                           iterations={**kept, **user})
 
 
@@ -171,14 +181,20 @@ def _covers(given: str, key: str) -> bool:
     return given in (key, attack_of(key), f"{attack_of(key)}@{cell_setting(key)[0]}")
 
 
-AUDIT_ATTACKS = ("ig", "proto", "labels", "trap")
+# the attack built for the clients' real local training (several steps, every image): the preset's
+# real-training cells, where IG keeps the textbook one
+REAL_TRAINING_ATTACK = "fedavg-leak"
+AUDIT_ATTACKS = ("ig", REAL_TRAINING_ATTACK, "proto", "labels", "trap")
 AUDIT_MALICIOUS_TARGETS = 4
 AUDIT_ROUNDS = (0, 19)
 # ig@real: the federation's own clients (~180 images), as ``fedsec attack ig --preset audit`` runs it
-AUDIT_ITERATIONS = {"ig@textbook": 500, "ig@real": 100, "ig@real-n4": 500, "ig@real-n10": 500, "proto": 300}
 # the preset's client sizes on the curve of real local training: 4 (one step of 4 images with batches of
-# 10: the curve's start), 10 (one step of 10) and 50 (five steps)
+# 10: the curve's start), 10 (one step of 10) and 50 (five steps); the attacked clients per size (at
+# least 32 images per round; 50: ``@real``'s 2)
 AUDIT_REAL_SIZES = (4, 10, 50)
+AUDIT_REAL_TARGETS = {4: 8, 10: 4}
+AUDIT_ITERATIONS = {"ig@textbook": 500, "ig@real": 100, "proto": 300, f"{REAL_TRAINING_ATTACK}@real": 100,
+                    **{f"{a}@real-n{n}": 500 for a in ("ig", REAL_TRAINING_ATTACK) for n in AUDIT_REAL_TARGETS}}
 
 
 def parse_iterations(text: str | None) -> dict[str, int]:
