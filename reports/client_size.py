@@ -146,6 +146,12 @@ def client_size_figure(rows: list[dict], title: str = "Leakage vs client size") 
         ax.plot(n, [math.nan if p is None else p for p in prior], linestyle="--", marker="_", markersize=14,
                 color=colour, alpha=0.6)
     ax.set_xscale("log")
+    sizes = sorted({int(r["train_images"]) for r in rows if finite_or_none(r.get("mean_psnr")) is not None})
+    if sizes:  # the measured N as plain numbers, not powers of ten
+        from matplotlib.ticker import NullFormatter
+
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("training images per client (N)")
     ax.set_ylabel("mean PSNR (dB); dashed: prior")
     ax.set_title(title)
