@@ -94,7 +94,7 @@ def exposed_lines(rows: list[dict]) -> list[str]:
 def client_size_table(rows: list[dict]) -> str:
     """A Markdown table, one line per (method, N), and the largest exposed N per method under it."""
     lines = ["| " + " | ".join(HEADER) + " |", "|---|---|---:|---|---:|---:|---|---:|---:|---|"]
-    lines += ["| " + " | ".join(line) + " |" for line in table_rows(rows)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in line) + " |" for line in table_rows(rows)]
     return "\n".join(lines + [""] + [f"- {x}" for x in exposed_lines(rows)])
 
 
