@@ -59,7 +59,7 @@ def main() -> None:
     prep = prepare(config)
     recording = AttackSettings(attack=names[0], victim_batch=0, targets=args.targets,
                                iterations=iterations.get(names[0])).resolved(0, args.threads)
-    fed, run, targets = train_recorded(prep, recording, progress=False)
+    fed, run, targets, _, _ = train_recorded(prep, recording, progress=False)
     fed.close()
     ratios = []
     for name in names:

@@ -35,7 +35,7 @@ from dataclasses import replace
 from .channel import Download, Upload
 from .data.dataset import ImageDataset
 from .devices import is_cuda, to_device
-from .errors import UserError
+from .errors import DIVERGED, UserError
 from .methods.base import BatchRecord, ClientContext, Method, State, TrainConfig
 from .models import SplitModel, build_custom, build_model, check_architecture, check_fits, default_architecture
 
@@ -147,7 +147,7 @@ def check_finite_upload(upload: Upload, client_id: int, round: int) -> None:
     bad = [name for name, t in upload.tensors.items()
            if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
-        raise UserError(f"training diverged (non-finite upload: {', '.join(bad[:3])}) on client {client_id} in round "
+        raise UserError(f"{DIVERGED} (non-finite upload: {', '.join(bad[:3])}) on client {client_id} in round "
                         f"{round}; lower --lr")
 
 

@@ -57,7 +57,7 @@ from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.devices import device_record
 from fedecouple.engine import GroundTruth, VictimSetting, derive_seed
 from fedecouple.data.registry import EMBEDDED
-from fedecouple.errors import UserError
+from fedecouple.errors import DIVERGED, UserError
 from reports.figures import reconstruction_grid
 
 from . import io
@@ -287,9 +287,17 @@ def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | No
             prep = replace(prep, method=DPMethod(prep.method, dp))
         check_applicable(settings.spec, prep)
         kept = trainings.get(key, settings.rounds) if key is not None else None
+        notes: list[str] = []
         if kept is None:
-            fed, run, targets = train_recorded(prep, settings, interceptors, progress)
+            fed, run, targets, completed, diverged = train_recorded(prep, settings, interceptors, progress)
             seconds, shared = round(time.perf_counter() - start, 2), {}
+            if diverged is not None:  # attack the rounds recorded before it; share nothing
+                dropped = [r for r in settings.rounds if r not in completed]
+                settings = replace(settings, rounds=tuple(r for r in settings.rounds if r in completed))
+                targets = {r: targets[r] for r in settings.rounds}
+                notes.append(f"{diverged.removesuffix('; lower --lr')}: attacked round(s) "
+                             f"{', '.join(map(str, dropped))} dropped, the rounds recorded before it attacked")
+                key = None
             if key is not None:
                 trainings.put(key, (fed, run, seconds))
         else:
@@ -307,7 +315,7 @@ def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | No
             args = settings.split()
             outcome = attack_recorded(run, args.spec, targets, args.threat, args.budget, seed=args.seed,
                                       batched=args.batched, victim=args.victim, threads=args.threads, progress=progress)
-            return write_attack(out, settings, targets, outcome, context, start)
+            return write_attack(out, settings, targets, outcome, context, start, notes)
         finally:
             if key is None:
                 fed.close()  # e.g. shut down the Ray this run started
@@ -359,19 +367,34 @@ class TrainingCache:
 def train_recorded(prep: Prepared, settings: AttackSettings, interceptors: Iterable = (),
                    progress: bool = True) -> tuple:
     """Train with a recorder on the attacked rounds; the chosen targets train in the victim setting.
-    Returns (federation, its ``RecordedRun``, {round: targets})."""
+    Returns (federation, its ``RecordedRun``, {round: targets}, the rounds it completed, and the
+    divergence's message or None). A training that diverges after completing some attacked round
+    keeps what it recorded (those rounds' uploads were made before it diverged); one that diverges
+    before any attacked round is done raises its one-line error."""
     from tqdm import tqdm
 
     fed, run, targets = recording_federation(prep, settings, interceptors)
+    completed: list[int] = []
+    diverged = None
     try:
         bar = tqdm(total=settings.rounds_to_train, desc=f"{prep.method.name} rounds", unit="round",
                    disable=not progress, leave=False)
-        fed.run(settings.rounds_to_train, on_round=lambda r, rows: bar.update(1))
+
+        def on_round(r: int, rows) -> None:
+            completed.append(r)
+            bar.update(1)
+
+        try:
+            fed.run(settings.rounds_to_train, on_round=on_round)
+        except UserError as exc:
+            if not str(exc).startswith(DIVERGED) or not set(settings.rounds) & set(completed):
+                raise
+            diverged = str(exc)
         bar.close()
     except BaseException:
         fed.close()
         raise
-    return fed, run, targets
+    return fed, run, targets, completed, diverged
 
 
 def recording_federation(prep: Prepared, settings: AttackSettings | None = None, interceptors: Iterable = ()) -> tuple:

@@ -374,3 +374,28 @@ def test_issue_acceptance_dlg_rebuilds_mnist_digits_from_the_padded_cnn():
                          AttackSettings("dlg", targets=2, restarts=2), progress=False)
     assert summary["images_scored"] == 2 and summary["label_accuracy"] == 1.0
     assert summary["mean_psnr"] > 25.0 and summary["mean_psnr"] > summary["mean_prior_psnr"] + 15, summary["mean_psnr"]
+
+
+def test_a_training_that_diverges_after_an_attacked_round_keeps_that_round(monkeypatch):
+    """A federation whose training diverges in round 2 (stood in: the upload check raises there) still
+    has round 0's recorded upload: the attack scores round 0, drops round 2 and says so; one that
+    diverges before any attacked round is done is the one-line error it was."""
+    import fedecouple.backends as backends
+    from fedecouple.errors import UserError
+    from fedsec import attack as harness
+    from fedsec.runner import RunConfig
+
+    real_check = backends.check_finite_upload
+
+    def diverging(upload, client_id, round):
+        if round >= 2:
+            raise UserError(f"training diverged (non-finite upload: w) on client {client_id} in round {round}; lower --lr")
+        return real_check(upload, client_id, round)
+
+    monkeypatch.setattr(backends, "check_finite_upload", diverging)
+    config = RunConfig.of(method="fedavg", dataset="digits", clients=3, threads=TEST_THREADS)
+    summary = harness.run_attack(config, harness.AttackSettings("dlg", rounds=(0, 2), iterations=2), progress=False)
+    assert summary["attack_rounds"] == [0] and summary["images_scored"] == 2
+    assert any("training diverged" in n and "round(s) 2 dropped" in n for n in summary["notes"])
+    with pytest.raises(UserError, match="training diverged"):
+        harness.run_attack(config, harness.AttackSettings("dlg", rounds=(2,), iterations=2), progress=False)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..channel import Download, Upload
 from ..data.augment import BatchAugmenter, Draw
-from ..errors import UserError
+from ..errors import DIVERGED, UserError
 from ..models import SplitModel, get_params
 
 State = dict[str, torch.Tensor]
@@ -183,7 +183,7 @@ class ClientContext:
     def check_finite(self, loss: torch.Tensor) -> None:
         if not torch.isfinite(loss):
             raise UserError(
-                f"training diverged (non-finite loss) on client {self.client_id} in round {self.round}; lower --lr"
+                f"{DIVERGED} (non-finite loss) on client {self.client_id} in round {self.round}; lower --lr"
             )
 
 
