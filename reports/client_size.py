@@ -4,7 +4,6 @@ disk). A row: method, attack, train_images (N), mean_psnr, mean_psnr_low/high (i
 prior_psnr, success_rate, n_images, n_targets, iterations (the budget), seconds, and ``note`` (why a cell has no figure)."""
 from __future__ import annotations
 
-import html
 import math
 from typing import Mapping
 
@@ -29,22 +28,6 @@ def section_markdown(meta: Mapping) -> list[str]:
         return []
     return ["## Leakage vs client size", "", NOTE, "", client_size_table(rows), "",
             f"![Leakage vs client size]({PLOT_CLIENT_SIZE})", ""]
-
-
-def section_html(meta: Mapping, plot: bytes | None, data_uri) -> list[str]:
-    """The same section in HTML (every string escaped; the figure as a data URI)."""
-    rows = list(meta.get("client_size") or [])
-    if not rows:
-        return []
-    e = lambda text: html.escape(str(text), quote=True)  # noqa: E731
-    out = ["<h2>Leakage vs client size</h2>", f'<p class="muted">{e(NOTE)}</p>', "<table>",
-           "<tr>" + "".join(f"<th>{e(c)}</th>" for c in HEADER) + "</tr>"]
-    out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in line) + "</tr>" for line in table_rows(rows)]
-    out += ["</table>", "<ul>" + "".join(f"<li>{e(x)}</li>" for x in exposed_lines(rows)) + "</ul>"]
-    if plot is not None:
-        out.append(f'<figure><img src="{data_uri(plot)}" alt="Leakage vs client size">'
-                   f"<figcaption>Mean PSNR against the number of training images per client</figcaption></figure>")
-    return out
 
 
 def largest_exposed(rows: list[dict]) -> dict[str, int | None]:

@@ -470,6 +470,20 @@ def html_table(header: list[str], rows: list[list[str]], numeric_from: int = 1, 
     return "\n".join(parts)
 
 
+def _client_size_html(meta: Mapping, plot: bytes | None) -> list[str]:
+    """``reports.client_size``'s section in HTML (every string escaped; the figure as a data URI)."""
+    rows = list(meta.get("client_size") or [])
+    if not rows:
+        return []
+    out = ["<h2>Leakage vs client size</h2>", f'<p class="muted">{e(client_size.NOTE)}</p>',
+           html_table(client_size.HEADER, client_size.table_rows(rows), numeric_from=99),
+           "<ul>" + "".join(f"<li>{e(x)}</li>" for x in client_size.exposed_lines(rows)) + "</ul>"]
+    if plot is not None:
+        out.append(f'<figure><img src="{data_uri(plot)}" alt="Leakage vs client size"><figcaption>Mean PSNR '
+                   f"against the number of training images per client</figcaption></figure>")
+    return out
+
+
 def render_html(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, meta: Mapping,
                 plots: Mapping[str, bytes]) -> str:
     title = meta.get("title", "Privacy comparison")
@@ -518,7 +532,7 @@ def render_html(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, m
     if meta.get("comparisons"):
         h += ["<h2>Which method leaks more</h2>", f'<p class="muted">{e(COMPARISON_NOTE.format(rule=success_rule(meta)))}</p>',
               "<ul>" + "".join(f"<li>{e(c)}</li>" for c in meta["comparisons"]) + "</ul>"]
-    h += client_size.section_html(meta, plots.get(client_size.PLOT_CLIENT_SIZE), data_uri)
+    h += _client_size_html(meta, plots.get(client_size.PLOT_CLIENT_SIZE))
     h += section_html(meta, meta["methods"], plots.get(PLOT_MALICIOUS), data_uri)
     h += _mia_html(meta)
     h += ["<h2>PSNR definition</h2>", f"<pre>{e(str(meta.get('psnr_definition', '')).strip())}</pre>",
