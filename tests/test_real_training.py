@@ -236,6 +236,11 @@ def test_label_splits_lists_every_distinct_assignment_of_the_counts_to_the_steps
     assert label_splits(counts, 2, 2) == [[0, 0, 1, 2], [0, 1, 0, 2], [0, 2, 0, 1], [1, 2, 0, 0]]
     assert label_splits(torch.tensor([4]), 1, 4) == [[0, 0, 0, 0]]
     assert label_splits(torch.tensor([1] * 8), 4, 2, limit=100) is None  # 2520 splits
+    # 100 images in 10 steps of 10 (the client-size curve's N = 100): too many splits, said at once. The
+    # split search once listed a step's C(100, 10) batches before the first split and never returned
+    assert label_splits(torch.tensor([10] * 10), 10, 10) is None
+    assert label_splits(torch.tensor([18] * 10), 18, 10) is None
+    assert label_splits(torch.tensor([100] + [0] * 9), 10, 10) == [[0] * 100]
 
 
 def test_the_layer_inputs_of_a_multi_step_client_are_solved_at_their_steps_weights(digits):

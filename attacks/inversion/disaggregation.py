@@ -28,7 +28,6 @@ inputs, taken inside the replay at each step's own weights (zero at the truth).
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -72,8 +71,7 @@ def label_splits(counts: torch.Tensor, steps: int, batch: int, limit: int = MAX_
         if len(done) == steps * batch:
             out.append(list(done))
             return len(out) <= limit
-        pool = [c for c, k in enumerate(remaining) for _ in range(k)]
-        for chosen in sorted(set(itertools.combinations(pool, batch))):
+        for chosen in _multisets(remaining, batch):
             left = list(remaining)
             for c in chosen:
                 left[c] -= 1
@@ -82,6 +80,20 @@ def label_splits(counts: torch.Tensor, steps: int, batch: int, limit: int = MAX_
         return True
 
     return out if walk([int(k) for k in counts.tolist()], []) else None
+
+
+def _multisets(remaining: list[int], size: int, first: int = 0):
+    """The distinct sorted tuples of ``size`` class ids with at most ``remaining[c]`` of class c, in
+    lexicographic order, generated one at a time (listing the combinations of the pool first takes
+    C(100, 10) steps for 100 images in batches of 10)."""
+    if size == 0:
+        yield ()
+        return
+    if first >= len(remaining) or sum(remaining[first:]) < size:
+        return
+    for k in range(min(remaining[first], size), -1, -1):  # more of the smallest class first: lexicographic
+        for rest in _multisets(remaining, size - k, first + 1):
+            yield (first,) * k + rest
 
 
 class _Top:
