@@ -53,9 +53,11 @@ def attack_plan(attack: str, given: dict, is_explicit: Explicit, train_images: i
 def report_plan(preset: str | None, attack_text: str, attack_rounds: str, targets: int, iterations: str | None,
                 is_explicit: Explicit, malicious_sizes: str | None = None, real_sizes: str | None = None):
     """(attacks, ``ReportSettings``) of ``fedsec report``: the audit's plan under the explicit flags
-    with ``--preset audit``, else the flags (``--real-sizes`` alone: each gradient attack on the real
+    with ``--preset audit`` (IG keeps the textbook cell only while ``fedavg-leak`` carries the real
+    ones: ``--attacks ig`` alone gets IG's real cells back), else the flags (``--real-sizes`` alone: each gradient attack on the real
     local training of clients of each size, no textbook cell)."""
     from . import report as rep
+    from .report.settings import REAL_TRAINING_ATTACK
 
     sizes = rep.parse_sizes(malicious_sizes)
     real = rep.parse_sizes(real_sizes, "--real-sizes", ()) if real_sizes is not None else None
@@ -72,6 +74,9 @@ def report_plan(preset: str | None, attack_text: str, attack_rounds: str, target
                                                iterations=rep.parse_iterations(iterations), malicious_sizes=sizes,
                                                **sized)
     settings = rep.audit_preset(rep.parse_iterations(iterations))
+    if REAL_TRAINING_ATTACK not in attack_list:  # nothing else carries the real cells: each attack keeps them
+        settings = replace(settings, settings_by={a: s for a, s in settings.settings_by.items()
+                                                  if a == REAL_TRAINING_ATTACK})
     if is_explicit("malicious_sizes"):
         settings = replace(settings, malicious_sizes=sizes)
     if real is not None:

@@ -467,6 +467,23 @@ def test_fedsec_attack_preset_audit_with_train_images_takes_that_sized_cells_pla
     assert presets.attack_plan("ig", given, lambda name: name == "iterations", train_images=10)["iterations"] is None
 
 
+def test_preset_audit_gives_ig_its_real_cells_back_when_fedavg_leak_is_not_requested():
+    """The preset keeps IG to the textbook cell because ``fedavg-leak`` carries the real-training ones;
+    ``--attacks ig --real-sizes 4`` without it must not leave IG with no real cell."""
+    from fedsec import presets
+
+    def cells(attack_text, explicit):
+        attack_list, settings = presets.report_plan("audit", attack_text, "0", 2, None, lambda n: n in explicit,
+                                                    real_sizes="4" if "real_sizes" in explicit else None)
+        return settings.keys(attack_list)
+
+    assert cells("ig,proto", {"attacks"}) == ["ig@textbook", "ig@real-n4", "ig@real-n10", "ig@real-n50", "proto"]
+    assert cells("ig", {"attacks", "real_sizes"}) == ["ig@textbook", "ig@real-n4"]
+    assert cells("ig,fedavg-leak", {"attacks", "real_sizes"}) == ["ig@textbook", "fedavg-leak@real-n4"]
+    assert cells("", set()) == ["ig@textbook", "fedavg-leak@real-n4", "fedavg-leak@real-n10",
+                                "fedavg-leak@real-n50", "proto", "labels"]
+
+
 def test_real_sizes_give_one_real_training_cell_per_client_size(tmp_path):
     """``--real-sizes 4,6`` without a preset: the gradient attack's cells are its real local training on
     federations of clients of 4 and of 6 training images (FedPAC's replay: every image rebuilt and scored)."""
