@@ -2,7 +2,8 @@
 local epoch in batches of 10, the strongest attack on real local training against each method.
 
     python bench/n_curve.py [--sizes 4,10,25,50,100,180] [--methods fedavg,fedecouple,fedper,fedpac,fedproto]
-                            [--targets 4] [--iterations I] [--out n_curve.csv] [--figure n_curve.png]
+                            [--targets 4] [--iterations I] [--restarts R] [--out n_curve.csv]
+                            [--figure n_curve.png]
 
 ``client_size_curve`` is a function other scripts can call; each finished cell is
 appended to ``--out`` at once, so an interrupted sweep keeps what it measured and a rerun skips the
@@ -22,12 +23,12 @@ METHODS = ("fedavg", "fedecouple", "fedper", "fedpac", "fedproto")
 ATTACK_FOR = {"fedproto": "proto"}  # a method without weights gets the attack that applies to it
 COLUMNS = ("method", "attack", "train_images", "mean_psnr", "mean_psnr_low", "mean_psnr_high", "prior_psnr",
            "success_rate", "label_count_error", "n_images", "n_targets", "mis_specified_targets",
-           "not_converged_targets", "iterations", "seconds", "note")
+           "not_converged_targets", "iterations", "restarts", "seconds", "note")
 
 
 def measure_cell(method: str, n: int, *, batch_size: int = 10, epochs: int = 1, targets: int = 4,
-                 iterations: int | None = None, seed: int = 0, dataset: str = "mnist5k", clients: int = 10,
-                 threads: int = 1) -> dict:
+                 iterations: int | None = None, restarts: int | None = None, seed: int = 0,
+                 dataset: str = "mnist5k", clients: int = 10, threads: int = 1) -> dict:
     """One (method, N) cell: a one-round federation of ``clients`` clients of exactly ``n`` training
     images (weak partition), ``targets`` of them attacked in round 0; the summary's figures as a row."""
     from fedecouple.errors import UserError
@@ -38,7 +39,7 @@ def measure_cell(method: str, n: int, *, batch_size: int = 10, epochs: int = 1, 
     config = RunConfig.of(method=method, dataset=dataset, partition="weak", train_images=n, clients=clients,
                           rounds=1, batch_size=batch_size, local_epochs=epochs, seed=seed, threads=threads)
     settings = AttackSettings(attack=attack, victim_batch=0, targets=targets, iterations=iterations,
-                              images=n if attack == "proto" else None)
+                              restarts=restarts, images=n if attack == "proto" else None)
     started = time.perf_counter()
     row = {"method": method, "attack": attack, "train_images": n}
     with tempfile.TemporaryDirectory() as out:  # the label-count errors are per image: attack.csv's column
@@ -55,6 +56,7 @@ def measure_cell(method: str, n: int, *, batch_size: int = 10, epochs: int = 1, 
             "n_targets": summary.get("n_targets"), "mis_specified_targets": summary.get("mis_specified_targets"),
             "not_converged_targets": summary.get("not_converged_targets"),
             "iterations": (summary.get("budget") or {}).get("iterations"),
+            "restarts": (summary.get("budget") or {}).get("restarts"),
             "seconds": round(time.perf_counter() - started, 1), "note": ""}
 
 
@@ -97,12 +99,13 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--targets", type=int, default=4)
     parser.add_argument("--iterations", type=int, default=None)
+    parser.add_argument("--restarts", type=int, default=None, help="starts per target (default: the attack's)")
     parser.add_argument("--out", type=Path, default=Path("n_curve.csv"))
     parser.add_argument("--figure", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = client_size_curve([int(s) for s in args.sizes.split(",")], args.methods.split(","), out=args.out,
-                             targets=args.targets, iterations=args.iterations)
+                             targets=args.targets, iterations=args.iterations, restarts=args.restarts)
     print(client_size_table(rows))
     if args.figure is not None:
         io.write_bytes(args.figure, client_size_figure(rows))  # temp file + rename

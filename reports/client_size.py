@@ -1,7 +1,8 @@
 """Leakage as a function of how many images a client trains on (issue 24): pure rendering of the
 cells ``bench/n_curve.py`` measures (rows in, Markdown text or PNG bytes out; nothing touches the
 disk). A row: method, attack, train_images (N), mean_psnr, mean_psnr_low/high (its interval),
-prior_psnr, success_rate, n_images, n_targets, iterations (the budget), seconds, and ``note`` (why a cell has no figure)."""
+prior_psnr, success_rate, n_images, n_targets, iterations and restarts (the budget), seconds, and ``note`` (why a
+cell has no figure)."""
 from __future__ import annotations
 
 import math
@@ -87,10 +88,12 @@ def _seconds(row: dict) -> str:
 
 
 def _budget(row: dict) -> str:
-    """The attack's iterations per start in a cell ("default" where the row predates the column): cells
+    """The attack's iterations per start in a cell ("default" where the row predates the column), and its
+    starts where the row records them (``200 × 1 start``): cells
     of large N may run on a cut budget, which makes a figure at the prior a weaker lower bound."""
-    number = finite_or_none(row.get("iterations"))
-    return "default" if number is None else str(int(number))
+    number, starts = finite_or_none(row.get("iterations")), finite_or_none(row.get("restarts"))
+    text = "default" if number is None else str(int(number))
+    return text if starts is None else f"{text} × {int(starts)} start{'s' if int(starts) != 1 else ''}"
 
 
 def _check(row: dict) -> str:

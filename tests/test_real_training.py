@@ -218,6 +218,7 @@ def test_the_largest_exposed_size_is_the_largest_n_whose_interval_clears_the_pri
     assert "fedavg: exposed up to N = 10" in table and "not run (time)" in table
     assert "| default | 1 | not recorded / not recorded |" in table  # no budget, no forward check recorded
     assert "| 8 (4) | 300 | 1 |" in client_size_table([dict(rows[0], iterations=300)])  # a cut budget is shown
+    assert "| 8 (4) | 200 × 1 start | 1 |" in client_size_table([dict(rows[0], iterations=200, restarts=1)])
     checked = client_size_table([dict(rows[0], mis_specified_targets=0, not_converged_targets=4)])
     assert checked.splitlines()[2].endswith("| 0 / 4 |")  # a lower bound on all 4 targets
     assert client_size_figure(rows).startswith(b"\x89PNG")
