@@ -420,8 +420,9 @@ def report(ctx, methods, attacks, attack_rounds, targets, iterations, malicious_
     vs client size"); proto on 11 clients, labels on all 20: at least 32 images per image cell, each
     with its interval and share recovered. One start per reconstruction, 500 steps (textbook, n4, n10)
     and 100 (n50). Explicit flags win (--iterations fedavg-leak@real=300 for every size,
-    fedavg-leak@real-n10=300 for one; --attacks, --attack-rounds, --targets). The report prints its
-    time estimate before it starts.
+    fedavg-leak@real-n10=300 for one; --attacks, --attack-rounds, --targets; --attacks without
+    fedavg-leak gives ig its real-training cells back). The report prints its time estimate before it
+    starts.
 
     Malicious-server attacks (--attacks trap, binning, ...) get their own section instead of a headline
     column: per method, clients of each --malicious-sizes N training images, the download check off and

@@ -54,8 +54,8 @@ def report_plan(preset: str | None, attack_text: str, attack_rounds: str, target
                 is_explicit: Explicit, malicious_sizes: str | None = None, real_sizes: str | None = None):
     """(attacks, ``ReportSettings``) of ``fedsec report``: the audit's plan under the explicit flags
     with ``--preset audit`` (IG keeps the textbook cell only while ``fedavg-leak`` carries the real
-    ones: ``--attacks ig`` alone gets IG's real cells back), else the flags (``--real-sizes`` alone: each gradient attack on the real
-    local training of clients of each size, no textbook cell)."""
+    ones: ``--attacks ig`` alone gets IG's real cells back), else the flags (``--real-sizes`` alone:
+    each gradient attack on the real local training of clients of each size, no textbook cell)."""
     from . import report as rep
     from .report.settings import REAL_TRAINING_ATTACK
 
