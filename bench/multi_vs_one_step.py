@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import sys
 import tempfile
 from pathlib import Path
 
@@ -64,7 +65,7 @@ def compare(results: dict[str, dict]) -> dict:
     key = lambda r: (r["client"], r["image"])  # noqa: E731
     priors = {key(r): round(float(r["prior_psnr"]), 6) for r in one}
     if sorted(priors.items()) != sorted((key(r), round(float(r["prior_psnr"]), 6)) for r in multi):
-        raise SystemExit("the two settings did not score the same images: no paired comparison")
+        raise ValueError("the two settings did not score the same images: no paired comparison")
     return paired_difference(multi, one)
 
 
@@ -90,7 +91,11 @@ def main() -> None:
         print(f"{name}: mean PSNR {s['mean_psnr']:.2f} dB [{low:.2f}, {high:.2f}] (prior {s['mean_prior_psnr']:.2f}), "
               f"recovered {100 * s['success_rate']:.0f} %, n = {s['n_images']} images over {s['n_targets']} clients, "
               f"stopped short on {s.get('not_converged_targets')}, {s['seconds']:.0f} s")
-    diff = compare(results)
+    try:
+        diff = compare(results)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     ci = diff["ci"] or (float("nan"), float("nan"))
     print(f"multi-step − one-step (dB above the prior, paired over {diff['n_pairs']} images of {diff['n_targets']} "
           f"clients): {diff['mean_difference']:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}]: {diff['verdict']}")

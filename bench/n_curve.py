@@ -80,12 +80,18 @@ def client_size_curve(sizes=SIZES, methods=METHODS, out: str | Path | None = Non
 
 
 def _append(path: Path, row: dict) -> None:
-    new = not path.exists()
-    with open(path, "a", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
-        if new:
-            writer.writeheader()
-        writer.writerow({k: row.get(k) for k in COLUMNS})
+    """The CSV with ``row`` added, rewritten whole under ``COLUMNS`` (a file from before a column was
+    added keeps its rows aligned, the new column empty) by a temp file and a rename."""
+    from fedsec.io import atomic_path
+
+    rows = []
+    if path.exists():
+        with open(path, newline="", encoding="utf-8") as fh:
+            rows = list(csv.DictReader(fh))
+    with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows + [row])
 
 
 def main() -> None:
