@@ -77,6 +77,7 @@ class AttackSummary:
     checks: dict
     notes: list[str]
     label_scores: list[dict] | None = None
+    not_applicable: str | None = None  # why nothing could be scored, when nothing could
 
     def record(self, seconds: float, context: dict | None = None, notes_before: list[str] = ()) -> dict:
         """The summary as one JSON-ready dict (keys in the order ``summary.json`` has always had):
@@ -91,6 +92,8 @@ class AttackSummary:
                **self.checks, **(context or {}), "notes": list(notes_before) + list(self.notes)}
         if self.label_scores:
             out["label_scores"] = self.label_scores
+        if self.not_applicable is not None:
+            out["not_applicable"] = self.not_applicable
         return out
 
 
@@ -146,6 +149,17 @@ def attack_recorded(run: RecordedRun, attack: AttackSpec | str, targets: dict[in
     return AttackOutcome(spec, rows, panels, summary)
 
 
+def nothing_scored(spec: AttackSpec, scored: list[Target], rows: list[dict], notes: list[str]) -> str | None:
+    """Why the attack scored nothing (the first target's reason: an upload not recorded, or the attack's
+    ``NotApplicable``), or None when it scored something. The one place an attack's "not applicable"
+    answers become its result: the report's cell and the audit's finding read it from the summary."""
+    count = len(rows) if spec.rebuilds_images else sum("label_score" in j.result.trace for j in scored)
+    if count:
+        return None
+    first = notes[0] if notes else "nothing could be scored"
+    return (first.split(": ", 1)[-1] if first.startswith("round ") else first).strip().rstrip(".")
+
+
 def _auxiliary(run: RecordedRun, threat: ThreatModel, targets: dict[int, list[int]]):
     """The public data ``threat.aux_data`` names, without the attacked clients' own images."""
     if threat.aux_data is None:
@@ -169,8 +183,17 @@ def _attack_targets(run: RecordedRun, spec: AttackSpec, jobs: list[Target], budg
     for i, exc in failed.items():
         jobs[i].result = exc
     for batch, outcome in zip(batches, outcomes):
-        for i, result in zip(batch.indices, outcome):  # scored on the CPU (its variables stay for the check)
-            jobs[i].result = replace(result, images=result.images.cpu(), labels=result.labels.cpu())
+        for i, result in zip(batch.indices, outcome):
+            jobs[i].result = _gathered(result)
+
+
+def _gathered(result: AttackResult | NotApplicable) -> AttackResult | NotApplicable:
+    """One target's answer as the scoring takes it: a result's images and labels on the CPU (its variables
+    stay where they are, for the forward check); a ``NotApplicable`` (an attack may find, only once it
+    runs, that a target has nothing to attack) as it is, reported as a note."""
+    if isinstance(result, NotApplicable):
+        return result
+    return replace(result, images=result.images.cpu(), labels=result.labels.cpu())
 
 
 def class_priors(run: RecordedRun, round: int, client: int, auxiliary) -> torch.Tensor:
@@ -341,7 +364,7 @@ def _summary(run: RecordedRun, spec: AttackSpec, targets: dict, threat: ThreatMo
                      "seconds": round(float(j.result.trace.get("seconds", float("nan"))), 3),
                      "batched_with": int(j.result.trace.get("batched_with", 1)), **j.check} for j in scored],
         checks=check_summary([j.check for j in scored if j.check]), notes=notes,
-        label_scores=label_scores or None)
+        label_scores=label_scores or None, not_applicable=nothing_scored(spec, scored, rows, notes))
 
 
 def check_summary(checks: list[dict]) -> dict:

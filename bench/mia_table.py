@@ -1,4 +1,4 @@
-"""Print the BENCHMARKS membership-inference tables from `fedsec mia` output folders.
+"""Print the membership-inference tables from `fedsec mia` output folders.
 
     python bench/mia_table.py [--attack lira] DIR [DIR ...]
 

@@ -1,4 +1,4 @@
-"""Real local training against one step on the same images (issue 24: "the multi-step attack is
+"""Real local training against one step on the same images ("the multi-step attack is
 never weaker than the one-step attack on the same images"): one federation of clients of exactly N
 training images; the same clients attacked twice by ``fedavg-leak``, once on their real local
 training (one epoch in batches of ``--batch-size``: N / B steps) and once on one step over all N

@@ -1,4 +1,4 @@
-"""Leakage vs client size (issue 24): for clients of N training images (``--train-images N``), one
+"""Leakage vs client size: for clients of N training images (``--train-images N``), one
 local epoch in batches of 10, the strongest attack on real local training against each method.
 
     python bench/n_curve.py [--sizes 4,10,25,50,100,180] [--methods fedavg,fedecouple,fedper,fedpac,fedproto]

@@ -3,7 +3,7 @@
 # that the page renders and its images (plots, reconstruction grids) are visible. Not run in CI.
 #
 # Usage:   bench/screenshot_report.sh [REPORT_DIR_OR_HTML] [OUT_PNG]
-#          defaults: runs/report-default/report.html  →  /tmp/report.png
+#          defaults: runs/report-default/report.html  →  runs/report.png
 # Needs:   chromium (Debian: `apt-get update && apt-get install -y chromium`).
 # Make the report first, e.g.:
 #          fedsec report --methods fedecouple,fedper,fedpac,fedproto --threads 1 --out runs/report-default
@@ -12,7 +12,7 @@
 set -euo pipefail
 
 target="${1:-runs/report-default/report.html}"
-png="${2:-/tmp/report.png}"
+png="${2:-runs/report.png}"
 [[ -d "$target" ]] && target="$target/report.html"
 [[ -f "$target" ]] || { echo "error: $target not found (run fedsec report first)" >&2; exit 2; }
 command -v chromium >/dev/null || { echo "error: chromium not installed (apt-get install -y chromium)" >&2; exit 2; }

@@ -13,7 +13,7 @@ The 28x28 model ``cnn28`` follows the same convention (no padding: 28→24→12�
 model the paper's baselines likely ran, so tables can be checked on it.
 The choice matters for gradient inversion far more than for accuracy: on cnn28 the FC layer sees 512
 pooled features of a 784-pixel image and DLG stalls (≈15-20 dB); on cnn28-same it sees 1568 and DLG
-recovers the image (BENCHMARKS.md, "Attacks").
+recovers the image (docs/attacks.md).
 
 ``resnet18``, ``resnet18-bn`` and ``resnet50`` are torchvision's ResNets with the 3x3 stem used for
 small images (3x3 convolution, stride 1, no max-pool; the final ``fc`` is the classifier), so they

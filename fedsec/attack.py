@@ -35,12 +35,14 @@ reconstruction, PSNR under each; not for label attacks), all written atomically.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import json
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -65,7 +67,7 @@ from .runner import Prepared, RunConfig, build_federation, prepare
 from .versions import provenance
 
 # training and attacks run small models at small batches: on a shared 2-core machine one thread was
-# 6-8x faster than two for IG on the 28x28 CNN (measured, see BENCHMARKS.md)
+# 6-8x faster than two for IG on the 28x28 CNN (measured)
 ATTACK_THREADS = 1
 
 
@@ -88,7 +90,7 @@ class AttackSettings:
     # how the attacker models the augmented copies a client trains on: "free" (unknown images),
     # "family" (transforms of the image, parameters unknown), "oracle" (the client's batch order and
     # draws are known: an upper bound). free was the stronger of the two without the draws on the
-    # tuning federation (seed 1; BENCHMARKS.md, "Attacks")
+    # tuning federation (seed 1)
     augmentations: str = "free"
     mode: str = "auto"
     start: str = "noise"  # DLG's dummy images: noise or the per-channel mean
@@ -444,6 +446,22 @@ def _malicious_server(prep: Prepared, settings: AttackSettings, targets: dict, f
     return server
 
 
+# while a ``keep_outcomes()`` block runs, every ``write_attack`` appends its outcome to this list (the
+# Python API returns the rows and images without reading them back from files)
+_OUTCOMES: contextvars.ContextVar[list | None] = contextvars.ContextVar("fedsec_outcomes", default=None)
+
+
+@contextlib.contextmanager
+def keep_outcomes() -> Iterator[list[AttackOutcome]]:
+    """Collect the ``AttackOutcome`` of every attack written within the block."""
+    kept: list[AttackOutcome] = []
+    token = _OUTCOMES.set(kept)
+    try:
+        yield kept
+    finally:
+        _OUTCOMES.reset(token)
+
+
 def write_attack(out: str | Path | None, settings: AttackSettings, targets: dict[int, list[int]],
                  outcome: AttackOutcome, context: dict, start: float, notes: Iterable[str] = ()) -> dict:
     """The summary of ``outcome`` (with the settings, ``context`` and provenance; ``start`` the
@@ -454,6 +472,8 @@ def write_attack(out: str | Path | None, settings: AttackSettings, targets: dict
     summary = io.finite(outcome.summary.record(time.perf_counter() - start,
                                                {"settings": asdict(settings), **context, **provenance()},
                                                notes_before=list(notes) + short))
+    if _OUTCOMES.get() is not None:
+        _OUTCOMES.get().append(outcome)
     if out is not None:
         out = Path(out)
         io.write_csv(out / "attack.csv", pd.DataFrame(outcome.rows, columns=outcome.columns))
@@ -462,3 +482,8 @@ def write_attack(out: str | Path | None, settings: AttackSettings, targets: dict
                            reconstruction_grid(outcome.panels, f"{outcome.spec.name} on {outcome.summary.run}"))
         io.write_json(out / "summary.json", summary)
     return summary
+
+
+from .jobs import make_callable as _make_callable  # noqa: E402
+
+_make_callable(__name__)  # fedsec.attack(...) is also the API function (fedsec.jobs)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -115,6 +116,8 @@ def _measured(summary: dict) -> str:
 
 def _leak_severity(summary: dict | None, base: str) -> tuple[str, str]:
     """Downgrade a finding whose measured leakage is at chance level (``at_chance``)."""
+    if (summary or {}).get("not_applicable"):
+        return base, f"not applicable ({summary['not_applicable']})"
     gap = psnr_gap(summary)
     if gap is None:
         return base, "not measured"
@@ -127,41 +130,54 @@ def _leak_severity(summary: dict | None, base: str) -> tuple[str, str]:
     return base, f"{_measured(summary)} (+{gap:.1f} dB){'; ' + verdict if verdict else ''}"
 
 
+# the attack kinds whose results are the findings' evidence: what an honest-but-curious server rebuilds
+# (a malicious server's crafted downloads are `fedsec attack trap|binning|fish`, not an audit of uploads)
+EVIDENCE_KINDS = ("gradient", "image", "labels")
+
+
 def evidence_attacks(method_name: str, kinds: set[str]) -> dict[str, str]:
-    """{attack kind: attack name}: the first registered attack of each kind that applies to uploads
-    of ``kinds`` (the audit's evidence)."""
+    """{attack kind: attack name}: the first registered attack of each of ``EVIDENCE_KINDS`` that applies
+    to uploads of ``kinds`` (the audit's evidence)."""
     chosen: dict[str, str] = {}
     for name, spec in attacks.ATTACKS.items():
-        if spec.kind not in chosen and spec.not_applicable(method_name, kinds) is None:
+        if spec.kind in EVIDENCE_KINDS and spec.kind not in chosen and spec.not_applicable(method_name, kinds) is None:
             chosen[spec.kind] = name
     return chosen
+
+
+def gather_evidence(method_name: str, kinds: set[str], run_one: Callable[[str], dict]) -> dict[str, dict]:
+    """{attack kind: the summary ``run_one(attack name)`` returns}, for each evidence attack; an attack
+    that turns out not to apply (a ``UserError`` before it ran, or nothing it could score) is kept as
+    ``{"attack", "not_applicable"}``: the audit reports it as a line."""
+    measured = {}
+    for kind, name in evidence_attacks(method_name, kinds).items():
+        try:
+            measured[kind] = run_one(name)
+        except UserError as exc:
+            measured[kind] = {"attack": name, "not_applicable": str(exc).strip().rstrip(".")}
+    return measured
 
 
 def _measure_evidence(config: RunConfig, kinds: set[str], out: Path, iterations: int) -> dict[str, dict]:
     """{attack kind: the summary of the evidence attack run on the same config}."""
     from .attack import AttackSettings, run_attack
 
-    measured = {}
-    for kind, name in evidence_attacks(config.method, kinds).items():
-        try:
-            measured[kind] = run_attack(config, AttackSettings(attack=name, iterations=iterations),
-                                        out=out / "evidence" / name, progress=False)
-        except UserError as exc:
-            measured[kind] = {"not_applicable": str(exc)}
-    return measured
+    return gather_evidence(config.method, kinds, lambda name: run_attack(
+        config, AttackSettings(attack=name, iterations=iterations),
+        out=None if out is None else out / "evidence" / name, progress=False))
 
 
 # ----------------------------------------------------------------------------------------------
 # training, then auditing the recorded run
 # ----------------------------------------------------------------------------------------------
-def run_audit(config: RunConfig, out: str | Path, evidence: bool = True, evidence_iterations: int = 300,
+def run_audit(config: RunConfig, out: str | Path | None, evidence: bool = True, evidence_iterations: int = 300,
               progress: bool = True, recorded: RecordedRun | None = None) -> dict:
     """Train ``config`` with a recorder on every round, audit what was recorded, write the outputs.
     ``recorded``: that training, already done and recorded on every round (a report's train stage)."""
     start = time.perf_counter()
     run = recorded if recorded is not None else _train_recording_everything(config, progress)
     uploaded = next(run.recorder.uploads(), None) is not None
-    measured = _measure_evidence(config, run.upload_kinds(), Path(out), evidence_iterations) \
+    measured = _measure_evidence(config, run.upload_kinds(), None if out is None else Path(out), evidence_iterations) \
         if evidence and uploaded else {}
     context = {"dataset": config.data.dataset, "clients": config.data.clients, "partition": config.data.partition,
                "seed": config.federation.seed, "config": config.to_dict()}
@@ -186,14 +202,13 @@ def _train_recording_everything(config: RunConfig, progress: bool) -> RecordedRu
                        config.federation.train, config.method)
 
 
-def audit_recorded(run: RecordedRun, out: str | Path, rounds: int, evidence: dict[str, dict] | None = None,
+def audit_recorded(run: RecordedRun, out: str | Path | None, rounds: int, evidence: dict[str, dict] | None = None,
                    context: dict | None = None, start: float | None = None, inversion_iterations: int = 0) -> dict:
     """Audit every upload of a recorded run: fields, bytes, findings (with ``evidence``: {attack kind:
     attack summary} measured elsewhere; ``inversion_iterations`` > 0 also measures what inverting
     rows that point like private anchors gives). Writes audit.csv, findings.json, audit.md,
-    summary.json."""
+    summary.json into ``out`` (None: nothing written); returns the summary, findings and rows."""
     start = time.perf_counter() if start is None else start
-    out = Path(out)
     manifest = run.method.manifest(run.make_model())
     uploads = list(run.recorder.uploads())
     frame = pd.DataFrame([r for up in uploads for r in field_rows(run.method.name, up, manifest)], columns=AUDIT_COLUMNS)
@@ -208,12 +223,15 @@ def audit_recorded(run: RecordedRun, out: str | Path, rounds: int, evidence: dic
     findings.sort(key=lambda f: SEVERITIES.index(f["severity"]))
     summary = {"method": run.method.name, "run": run.label, "rounds": rounds, **traffic,
                "findings_by_severity": {s: sum(f["severity"] == s for f in findings) for s in SEVERITIES},
+               "evidence": {kind: _brief(ev) for kind, ev in evidence.items()},
                **(context or {}), "seconds": round(time.perf_counter() - start, 2), **provenance()}
-    io.write_csv(out / "audit.csv", frame)
-    io.write_json(out / "findings.json", findings)
-    io.write_text(out / "audit.md", audit_markdown(summary, findings))
-    io.write_json(out / "summary.json", summary)
-    return {"summary": summary, "findings": findings}
+    if out is not None:  # None: a Python caller keeps the audit in memory
+        out = Path(out)
+        io.write_csv(out / "audit.csv", frame)
+        io.write_json(out / "findings.json", findings)
+        io.write_text(out / "audit.md", audit_markdown(summary, findings))
+        io.write_json(out / "summary.json", summary)
+    return {"summary": summary, "findings": findings, "rows": frame}
 
 
 def _protocol_findings(run: RecordedRun, frame: pd.DataFrame, kinds: set[str]) -> list[dict]:
@@ -461,3 +479,8 @@ def _brief(summary: dict | None) -> dict | None:
     keys = ("attack", "mean_psnr", "median_psnr", "max_psnr", "mean_prior_psnr", "mean_ssim", "label_accuracy",
             "class_presence_accuracy", "not_applicable")
     return {k: summary[k] for k in keys if k in summary}
+
+
+from .jobs import make_callable as _make_callable  # noqa: E402
+
+_make_callable(__name__)  # fedsec.audit(...) is also the API function (fedsec.jobs)

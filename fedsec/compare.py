@@ -141,3 +141,8 @@ def compare(base: RunConfig, methods: list[str], seeds: list[int], out: str | Pa
     finally:
         bar.close()
     return accuracy_tables(rows, methods)[0]
+
+
+from .jobs import make_callable as _make_callable  # noqa: E402
+
+_make_callable(__name__)  # fedsec.compare(...) is also the API function (fedsec.jobs)

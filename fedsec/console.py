@@ -19,6 +19,8 @@ def attack_headline(summary: dict, out) -> str:
         return "n/a" if x is None else f"{x:.2f}{unit}"
 
     where = f"{summary['attack']} on {summary['method']}"
+    if summary.get("not_applicable"):  # every target answered that the attack does not apply
+        return f"{where}: not applicable ({summary['not_applicable']})  → {out}"
     if attacks.get(summary["attack"]).scoring == "labels":
         return f"{where}: class-presence accuracy {fmt(summary['class_presence_accuracy'])}  → {out}"
     modes = ",".join(summary["threat_model"]["modes_used"]) or "n/a"
@@ -62,7 +64,9 @@ def audit_lines(name: str, result: dict, out) -> list[str]:
     summary = result["summary"]
     return [f"{name}: {summary['upload_kib_per_client_round']:.1f} KiB up per client and round; "
             + ", ".join(f"{n} {s}" for s, n in summary["findings_by_severity"].items() if n) + f" findings → {out}",
-            *(f"  [{f['severity']}] {f['code']}: {f['finding']}" for f in result["findings"])]
+            *(f"  [{f['severity']}] {f['code']}: {f['finding']}" for f in result["findings"]),
+            *(f"  evidence {ev.get('attack', kind)}: not applicable ({ev['not_applicable']})"
+              for kind, ev in (summary.get("evidence") or {}).items() if ev and ev.get("not_applicable"))]
 
 
 def mia_lines(method: str, summary: dict, out) -> list[str]:

@@ -65,7 +65,10 @@ from .resumable import ResumableStage
 from .runner import Prepared, RunConfig
 
 DEFENSES = tuple(VALUE_MEANING)
+# the DP statistics mechanism's settings and their defaults (they apply to --defense dp only)
 STAT_DEFAULTS = {"stat_noise_multiplier": None, "stat_clip": None, "counts": "noised"}
+# settings left out of a sweep's key at these values, so sweeps stored before they existed still resume
+KEY_DEFAULTS = {**STAT_DEFAULTS, "attack_rounds": None}
 COLUMNS = ["defense", "value", "accuracy", "accuracy_std", "epsilon", "epsilon_attacked"]
 
 
@@ -79,28 +82,34 @@ class DefendSettings:
     delta: float = 1e-5
     accountant: str = "rdp"
     targets: int = 2
-    iterations: int | None = None
+    iterations: int | str | None = None  # N, or ATTACK=N,... per attack
     victim_batch: int = 1
     victim_steps: int = 1
     attack_seed: int | None = None
     stat_noise_multiplier: float | None = None  # dp statistics: None = each value's σ
     stat_clip: float | None = None  # dp statistics: None = max_grad_norm
     counts: str = "noised"
+    attack_rounds: str | None = None  # comma-separated rounds attacked; None: each attack's first round
 
     def key(self, config: RunConfig) -> dict:
         """What must match between a rerun and the stored sweep (everything but the values and the
         settings that never change a result; the statistics settings only when not at their
         defaults, so sweeps stored before they existed still resume)."""
-        mine = {k: v for k, v in asdict(self).items() if k != "values" and not (k in STAT_DEFAULTS and
-                                                                              v == STAT_DEFAULTS[k])}
+        mine = {k: v for k, v in asdict(self).items() if k != "values" and not (k in KEY_DEFAULTS and
+                                                                              v == KEY_DEFAULTS[k])}
         return {"config": config.result_key(), "settings": json.loads(json.dumps(mine))}
 
     def for_attack(self, attack: str) -> AttackSettings:
-        """Round 0 (or the attack's first round: 1 for classifier fishing); the gradient attacks in the
-        victim setting, the others on real local training."""
+        """``attack_rounds`` (default: round 0, or the attack's first round: 1 for classifier fishing); the
+        gradient attacks in the victim setting, the others on real local training; ``iterations`` N or
+        ``ATTACK=N,...``."""
+        from .attack import parse_rounds
+        from .options import iterations_for
+
         spec = attacks.get(attack)
-        return AttackSettings(attack=attack, rounds=(spec.first_round,), targets=self.targets,
-                              iterations=self.iterations,
+        rounds = (spec.first_round,) if self.attack_rounds is None else tuple(parse_rounds(self.attack_rounds))
+        return AttackSettings(attack=attack, rounds=rounds, targets=self.targets,
+                              iterations=iterations_for(self.iterations, attack),
                               victim_batch=self.victim_batch if spec.default_victim_batch > 0 else 0,
                               victim_steps=self.victim_steps, seed=self.attack_seed)
 
@@ -182,7 +191,7 @@ def validate(config: RunConfig, settings: DefendSettings) -> Prepared:
         raise UserError(f"{config.method} never communicates: there is no upload to defend or attack")
     if settings.targets < 1:
         raise UserError(f"--targets must be at least 1, got {settings.targets}")
-    if settings.iterations is not None and settings.iterations < 1:
+    if isinstance(settings.iterations, int) and settings.iterations < 1:
         raise UserError(f"--iterations must be at least 1, got {settings.iterations}")
     if settings.victim_batch < 1 or settings.victim_steps < 1:
         raise UserError("--victim-batch and --victim-steps must be at least 1")
@@ -490,3 +499,8 @@ def _render_meta(settings: DefendSettings, prep: Prepared) -> dict:
             "stat_noise_multiplier": settings.stat_noise_multiplier, "stat_clip": settings.stat_clip,
             "counts": settings.counts, "leak_gap_db": LEAK_GAP_DB,
             "attack_rounds": {a: settings.for_attack(a).rounds[0] for a in settings.attacks if a != MIA}}
+
+
+from .jobs import make_callable as _make_callable  # noqa: E402
+
+_make_callable(__name__)  # fedsec.defend(...) is also the API function (fedsec.jobs)

@@ -1,5 +1,5 @@
 """How long a report will take, printed before it starts: rates measured on the reference machine
-(2 CPU cores, one torch thread; BENCHMARKS.md, "Audit preset"), scaled by the work a stage does.
+(2 CPU cores, one torch thread; the audit preset's run), scaled by the work a stage does.
 
 A rough guide, not a promise: the rates are for mnist5k's 28×28 CNN; a stage's training is scaled
 by the images each client trains on per round (samples × local epochs), an attack's optimisation
@@ -20,9 +20,9 @@ DEFAULT_ROUND_SECONDS = 0.15
 # seconds per optimiser step of one target and per image: in the textbook setting the images it
 # rebuilds; on real local training the images the client trains on (the whole epoch is replayed at
 # every step); "image" is prototype inversion (one image per target step). Measured in the audit
-# preset's run (BENCHMARKS.md)
+# preset's run
 STEP_SECONDS = {"textbook": {"fedecouple": 0.0108, "fedpac": 0.0107, "fedper": 0.0014, None: 0.008},
-                # fedavg: fedavg-leak on clients of 100 images, 4 targets x 200 steps in 100 s (session 37;
+                # fedavg: fedavg-leak on clients of 100 images, 4 targets x 200 steps in 100 s (the N-curve sweep;
                 # the other methods' rates match that sweep within 10 %, FedeCouple's within a factor 2.5)
                 "real": {"fedecouple": 0.0057, "fedpac": 0.0028, "fedper": 0.00094, "fedavg": 0.0012, None: 0.003},
                 "image": {"fedpac": 0.0195, "fedproto": 0.0316, None: 0.025},
@@ -31,7 +31,7 @@ STEP_SECONDS = {"textbook": {"fedecouple": 0.0108, "fedpac": 0.0107, "fedper": 0
                 "malicious": {None: 0.0025}}
 # an L-BFGS step (DLG, iDLG) runs up to 20 evaluations, but most starts stall or converge and stop
 # well before the budget: per budgeted step ≈ 2.6 Adam steps in the main job's run (8 FedeCouple
-# targets, 300 steps budgeted: 69 s of attack; BENCHMARKS.md, "Issue 21")
+# targets, 300 steps budgeted: 69 s of attack)
 STEP_FACTOR = {"dlg": 2.6, "idlg": 2.6}
 # classifier fishing (``fedsec attack fish``): seconds per inversion step of one target (its one or
 # two fished images; measured at 9 s per 1000 steps on the shared machine, FedAvg, seed 1)

@@ -432,3 +432,8 @@ def write_outputs(out: Path, prep: Prepared, records: AuditRecords, scored: dict
     rows = render.summary_rows(summary)
     io.write_text(out / "mia.md", render.markdown_table(rows) + "\n")
     io.write_json(out / "summary.json", io.finite(summary))
+
+
+from .jobs import make_callable as _make_callable  # noqa: E402
+
+_make_callable(__name__)  # fedsec.mia(...) is also the API function (fedsec.jobs)

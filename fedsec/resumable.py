@@ -145,3 +145,81 @@ class TrainRun(ResumableStage):
         if self.files_present(self.path, record):
             return "done"
         return "partial" if (self.path / "checkpoint.pt").exists() else "new"
+
+
+# ------------------------------------------------------------------------------------------------
+# a command's output folder: refused when it holds results of another configuration
+
+
+def _flat(d, prefix: str = "") -> dict:
+    out = {}
+    for k, v in (d or {}).items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def differences(stored, current, limit: int = 4) -> str:
+    """What differs between two identities, by flag name: ``--seed 0 there, 5 here``."""
+    if not isinstance(stored, dict) or not isinstance(current, dict):
+        return "an unreadable record"
+    a, b = _flat(stored), _flat(current)
+    changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    shown = [f"{'' if '.' in k else '--'}{k.replace('_', '-')} {a.get(k, 'unset')} there, {b.get(k, 'unset')} here"
+             for k in changed[:limit]]
+    more = f" and {len(changed) - limit} more" if len(changed) > limit else ""
+    return "; ".join(shown) + more if shown else "a different configuration"
+
+
+def refuse(folder: Path, why: str) -> None:
+    from fedecouple.errors import UserError
+
+    raise UserError(f"{folder} holds results of another configuration ({why}); use another --out, or --force to "
+                    f"replace them")
+
+
+class RunFolder(ResumableStage):
+    """A command's whole output folder as a stage (``fedsec attack``, ``audit``, ``flower attack|audit``):
+    its ``done.json`` is written when the run starts (status ``running``) and again when it ends (``done``),
+    both holding the run's identity (its resolved settings, by flag name, without those that never change
+    a result). ``claim`` says what to do with the folder before anything is written."""
+
+    def claim(self, force: bool) -> str:
+        """``new`` (start), ``done`` (same configuration, finished: reuse it), ``partial`` (same
+        configuration, interrupted: redo it); a folder of another configuration is refused (a
+        one-line ``UserError`` naming what differs) unless ``force``, which makes it ``new``."""
+        record = self.record()
+        if record is None:
+            if any((self.path / name).exists() for name in self.required):
+                if not force:
+                    refuse(self.path, "results with no record of their configuration, written by an earlier "
+                                      "version")
+                return "new"
+            return "new"
+        if self.stored_identity(record) != self.identity:
+            if not force:
+                refuse(self.path, differences(self.stored_identity(record), self.identity))
+            return "new"
+        done = record.get("status") == "done" and all((self.path / n).is_file() for n in self.required)
+        return "done" if done else "partial"
+
+    def start(self) -> None:
+        self.finish({"status": "running"})
+
+    def done(self, **fields) -> None:
+        self.finish({"status": "done", **fields})
+
+
+def forget(folder: Path) -> None:
+    """``--force`` on a command of many stages (report, compare, defend, mia): remove every record of a
+    configuration below ``folder`` (stage markers, a sweep's record, a train run's config.json), so
+    every stage is computed again and its files replaced."""
+    for name in (MARKER, "defend.json"):
+        for path in Path(folder).rglob(name):
+            path.unlink()
+    for path in Path(folder).rglob("config.json"):
+        if (path.parent / "summary.json").exists() or (path.parent / "checkpoint.pt").exists():
+            path.unlink()

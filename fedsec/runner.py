@@ -251,12 +251,16 @@ def write_metrics(out: Path, fed: Federation, config: RunConfig, seconds: float)
 
 
 def train(config: RunConfig, out: str | Path | None, resume: bool = False,
-          on_round: Callable[[int, dict], None] | None = None) -> dict:
-    """Train ``config`` (or continue the run in ``out`` when ``resume``), checkpointing each round."""
+          on_round: Callable[[int, dict], None] | None = None, metrics: list | None = None) -> dict:
+    """Train ``config`` (or continue the run in ``out`` when ``resume``), checkpointing each round;
+    ``metrics``, when given, receives the rows of metrics.csv (round, client, accuracy, loss)."""
     prep = prepare(config)
     fed = build_federation(prep)
     try:
-        return _train_checkpointed(fed, prep, None if out is None else Path(out), resume, on_round)
+        summary = _train_checkpointed(fed, prep, None if out is None else Path(out), resume, on_round)
+        if metrics is not None:
+            metrics.extend(fed.metrics)
+        return summary
     finally:
         fed.close()  # e.g. shut down the Ray this run started
 

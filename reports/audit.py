@@ -1,6 +1,8 @@
 """The audit's Markdown page: pure rendering (summary and findings in, text out)."""
 from __future__ import annotations
 
+import math
+
 # finding severities, most severe first (``fedsec.audit`` grades with these; reports sort by them)
 SEVERITIES = ("high", "medium", "low", "info")
 
@@ -25,5 +27,26 @@ def audit_markdown(summary: dict, findings: list[dict]) -> str:
     lines += ["", "## Evidence", ""]
     for f in findings:
         lines.append(f"* **{f['code']}**: `{f['evidence']}`".replace("|", "/"))
+    attacks = [(kind, ev) for kind, ev in (summary.get("evidence") or {}).items() if ev]
+    if attacks:
+        lines += ["", "## Evidence attacks", ""]
+        for kind, ev in attacks:
+            lines.append(f"* {kind}: `{ev.get('attack', '?')}`: {_evidence_text(ev)}")
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in summary["versions"].items()), ""]
     return "\n".join(lines)
+
+
+def _evidence_text(evidence: dict) -> str:
+    """One evidence attack's outcome in words: why it did not apply, or its headline figure."""
+    if evidence.get("not_applicable"):
+        return f"not applicable ({evidence['not_applicable']})"
+
+    def finite(key):
+        value = evidence.get(key)
+        return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+    if finite("mean_psnr") is not None and finite("mean_prior_psnr") is not None:
+        return f"mean PSNR {evidence['mean_psnr']:.2f} dB vs prior {evidence['mean_prior_psnr']:.2f} dB"
+    if finite("class_presence_accuracy") is not None:
+        return f"class-presence accuracy {evidence['class_presence_accuracy']:.2f}"
+    return "ran; nothing scored"

@@ -1,4 +1,4 @@
-"""Leakage as a function of how many images a client trains on (issue 24): pure rendering of the
+"""Leakage as a function of how many images a client trains on: pure rendering of the
 cells ``bench/n_curve.py`` measures (rows in, Markdown text or PNG bytes out; nothing touches the
 disk). A row: method, attack, train_images (N), mean_psnr, mean_psnr_low/high (its interval),
 prior_psnr, success_rate, n_images, n_targets, iterations and restarts (the budget), seconds, and ``note`` (why a

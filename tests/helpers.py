@@ -57,3 +57,45 @@ def model_factory(model):
         fresh.load_state_dict(state)
         return fresh
     return make
+
+
+# -- running the command line in this process (the entry-point matrix) ---------------------------------
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """Exit status, standard output and standard error of ``fedsec ARGV`` run in this process. Anything
+    raised other than the CLI's own exit fails the test with its traceback."""
+    from fedsec.cli import main
+
+    capsys.readouterr()
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    printed = capsys.readouterr()
+    return code, printed.out, printed.err
+
+
+def assert_refused(code: int, err: str, attack: str, method: str) -> None:
+    """Exit status 2 and one ``error:`` line (progress bars aside) that names the method or the attack
+    (whichever the first check that refused was about)."""
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    assert method in errors[0] or attack in errors[0], errors[0]
+
+
+def declared_refusal(attack: str, method: str) -> str | None:
+    """What the attack's spec says before any training (None: it applies)."""
+    import attacks
+    from fedecouple.methods import make_method
+
+    _, model = digits_model()
+    return attacks.get(attack).not_applicable(method, make_method(method).upload_kinds(model))
+
+
+def assert_attack_result(summary: dict, attack: str, method: str) -> None:
+    """A written attack: scored images or labels, or the reason nothing could be scored."""
+    import attacks
+
+    assert summary["attack"] == attack and summary["method"] == method
+    scored = summary["images_scored"] if attacks.get(attack).rebuilds_images else len(summary.get("label_scores") or [])
+    assert scored > 0 or summary.get("not_applicable"), summary["notes"]

@@ -3,6 +3,7 @@ gradients, cumulative ε, agreement with Opacus' own accountant), and the defend
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import numpy as np
@@ -465,3 +466,16 @@ def test_defend_membership_cells_train_under_the_rows_whole_dp_configuration(tmp
     membership_defended(SimpleNamespace(config=None), settings, "none", tmp_path / "none")
     assert seen[0].dp_config() == dp_config(settings, 1.0)
     assert seen[1].dp_config() is None
+
+
+def test_defend_attacks_the_rounds_asked_for_under_a_filter(tmp_path):
+    """--attack-rounds is an attack setting, not one of the DP statistics mechanism's: a channel filter
+    takes it, and the attack summary records the round it attacked."""
+    from fedsec.cli import main
+
+    out = tmp_path / "sweep"
+    main(["defend", "--method", "fedavg", "--defense", "clip", "--values", "1", "--no-baseline", "--attacks", "dlg",
+          "--attack-rounds", "1", "--dataset", "digits", "--clients", "2", "--rounds", "2", "--train-images", "10",
+          "--targets", "1", "--iterations", "1", "--out", str(out)])
+    summary = json.loads((out / "value-1.0" / "attack-dlg" / "summary.json").read_text())
+    assert summary["attack_rounds"] == [1]

@@ -1,4 +1,4 @@
-"""Classifier fishing (issue 25): the crafted classifier, what one SGD step through it gives away in
+"""Classifier fishing (Wen et al.): the crafted classifier, what one SGD step through it gives away in
 closed form, what it silences, the methods it cannot reach, and the command end to end."""
 from __future__ import annotations
 

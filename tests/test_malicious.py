@@ -1,4 +1,4 @@
-"""A malicious server (issue 25): the crafting interceptor, the exact readout of a binned layer, the
+"""A malicious server: the crafting interceptor, the exact readout of a binned layer, the
 methods' declarations and the client-side download check."""
 from __future__ import annotations
 

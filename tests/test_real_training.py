@@ -1,4 +1,4 @@
-"""Real local training (issue 24): a client's number of training images (``--train-images``), the
+"""Real local training: a client's number of training images (``--train-images``), the
 forward-model check on shuffled epochs, and the FedAvg leakage attack of Dimitrov et al. 2022."""
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_both_size_options_outside_weak_are_one_line_exit_2(tmp_path, capsys):
 def test_the_truth_is_scored_in_its_true_batches_when_the_slots_are_as_many_as_the_images():
     """One epoch of 6 images in batches of 2: the attack's 6 slots are the places of the client's
     shuffle, not its images in their own order. Scored in its own order the truth matched the upload
-    worse than a poor reconstruction (objective 0.23 against 0.08: MIS-SPECIFIED, issue 24)."""
+    worse than a poor reconstruction (objective 0.23 against 0.08: MIS-SPECIFIED)."""
     from fedsec.attack import AttackSettings, run_attack
     from fedsec.runner import RunConfig
 

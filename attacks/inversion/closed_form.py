@@ -43,7 +43,7 @@ attack uses it through ``attacks.inversion.forward_model.GradientMatcher`` (reco
   true features (attack.csv's ``input_error``): what the upload gives away in closed form. They are
   not matched: on the tuning federation (seed 1, FedeCouple with DA, n = 8) matching them, as the
   better of the two orders (19.02 dB) or one order per start (18.01 dB), did not beat the row space
-  alone (19.16 dB), and at weight 10 fell to 13.31 dB (BENCHMARKS.md, issue 26).
+  alone (19.16 dB), and at weight 10 fell to 13.31 dB.
 
 * ``"extractor-linear-input"`` — FedeCouple at round 0 (one image; the classifier phase and the extractor
   phase start from the same extractor): the rows of the update of the extractor's last linear layer
@@ -54,7 +54,7 @@ attack uses it through ``attacks.inversion.forward_model.GradientMatcher`` (reco
   candidate (one per solved feature row whose input lies in the span; both where the copies coincide),
   relative squared error, weight ``LINEAR_INPUT_WEIGHT``. On its own that input does not give the image
   back (a signed-Adam inversion from it reached 8-15 dB: two max-pools lie below), but beside the
-  replayed update it lifted IG on the tuning federation (BENCHMARKS.md, issue 26). An L-BFGS inversion
+  replayed update it lifted IG on the tuning federation. An L-BFGS inversion
   (``attacks.layer_inversion``, as a malicious server's readout does) gets further, and the image it
   rebuilds from a closed-form layer input (this one, or ``"last-linear"``'s) is DLG's first start
   (``GradientMatcher.closed_form_start``).
@@ -92,15 +92,15 @@ from ..base import LocalHyperparameters, Observation
 from .observation import kept_model
 
 # weight of ‖a(x) − a‖²/‖a‖² in the attack objective. Chosen on the tuning federation (seed 1,
-# round 19, FedPer, textbook victim; BENCHMARKS.md "Attack strength (issue 26)")
+# round 19, FedPer, textbook victim)
 LAST_LINEAR_WEIGHT = 1.0
 RANK1_TOLERANCE = 1e-3
 # weight of each class-mean feature term (FedPAC's h/p and prototypes). Chosen on the tuning
-# federation (seed 1, round 0, FedPAC; BENCHMARKS.md "Attack strength (issue 26)")
+# federation (seed 1, round 0, FedPAC)
 STATISTICS_WEIGHT = 1.0
 # weight of the share of the classifier batch's features outside the classifier update's row space.
 # Chosen on the tuning federation (seed 1, round 0, FedeCouple with DA, one start): weight 0 17.95 dB,
-# weight 1 19.07 dB (BENCHMARKS.md "Attack strength (issue 26)")
+# weight 1 19.07 dB
 ROW_SPACE_WEIGHT = 1.0
 # the classifier-feature solve: starts spread around the rank-1 reading (fractions of its norm), and the
 # relative residual of the classifier's update below which the solved features are taken as exact
@@ -110,7 +110,7 @@ FEATURE_TOLERANCE = 1e-4
 # features' units) below which a solved feature row's input is taken to lie in the layer update's span
 LINEAR_INPUT_TOLERANCE = 2e-2
 # weight of the nearest candidate's ‖a(x) − a‖²/‖a‖². Chosen on the tuning federation (seed 1, round 0,
-# FedeCouple with DA, IG, 8 targets): 0.03 19.41 dB, 0.1 21.31, 0.3 20.43, 1 13.82 (BENCHMARKS.md, issue 26)
+# FedeCouple with DA, IG, 8 targets): 0.03 19.41 dB, 0.1 21.31, 0.3 20.43, 1 13.82
 LINEAR_INPUT_WEIGHT = 0.1
 
 
@@ -312,7 +312,7 @@ def solve_classifier_step(obs: Observation, update, model, counts: torch.Tensor 
     then, if no features under that label reproduce the update (at trained rounds the distillation term
     can outweigh the label's push on the classifier, and iDLG's rule misreads it), every other class in
     the order of that rule's score; the first label whose features reproduce the update is the image's
-    (a wrong label leaves a residual of order 1: BENCHMARKS.md, issue 26). Returns (features, residual,
+    (a wrong label leaves a residual of order 1; the true one float rounding). Returns (features, residual,
     how, the label's counts or None). Kept in ``obs.memo``: the attack and its forward check solve once."""
     key = ("classifier-step", rank, None if counts is None else tuple(counts.tolist()))
     if key in obs.memo:
@@ -516,7 +516,7 @@ def derive(obs: Observation, update, model, mode: str) -> ClosedForm:
                              f"(the image{' and its augmented copy' if rank == 2 else ''}) are solved from the "
                              f"classifier's update (relative residual {residual:.1e}); attack.csv's input_error is "
                              f"their error against the image's true features. They are reported, not matched: "
-                             f"matching them did not lift IG on the tuning federation (BENCHMARKS.md, issue 26)")
+                             f"matching them did not lift IG on the tuning federation")
         else:
             out.notes.append(f"closed form: the classifier step's features were not solved ({how})")
     if "extractor-linear-input" in declared and out.classifier_features is not None and out.last_linear is None:

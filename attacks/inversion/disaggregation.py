@@ -16,7 +16,7 @@ float64 from starts around the pixel-mean image's input (``STARTS_BUDGET`` share
 ``STARTS`` per split; the first exact fit ends the search); the split whose fit is best wins, and is
 taken as solved when its relative residual is below ``SOLVED_RESIDUAL`` (at the truth it is float
 rounding). One step on a batch is the one-split case (SPEAR's setting). Where the fit is not exact
-(measured: clients of 6 images in 3 steps, and 10 images in one step; BENCHMARKS.md) nothing of it is
+(measured: clients of 6 images in 3 steps, and 10 images in one step) nothing of it is
 used: the attack runs as without it.
 
 The attack then knows each slot's label and its input at the layer at its time of use: the images'

@@ -59,7 +59,7 @@ LBFGS_LR = 1.0
 # a start whose best objective improved by less than 1 % over the last 15 L-BFGS steps (up to 300
 # evaluations) is stopped: its best iterate is kept (DLG either converges or stalls on our models).
 # Was 0.1 % over 25 steps: on the main job (FedeCouple, 8 targets) the same mean PSNR to 0.1 dB in
-# 55 % of the time (BENCHMARKS.md, "Issue 21")
+# 55 % of the time
 STALL_STEPS = 15
 STALL_TOLERANCE = 1e-2
 
@@ -75,7 +75,7 @@ def mix_seed(*parts: int) -> int:
 # cross-entropy the classifier already fits) and the rule picks a wrong class; the most negative row must
 # hold at least this share of the negative mass (below 1 for the float rounding of rows near zero). Seen:
 # 1.000 on every one-image target of FedAvg, FedPAC and FedeCouple at round 0 and FedPAC at round 19;
-# 0.15-0.46 on FedeCouple's at round 19, where the rule read 1 of 8 labels right (BENCHMARKS, issue 26)
+# 0.15-0.46 on FedeCouple's at round 19, where the rule read 1 of 8 labels right
 IDLG_SHARE = 0.9
 
 

@@ -67,7 +67,7 @@ LR = 0.1
 SIGNED = True  # Adam on the sign of the gradient (IG's choice)
 # chosen among {0.01, 0.03, 0.1} on a tuning federation (seed 1, weak, 6 training images per client,
 # batch 2, one epoch, clients 0 and 1, 1000 iterations: mean 11.1 / 14.6 / 14.1 dB, data term lowest
-# at 0.03); reported on seed 0 (BENCHMARKS.md, "Real local training (issue 24)")
+# at 0.03); reported on seed 0 (docs/real-training.md)
 TV_WEIGHT = 0.03
 ORDER_WEIGHT = 1.0  # set, not tuned: it is zero at the truth, whatever its weight
 SINKHORN_ITERATIONS = 30
@@ -76,7 +76,7 @@ SOLVED_DATA_TERM = 1e-3
 ABSENT = -1e4  # logit of a class the counts exclude (exp underflows to 0 without NaN)
 # with the layer inputs solved (``attacks.inversion.disaggregation``): the weight of their term. Chosen with
 # the first start's learning rate on a tuning federation (seed 1, weak, --train-images 4, batches of 2, one
-# epoch, 4 clients, 16 images; BENCHMARKS.md, "Real local training (issue 24)"): (weight, lr) (0, 0.01) 20.28,
+# epoch, 4 clients, 16 images): (weight, lr) (0, 0.01) 20.28,
 # (0.1, 0.01) 22.74, (1, 0.01) 22.70, (1, 0.03) 23.45, (1, 0.1) 24.06, (3, 0.1) 23.09 dB: the start from the
 # solved inputs takes LR like every other start
 INPUT_WEIGHT = 1.0

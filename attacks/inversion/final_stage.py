@@ -5,7 +5,7 @@ Why: the first stage (signed Adam with a TV prior) ends near the truth but not a
 pulls away from the truth along the directions the cosine barely sees (the image's contrast), and
 the data term (the replayed update against the observed one) jumps where an activation's slope or a
 max-pool's winner changes, so a local method from there stops at the edge of its piece (an L-BFGS
-polish of the exact data term from IG's end points barely moved it: BENCHMARKS.md, issue 26).
+polish of the exact data term from IG's end points barely moved it).
 
 What: for ``temperature`` in ``TEMPERATURES``, the data term with the model's kinks smoothed at that
 temperature (``attacks.inversion.smoothing``; 0 = the exact model) is minimised by scipy's L-BFGS-B
@@ -27,8 +27,8 @@ from scipy.optimize import minimize
 
 from .smoothing import smoothed
 
-# the continuation, chosen on the tuning federation (seed 1, FedPAC round 0, 8 targets; BENCHMARKS.md,
-# issue 26): with 25 iterations each, (0.003, 0.001, exact) took 1 of 8 data terms to ≤ 1e-6 and
+# the continuation, chosen on the tuning federation (seed 1, FedPAC round 0, 8
+# targets): with 25 iterations each, (0.003, 0.001, exact) took 1 of 8 data terms to ≤ 1e-6 and
 # (0.003, 0.001, 0.0003, exact) 2; starting at 0.1 moved far from the first stage's images (≈ 28 dB at
 # data terms of 1e-5); the exact model alone (L-BFGS-B) left 8 of 8 where they were
 TEMPERATURES = (0.003, 0.001, 0.0003, 0.0)

@@ -509,7 +509,7 @@ class GradientMatcher:
     def cosine_objective(self, dummy: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
         """IG's data term: 1 − cos over all attacked weights at once (the paper's equal weights); in the
         method mode plus the relative squared error of each uploaded statistic. (One cosine per weight
-        group instead was 1.6 dB worse on FedeCouple on the tuning federation: BENCHMARKS.md.)"""
+        group instead was 1.6 dB worse on FedeCouple on the tuning federation.)"""
         (dummy, target), extra = self._split(dummy, target)
         if self.mode != "method":
             return one_minus_cosine(flat(dummy), flat(target)) + extra

@@ -34,7 +34,7 @@ blind to the image's contrast (the models are nearly positively homogeneous), a 
 lowers the contrast of the result: at 0.1 the digits come out recognisable but grey, ≈21 dB. The
 weight was chosen among {0.1, 0.01, 0.001} on a *tuning* federation (mnist5k, seed 1, 4 clients,
 round 0, one image, one step, 1000 iterations: 21.8 / 33.9 / 30.1 dB) and is reported on seed 0
-(BENCHMARKS.md, with the whole sweep).
+(docs/attacks.md).
 
 Many targets: ``plan`` groups the targets that share a model
 (``attacks.inversion.batching``) as one stacked batch; Adam and the sign step are element-wise, so each target
@@ -72,10 +72,9 @@ TV_WEIGHT = 0.01
 STALL_TOLERANCE = 1e-3
 # a target whose kept data term (the matching term, no prior) is at or below this needs no further
 # start (tuning federation, seed 1, FedPAC round 0: the 4 of 8 reconstructions with a data term below
-# 3e-3 were all above 44 dB, the 4 above it 18-44 dB; BENCHMARKS.md, issue 26)
+# 3e-3 were all above 44 dB, the 4 above it 18-44 dB)
 SOLVED_DATA_TERM = 3e-3
-# the final stage polishes only starts this near the truth. Tuning federation (seed 1, BENCHMARKS.md,
-# issue 26): on FedPAC it took data terms of 4e-7 to 4e-4 lower (2 of 8 to the forward check's floor,
+# the final stage polishes only starts this near the truth. Tuning federation (seed 1): on FedPAC it took data terms of 4e-7 to 4e-4 lower (2 of 8 to the forward check's floor,
 # +0.9 dB mean), but the one FedPAC target above 3e-3 (8e-3, 35.8 dB: another basin) and FedeCouple's 8
 # targets (DA on, 6e-3 to 4e-2) fell by a third or less with their PSNR unchanged (19.16 dB both ways),
 # for 30 % more time on FedeCouple
@@ -355,5 +354,5 @@ register(AttackSpec("ig", "gradient", "Inverting Gradients: cosine gradient matc
                     inverting_gradients, plan, default_iterations=1000, default_victim_batch=1,
                     applies_to=WEIGHT_KINDS, scoring="images", needs="model weights", hint=GRADIENT_HINT,
                     # three starts: on the tuning federation (seed 1) they took the method-aware IG from
-                    # 14.3 to 16.8 dB on FedeCouple and 26.5 to 28.3 dB on FedPAC (BENCHMARKS.md, "Attacks")
+                    # 14.3 to 16.8 dB on FedeCouple and 26.5 to 28.3 dB on FedPAC
                     matching="cosine", default_restarts=3))

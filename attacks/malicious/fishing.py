@@ -201,7 +201,10 @@ def read_fished(observation: Observation, record: FishingRecord) -> tuple[int, t
     passes = max(1, classifier_passes(observation.method, int(hp.epochs)))
     k = int(round(db * batch / (float(hp.lr) * passes)))
     feature = (dw / db).float() if k >= 1 and abs(db) > 0 else None
-    return max(k, 0), feature, "row t's bias update (lr·k/B per pass)"
+    how = "row t's bias update (lr·k/B per pass)"
+    if hp.samples and k > int(hp.samples):  # a defense rescaled the update: no client fishes more than it holds
+        return int(hp.samples), feature, f"{how} read {k}, more than the client's {int(hp.samples)} images: capped"
+    return max(k, 0), feature, how
 
 
 def fish_attack(observation: Observation, budget: Budget, seed: int) -> AttackResult:

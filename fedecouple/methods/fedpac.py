@@ -144,8 +144,7 @@ class FedPAC(Method):
     download_reaches = ("extractor", "classifier")
     extractor_phases = ("extractor",)
     # no "last-linear": the head is known and the replay exact, and matching that layer's input as well
-    # trapped 3 of 8 tuning targets in local minima (36.3 dB against 45.1 dB without it; BENCHMARKS.md,
-    # "Attack strength (issue 26)")
+    # trapped 3 of 8 tuning targets in local minima (36.3 dB against 45.1 dB without it)
     closed_form = ("labels", "statistics")
     summary = "prototype feature alignment; per-client QP combines all heads; uploads base, head, prototypes, label stats"
     dp_per_sample = ("CE on the head, then CE + λ·prototype alignment on the base: per-sample (the targets are the "

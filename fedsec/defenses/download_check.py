@@ -1,4 +1,4 @@
-"""A client-side check of the download (issue 25): before training, a client tests the weights it
+"""A client-side check of the download against a malicious server: before training, a client tests the weights it
 received and refuses (drops) a download that looks crafted; it then sits the round out.
 
 Three tests on the extractor's first linear layer (``attacks.malicious.first_linear``), the layer a

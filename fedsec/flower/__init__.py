@@ -13,16 +13,15 @@ The only part of fedsec that imports Flower (``pip install 'fedsec[flower]'``). 
 * ``fedsec flower attack|audit`` (``cli``).
 
 Importing this package does not import Flower: the ground-truth hook (``log_batch``,
-``log_training_set``, ``GroundTruthMod``) works without it, and the rest loads on first use, raising a one-line
-``UserError`` naming the extra when Flower is missing.
+``log_training_set``, ``GroundTruthMod``) works without it. Everything loads on first use (so the
+command line's help imports no torch); the Flower parts raise a one-line ``UserError`` naming the
+extra when Flower is missing.
 """
 from __future__ import annotations
 
 import importlib
 
 from fedecouple.errors import UserError
-
-from .groundtruth import GroundTruthMod, log_batch, log_training_set
 
 FLOWER_HINT = "pip install 'fedsec[flower]'"
 
@@ -48,7 +47,13 @@ def require_flwr() -> None:
         raise UserError(f"Flower's simulation engine needs Ray, which is not installed: {FLOWER_HINT}") from None
 
 
+# the ground-truth hook needs no Flower; loaded on first use too (it imports torch, which the help must not)
+_HOOK = {"GroundTruthMod": "groundtruth", "log_batch": "groundtruth", "log_training_set": "groundtruth"}
+
+
 def __getattr__(name: str):
+    if name in _HOOK:
+        return getattr(importlib.import_module(f"{__name__}.{_HOOK[name]}"), name)
     if name in _LAZY:
         require_flwr()
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)

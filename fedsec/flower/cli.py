@@ -1,22 +1,20 @@
-"""``fedsec flower attack|audit APP_DIR``: the CLI group over ``fedsec.flower.harness`` (flags only).
+"""``fedsec flower attack|audit APP_DIR``: the CLI group over ``fedsec.flower.harness`` (flags only; the
+bodies are ``fedsec.api``'s, shared with the native commands: the output folder's check, config.toml).
 
-Importing this module does not import Flower; each command checks for it first (one-line error naming
-the extra), so ``fedsec --help`` works without Flower installed.
+Importing this module does not import Flower (nor torch); each command checks for Flower first (one-line
+error naming the extra), so ``fedsec --help`` works without Flower installed.
 """
 from __future__ import annotations
 
 import click
 
-import attacks
-from fedecouple.errors import UserError
-
-from ..options import COUNT, SEED, LiveChoice, Number, device_option, restarts_option, threat_model_options
+from ..options import (ATTACK_ROUNDS, ATTACK_SEED, COUNT, EVIDENCE, EVIDENCE_ITERATIONS, IMAGES, ITERATIONS, RESTARTS,
+                       SEED, TARGETS, VICTIM_BATCH, VICTIM_STEPS, device_option, run_options, threat_model_options)
 
 
 def app_options(func):
     """Flags shared by the commands that run a Flower app."""
     options = [
-        click.argument("app_dir", type=click.Path(file_okay=False)),
         click.option("--nodes", type=COUNT, default=None,
                      help="Simulated nodes [the app's default federation: options.num-supernodes]."),
         click.option("--run-config", "run_config", multiple=True, metavar="'KEY=VALUE ...'",
@@ -35,92 +33,81 @@ def app_options(func):
     return func
 
 
-@click.group()
+def _run(ctx: click.Context) -> None:
+    from ..api import run_command
+
+    run_command(ctx)
+
+
+@click.group(short_help="Audit a Flower app: run it with fedsec's recorder, then attack or audit it.")
 def flower():
     """Audit a Flower app: run it in Flower's simulation engine with fedsec's recorder and ground-truth
     hook wrapped in, then attack or audit what its server received.
 
     The app describes itself to fedsec in its pyproject.toml ([tool.fedsec]: model, data set, protocol,
-    local SGD settings; see the README, "Audit your Flower app"). Needs pip install 'fedsec[flower]'.
+    local SGD settings; the documentation's "Auditing a Flower app" page). Needs pip install 'fedsec[flower]'.
     """
 
 
-@flower.command()
+class FlowerAttackCommand(click.Command):
+    """``flower attack``'s help lists every registered attack with its one-line summary."""
+
+    def format_help_text(self, ctx, formatter):
+        from .. import catalog
+
+        super().format_help_text(ctx, formatter)
+        with formatter.section("Attacks"):
+            formatter.write_dl(list(catalog.attack_summaries().items()))
+
+
+@flower.command(cls=FlowerAttackCommand, short_help="Run a Flower app and attack what its server received.")
+@click.argument("attack", required=False, metavar="ATTACK")
+@click.argument("app_dir", required=False, type=click.Path(file_okay=False), metavar="APP_DIR")
+@click.option("--attack", "attack_option", default=None, hidden=True,
+              help="Deprecated: the attack is the first argument, as for fedsec attack.")
 @app_options
-@click.option("--attack", "attack_name", type=LiveChoice(attacks.names), required=True,
-              help="Attack on the recorded uploads (it must apply to what the app uploads: dlg, idlg, ig, labels "
-                   "for a model-sharing app).")
-@click.option("--attack-rounds", default="0", show_default=True,
-              help="Comma-separated rounds whose uploads are attacked (0 = Flower's round 1, at the initial weights). "
-                   "The app stops after the last one unless --rounds is given.")
+@ATTACK_ROUNDS
 @click.option("--rounds", type=COUNT, default=None,
-              help="Flower rounds to run (set through the app's declared rounds-key).")
-@click.option("--targets", type=COUNT, default=2, show_default=True, help="Clients attacked per attacked round (seeded choice).")
-@click.option("--iterations", type=COUNT, default=None, help="Optimiser steps per reconstruction [the attack's default].")
-@restarts_option
-@click.option("--victim-batch", type=Number(int, 0), default=None,
-              help="B: in the attacked rounds every node trains on B of its images, through the app's declared "
-                   "victim-keys [1 for the gradient attacks; 0 (= the app's real local training) for labels].")
-@click.option("--victim-steps", type=COUNT, default=1, show_default=True, help="T: local steps in the victim setting.")
-@click.option("--images", type=COUNT, default=None, help="Images rebuilt per target [--victim-batch, or 1].")
-@click.option("--attack-seed", type=SEED, default=0, show_default=True, help="Seed for target choice and attack starts.")
+              help="Flower rounds to run (set through the app's declared rounds-key) [the last attacked round + 1].")
+@TARGETS
+@ITERATIONS
+@RESTARTS
+@VICTIM_BATCH
+@VICTIM_STEPS
+@IMAGES
+@click.option("--seed", type=SEED, default=0, show_default=True,
+              help="Seed for what fedsec draws (the targets; the attack starts unless --attack-seed is given); the "
+                   "app's own training seed is its run-config's.")
+@ATTACK_SEED
 @threat_model_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
-              help="Output folder: attack.csv, summary.json, reconstructions.png [runs/flower-attack-<attack>-<app>].")
-def attack(app_dir, nodes, run_config, ray_cpus, threads, flower_log, device, attack_name, attack_rounds, rounds, targets,
-           iterations, restarts, victim_batch, victim_steps, images, attack_seed, out, **threat):
+              help="Output folder [runs/flower-attack-<attack>-<app>]: attack.csv, summary.json, reconstructions.png, "
+                   "config.toml.")
+@run_options
+@click.pass_context
+def attack(ctx, **_):
     """Run APP_DIR in Flower's simulation engine and attack what its server received.
 
-    Example: fedsec flower attack examples/flower_mnist --attack ig   (round 0, 2 nodes, one image, one step)
+    Example: fedsec flower attack ig examples/flower_mnist   (round 0, one image, one step)
     """
-    from . import require_flwr
-
-    require_flwr()
-    from ..attack import AttackSettings, parse_rounds
-    from ..console import attack_lines
-    from .app import parse_run_config
-    from .harness import attack_app, default_out
-
-    settings = AttackSettings(attack=attack_name, rounds=tuple(parse_rounds(attack_rounds)), targets=targets,
-                              iterations=iterations, restarts=restarts, images=images, victim_batch=victim_batch,
-                              victim_steps=victim_steps, seed=attack_seed, train_rounds=rounds, threads=threads,
-                              **threat)
-    out = out or default_out("attack", app_dir, attack_name)
-    summary = attack_app(app_dir, settings, nodes=nodes, run_config=parse_run_config(run_config), out=out,
-                         ray_cpus=ray_cpus, quiet=not flower_log, device=device)
-    for line in attack_lines(summary, out, prefix=f"{summary['run']}: "):
-        click.echo(line)
+    _run(ctx)
 
 
-@flower.command()
+@flower.command(short_help="Run a Flower app and audit every upload its server received.")
+@click.argument("app_dir", type=click.Path(file_okay=False))
 @app_options
-@click.option("--rounds", type=COUNT, default=None, help="Flower rounds to run (through the declared rounds-key) [the app's].")
-@click.option("--evidence/--no-evidence", default=True, show_default=True,
-              help="Measure the findings' evidence with the matching attacks, as `fedsec audit` does: each in "
-                   "its own simulation (the gradient attack in the textbook setting, through the app's victim-keys).")
-@click.option("--evidence-iterations", type=COUNT, default=300, show_default=True,
-              help="Optimisation steps for each evidence attack.")
+@click.option("--rounds", type=COUNT, default=None,
+              help="Flower rounds to run (set through the app's declared rounds-key) [the app's].")
+@EVIDENCE
+@EVIDENCE_ITERATIONS
 @click.option("--out", type=click.Path(file_okay=False), default=None,
-              help="Output folder: audit.csv, findings.json, summary.json, audit.md [runs/flower-audit-<app>].")
-def audit(app_dir, nodes, run_config, ray_cpus, threads, flower_log, device, rounds, evidence, evidence_iterations,
-          out):
+              help="Output folder [runs/flower-audit-<app>]: audit.csv, findings.json, summary.json, audit.md, "
+                   "evidence/, config.toml.")
+@run_options
+@click.pass_context
+def audit(ctx, **_):
     """Run APP_DIR in Flower's simulation engine and audit every upload its server received.
 
     Example: fedsec flower audit examples/flower_mnist
     """
-    from . import require_flwr
-
-    require_flwr()
-    from .app import parse_run_config
-    from .harness import audit_app, default_out
-
-    if evidence_iterations < 1:
-        raise UserError(f"--evidence-iterations must be at least 1, got {evidence_iterations}")
-    out = out or default_out("audit", app_dir)
-    result = audit_app(app_dir, nodes=nodes, run_config=parse_run_config(run_config), rounds=rounds,
-                       evidence=evidence, evidence_iterations=evidence_iterations, out=out, ray_cpus=ray_cpus,
-                       threads=threads, quiet=not flower_log, device=device)
-    from ..console import audit_lines
-
-    for line in audit_lines(f"{result['summary']['run']} ({result['summary']['method']})", result, out):
-        click.echo(line)
+    _run(ctx)

@@ -51,7 +51,7 @@ METHODS = ("fedavg", "fedper")
 REQUIRED = ("model", "dataset", "method", "lr", "local-epochs", "batch-size")
 OPTIONAL = ("local-parameters",)
 VICTIM_KEYS = ("batch", "steps", "rounds")
-HOW = "see README, 'Audit your Flower app'"
+HOW = "see docs/flower.md, 'What the audit needs from you'"
 
 
 @dataclass

@@ -33,7 +33,7 @@ from fedecouple.devices import device_record
 from fedecouple.errors import UserError
 
 from ..attack import AttackSettings, choose_targets, write_attack
-from ..audit import audit_recorded, evidence_attacks
+from ..audit import audit_recorded, gather_evidence
 from .app import read_app
 from .declaration import Declaration, load_declaration
 from .simulation import FlowerRun, simulate
@@ -103,6 +103,10 @@ def attack_app(app_dir: str | Path, settings: AttackSettings, *, nodes: int | No
                                   victim=(settings.victim_batch, settings.victim_steps, settings.rounds))
     reason = settings.spec.not_applicable(declaration.method.name,
                                           declaration.method.upload_kinds(declaration.make_model()))
+    if reason is None and settings.spec.malicious:
+        reason = (f"{settings.spec.name} is a malicious-server attack: it needs a server that crafts the downloads, "
+                  f"and a Flower app's server is the app's own (fedsec records it, it does not replace it); run it in "
+                  f"fedsec's engine: fedsec attack {settings.spec.name} --method {declaration.method.name}")
     if reason is not None:
         raise UserError(reason)
     previous_threads = torch.get_num_threads()
@@ -138,13 +142,9 @@ def audit_app(app_dir: str | Path, *, nodes: int | None = None, run_config: dict
     recorded = recorded_run(run)
     measured: dict[str, dict] = {}
     if evidence and next(run.recorder.uploads(), None) is not None:
-        for kind, name in evidence_attacks(declaration.method.name, recorded.upload_kinds()).items():
-            try:
-                measured[kind] = attack_app(app_dir, AttackSettings(attack=name, iterations=evidence_iterations,
-                                                                    threads=threads),
-                                            nodes=nodes, run_config=run_config, out=Path(out) / "evidence" / name,
-                                            ray_cpus=ray_cpus, quiet=quiet, progress=progress, device=device)
-            except UserError as exc:
-                measured[kind] = {"not_applicable": str(exc)}
+        measured = gather_evidence(declaration.method.name, recorded.upload_kinds(), lambda name: attack_app(
+            app_dir, AttackSettings(attack=name, iterations=evidence_iterations, threads=threads), nodes=nodes,
+            run_config=run_config, out=Path(out) / "evidence" / name, ray_cpus=ray_cpus, quiet=quiet,
+            progress=progress, device=device))
     context = {"dataset": declaration.dataset.name, "clients": run.nodes, **run_facts(run), **device_record(device)}
     return audit_recorded(recorded, out, len(run.rounds()), measured, context, start)

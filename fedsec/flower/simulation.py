@@ -30,7 +30,7 @@ import tempfile
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -162,6 +162,24 @@ def _check_apps(app: FlowerApp, server_app, client_app) -> None:
                         f"flwr.serverapp.strategy.Strategy from @app.main()")
 
 
+_reused: dict | None = None  # the recorded runs handed out again inside ``reused_simulations()``
+
+
+@contextmanager
+def reused_simulations() -> Iterator[None]:
+    """Inside this block, a simulation asked for again with the same app, nodes, run config, recorded
+    rounds, threads and Ray CPUs, and no interceptors, is not run again: its recorded run is handed out
+    once more. Attacks and audits only read a recorded run, so callers that attack one app many ways in
+    one process (a sweep, the test suite) pay Ray's start-up once per distinct simulation."""
+    global _reused
+    outer = _reused
+    _reused = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _reused = outer
+
+
 def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict | None = None,
              interceptors: Iterable = (), record_rounds: Iterable[int] | None = None, threads: int = 1,
              ray_cpus: int | None = None, quiet: bool = True) -> FlowerRun:
@@ -182,8 +200,12 @@ def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict 
     server_app, client_app = app.load("serverapp"), app.load("clientapp")
     _check_apps(app, server_app, client_app)
     rounds = None if record_rounds is None else sorted(set(record_rounds))
-    recorder = Recorder(rounds=rounds)
     interceptors = list(interceptors)
+    key = (str(app.directory), repr(sorted(config.items())), nodes, None if rounds is None else tuple(rounds),
+           int(threads), ray_cpus)
+    if _reused is not None and not interceptors and key in _reused:
+        return replace(_reused[key], notes=list(_reused[key].notes))
+    recorder = Recorder(rounds=rounds)
     with tempfile.TemporaryDirectory(prefix="fedsec-flower-") as ground_truth_dir:
         strategies, records = _run(app, config, server_app, client_app, nodes, recorder, interceptors,
                                    ground_truth_dir, threads, ray_cpus, quiet)
@@ -208,8 +230,11 @@ def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict 
     notes = []
     if not any(ground_truth.batches.values()):
         notes.append("the app reported no training batches to fedsec.flower.log_batch: attacks cannot be scored")
-    return FlowerRun(app, config, declaration, recorder, ground_truth, clients, nodes,
-                     time.perf_counter() - start, notes)
+    run = FlowerRun(app, config, declaration, recorder, ground_truth, clients, nodes, time.perf_counter() - start,
+                    notes)
+    if _reused is not None and not interceptors:
+        _reused[key] = run
+    return replace(run, notes=list(notes))
 
 
 def _name_clients_by_partition(recorder: Recorder, nodes: dict[int, int], records: dict[str, dict]) -> dict[int, dict]:

@@ -78,3 +78,8 @@ __all__ = ["AUDIT_ATTACKS", "AUDIT_ITERATIONS", "AUDIT_ROUNDS", "DEFAULT_ATTACKS
            "headline_markdown", "leakage_by_round", "method_comparisons", "parse_attacks", "parse_iterations",
            "parse_methods", "parse_rounds", "parse_sizes", "plan", "run_stage", "section_table", "stage_identity",
            "validate"]
+
+
+from ..jobs import make_callable as _make_callable  # noqa: E402
+
+_make_callable(__name__)  # fedsec.report(...) is also the API function (fedsec.jobs)

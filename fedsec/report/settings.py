@@ -66,6 +66,7 @@ class ReportSettings:
     malicious_rounds: tuple[int, ...] | None = None  # the section's attacked rounds (None: ``rounds``)
     real_sizes: tuple[int, ...] = ()  # the real-training cells' client sizes (empty: the federation's clients)
     settings_by: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per attack: its victim settings
+    mode: str = "auto"  # the gradient attacks' forward model (``AttackSettings.mode``)
 
     def keys(self, attack_names: Iterable[str]) -> list[str]:
         """The report's cells: one per attack, or one per attack and victim setting (gradient attacks).
@@ -100,7 +101,7 @@ class ReportSettings:
                               targets=int(self.targets_by.get(attack, self.targets)),
                               iterations=int(self.iterations.get(attack, spec.default_iterations)),
                               restarts=spec.default_restarts if self.restarts is None else int(self.restarts),
-                              victim_batch=0, download_check=bool(check))
+                              victim_batch=0, download_check=bool(check), mode=self.mode)
 
     def attack_plan(self, keys: Iterable[str]) -> dict[str, AttackSettings]:
         """{cell: its AttackSettings}: each built once, read by every stage, estimate and the report's meta."""
@@ -110,7 +111,9 @@ class ReportSettings:
         """The ``AttackSettings`` of one cell (``ig``, ``ig@real``, ``ig@real-n10``)."""
         attack, setting = attack_of(key), cell_setting(key)[0]
         spec = attacks.get(attack)
-        victim = {"": spec.default_victim_batch, "real": 0, "textbook": self.textbook_batch}[setting]
+        # an attack's own setting: the textbook batch where it attacks the textbook setting by default
+        own = self.textbook_batch if spec.default_victim_batch > 0 else spec.default_victim_batch
+        victim = {"": own, "real": 0, "textbook": self.textbook_batch}[setting]
         family = f"{attack}@{setting}"  # a sized cell falls back on its setting's entry, then the attack's
         pick = lambda table, default: table.get(key, table.get(family, table.get(attack, default)))  # noqa: E731
         return AttackSettings(attack=attack, rounds=tuple(int(r) for r in self.rounds),
@@ -118,7 +121,7 @@ class ReportSettings:
                               iterations=int(pick(self.iterations, spec.default_iterations)),
                               restarts=spec.default_restarts if self.restarts is None else int(self.restarts),
                               images=int(self.images) if victim == 0 else victim,  # the victim's batch
-                              victim_batch=victim, victim_steps=1)
+                              victim_batch=victim, victim_steps=1, mode=self.mode)
 
 
 @dataclass(frozen=True)

@@ -182,11 +182,7 @@ def _attack_stage(stage: Stage, trainings: TrainingCache | None = None) -> str |
         return str(exc)
     if settings.download_check and summary.get("download_check"):
         return None  # the check's decisions are the result, even where it left nothing to score
-    scored = summary.get("images_scored", 0) if settings.spec.rebuilds_images else len(summary.get("label_scores") or [])
-    if scored:
-        return None
-    notes = summary.get("notes") or ["nothing could be scored"]
-    return notes[0].split(": ", 1)[-1] if notes[0].startswith("round ") else notes[0]
+    return summary.get("not_applicable")  # attacks.harness.nothing_scored
 
 
 def run_stages(stages: list[Stage], reuse_dirs: list[Path], progress: bool,

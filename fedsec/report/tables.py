@@ -295,7 +295,7 @@ def lower_bound_flags(summary: pd.DataFrame, cells: list[str]) -> pd.DataFrame:
 
 
 def headline_markdown(summary: pd.DataFrame, attack_names: list[str], methods: list[str]) -> str:
-    """The headline table alone (for the terminal and BENCHMARKS.md)."""
+    """The headline table alone (for the terminal and the docs)."""
     from reports.comparison import headline_rows, md_table
 
     return md_table(*headline_rows(lower_bound_flags(summary, attack_names), {

@@ -141,8 +141,8 @@ def evaluate(model: torch.nn.Module, pool_indices: np.ndarray) -> tuple[float, f
 
 
 def fedsec_declaration(run_config) -> dict:
-    """What a fedsec audit needs to know about this app for a given run config (see fedsec's README,
-    "Audit your Flower app"); ``[tool.fedsec] declaration`` in pyproject.toml points here."""
+    """What a fedsec audit needs to know about this app for a given run config (see fedsec's docs/flower.md,
+    "What the audit needs from you"); ``[tool.fedsec] declaration`` in pyproject.toml points here."""
     strategy = str(run_config["strategy"])
     return {
         "model": lambda: build_model(run_config),

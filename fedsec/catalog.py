@@ -1,0 +1,87 @@
+"""The names ``--help`` lists, declared where they can be read without importing torch.
+
+``fedsec --help`` and ``fedsec <command> --help`` must start in well under a second, so the command
+line reads the choices it shows (attacks with their one-line summaries and defaults, methods, data
+sets, partitions, architectures, defenses, threat-model choices) from here; the registries they
+mirror (``attacks.ATTACKS``, ``fedecouple.methods.METHODS``, ...) import torch. ``tests/test_catalog.py``
+holds the two equal, so adding an attack, method or data set means adding its line here too.
+
+An attack registered at run time (``attacks.register``, e.g. a plugin or a test's toy attack) is still a
+valid choice: ``attack_names`` reads the live registry once ``attacks`` has been imported.
+"""
+from __future__ import annotations
+
+import sys
+from typing import NamedTuple
+
+
+class AttackEntry(NamedTuple):
+    """What the help shows of one registered attack (``attacks.registry.AttackSpec``'s fields)."""
+
+    summary: str
+    kind: str
+    default_iterations: int
+    default_restarts: int
+    first_round: int
+
+
+# in the registry's order (``attacks/__init__.py``'s imports)
+ATTACKS: dict[str, AttackEntry] = {
+    "dlg": AttackEntry("Deep Leakage from Gradients: image and soft label by L-BFGS gradient matching",
+                       "gradient", 300, 1, 0),
+    "idlg": AttackEntry("improved DLG: the label from the classifier's gradient, then DLG", "gradient", 300, 1, 0),
+    "ig": AttackEntry("Inverting Gradients: cosine gradient matching with a TV prior, signed Adam",
+                      "gradient", 1000, 3, 0),
+    "proto": AttackEntry("prototype inversion: a class-typical image from each uploaded class prototype",
+                         "image", 300, 1, 0),
+    "labels": AttackEntry("label-distribution inference from counts, statistics, prototype keys or the "
+                          "classifier's update", "labels", 300, 1, 0),
+    "trap": AttackEntry("malicious server: trap weights in the first linear layer (--craft binning: Fowl et al.'s "
+                        "bins, exact; plain: Boenisch et al.'s random rows)", "malicious", 300, 1, 0),
+    "binning": AttackEntry("malicious server: binning rows in the first linear layer (= trap --craft binning)",
+                           "malicious", 300, 1, 0),
+    "fish": AttackEntry("malicious server: classifier fishing (Wen et al.): the classifier sent isolates one image "
+                        "of the client's rarest class, rebuilt from the update", "malicious", 1000, 1, 1),
+    "fedavg-leak": AttackEntry("Dimitrov et al. 2022: simulate the client's local epochs, label counts first, epoch "
+                               "copies tied by an order-invariant term, every image rebuilt", "gradient", 3000, 2, 0),
+}
+MEMBERSHIP_ATTACKS = ("lira", "loss", "entropy", "population", "rmia")  # attacks.MEMBERSHIP
+METHODS = ("fedecouple", "fedavg", "ft-fedavg", "fedper", "fedrep", "fedpac", "fedproto", "local")
+DATASETS = ("mnist5k", "digits", "cifar10", "cifar100", "fmnist", "emnist", "cinic10")
+EMBEDDED_DATASETS = ("mnist5k", "digits")  # fedecouple.data.registry.EMBEDDED
+PARTITIONS = ("iid", "pathological", "weak", "dirichlet")  # fedecouple.data.SCHEMES
+ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits", "mlp", "resnet18", "resnet18-bn", "resnet50")
+DEFENSES = ("dp", "noise", "clip", "prune", "quantize", "exclude", "download-check")  # reports.tradeoff.VALUE_MEANING
+MODES = ("auto", "method", "replay", "scaled")  # attacks.inversion.observation.MODES
+AUGMENTATION_MODELS = ("free", "family", "oracle")
+STARTS = ("noise", "mean")  # attacks.base.STARTS
+
+
+def _live():
+    """The attack registry when ``attacks`` is already imported (else None: the help stays torch-free)."""
+    registry = sys.modules.get("attacks.registry")
+    return None if registry is None or "attacks" not in sys.modules else registry.ATTACKS
+
+
+def attack_names(kind: str | None = None) -> list[str]:
+    """Registered attack names (of one kind), in registration order."""
+    live = _live()
+    if live is not None:
+        return [n for n, s in live.items() if kind is None or s.kind == kind]
+    return [n for n, e in ATTACKS.items() if kind is None or e.kind == kind]
+
+
+def attack_summaries() -> dict[str, str]:
+    """{attack: its one-line summary}."""
+    live = _live()
+    if live is not None:
+        return {n: s.summary for n, s in live.items()}
+    return {n: e.summary for n, e in ATTACKS.items()}
+
+
+def attack_defaults(field: str) -> dict[str, int]:
+    """{attack: its declared ``default_iterations`` or ``default_restarts``}."""
+    live = _live()
+    if live is not None:
+        return {n: getattr(s, field) for n, s in live.items()}
+    return {n: getattr(e, field) for n, e in ATTACKS.items()}

@@ -1,0 +1,38 @@
+"""``fedsec.catalog`` (what the help lists, readable without torch) equals the registries it mirrors,
+and the help imports no torch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_the_catalog_equals_the_registries():
+    import attacks
+    from attacks.base import STARTS
+    from attacks.inversion.observation import AUGMENTATION_MODELS, MODES
+    from fedecouple.data import DATASETS, SCHEMES
+    from fedecouple.data.registry import EMBEDDED
+    from fedecouple.methods import METHODS
+    from fedecouple.models import ARCHITECTURES
+    from fedsec import catalog
+    from reports.tradeoff import VALUE_MEANING
+
+    registered = {n: s for n, s in attacks.ATTACKS.items() if n in catalog.ATTACKS or n != "toy"}
+    assert {n: (s.summary, s.kind, s.default_iterations, s.default_restarts, s.first_round)
+            for n, s in registered.items()} == {n: tuple(e) for n, e in catalog.ATTACKS.items()}
+    assert list(registered) == list(catalog.ATTACKS)  # the registry's order is the help's
+    assert tuple(attacks.MEMBERSHIP) == catalog.MEMBERSHIP_ATTACKS
+    assert tuple(METHODS) == catalog.METHODS and tuple(DATASETS) == catalog.DATASETS
+    assert tuple(EMBEDDED) == catalog.EMBEDDED_DATASETS and tuple(SCHEMES) == catalog.PARTITIONS
+    assert tuple(ARCHITECTURES) == catalog.ARCHITECTURES and tuple(VALUE_MEANING) == catalog.DEFENSES
+    assert tuple(MODES) == catalog.MODES and tuple(AUGMENTATION_MODELS) == catalog.AUGMENTATION_MODELS
+    assert tuple(STARTS) == catalog.STARTS
+
+
+def test_the_help_and_import_fedsec_load_no_torch():
+    code = ("import sys, fedsec; from fedsec.cli import main\n"
+            "for args in ([], ['attack'], ['report'], ['flower', 'attack'], ['defend'], ['mia']):\n"
+            "    main([*args, '--help'])\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
