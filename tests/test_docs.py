@@ -1,0 +1,169 @@
+"""The documentation a user reads: the README (short, its commands and Python example real), the MkDocs
+site (builds in strict mode: no broken link, no missing page, the API reference generated), and every file
+the repository ships free of one machine's absolute paths, of words about how the project is developed,
+and of relative links to files the repository does not hold."""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+FIRST_COMMAND = ("python3 -m venv .venv && .venv/bin/pip install -q -e . && "
+                 ".venv/bin/fedsec attack dlg --method fedecouple")
+TEST_COMMAND = ".venv/bin/python -m pytest -q -n 2 --dist loadfile"
+PAGES = ("index.md", "getting-started.md", "reading-results.md", "results.md", "attacks.md", "methods.md",
+         "malicious-server.md", "real-training.md", "defenses.md", "membership-inference.md", "flower.md",
+         "devices.md", "datasets.md", "commands.md", "api.md", "library.md", "architecture.md")
+
+# What no shipped file may contain. A line may show a user's own path as an example when it carries the
+# marker below; the words are assembled so that this file does not match itself.
+EXAMPLE_MARKER = "example path"
+MACHINE_PATHS = re.compile(r"(?<![\w.~-])/(?:work|tmp|root)/|(?<![\w.~-])/home/[A-Za-z]")
+PROCESS_WORDS = [re.compile(p, re.IGNORECASE) for p in (r"\bsession \d", r"\bsession s\d", r"\bissue \d+",
+                                                        r"\bclosing note")]
+PROCESS_WORDS.append(re.compile("REFERENCE" + r"\.md|" + "REFERENCE" + " §"))  # case-sensitive: a file name
+MARKDOWN_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def shipped_files() -> list[str]:
+    """Files the repository holds or will hold: tracked, plus untracked ones git does not ignore."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed: the shipped files are what git tracks")
+    done = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip("not a git checkout: the shipped files are what git tracks")
+    return sorted({f for f in done.stdout.splitlines() if (ROOT / f).is_file()})
+
+
+def text_of(name: str) -> str | None:
+    try:
+        return (ROOT / name).read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None  # a binary file (pictures, checkpoints)
+
+
+def test_the_readme_is_short_says_what_fedsec_is_first_and_keeps_its_two_commands():
+    text = README.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; at most 150"
+    prose = next(line for line in lines if line.strip() and not line.startswith("#"))
+    assert prose.startswith("fedsec is a privacy and security evaluation toolkit for personalised federated learning")
+    blocks = re.findall(r"```bash\n(.*?)\n```", text, re.S)
+    assert blocks[0] == FIRST_COMMAND
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
+    assert blocks[1] == ci == f"python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]' && {TEST_COMMAND}"
+
+
+def test_the_readme_names_every_command_and_every_registered_attack():
+    import click
+
+    import attacks
+    from fedsec.cli import cli
+
+    text = README.read_text(encoding="utf-8")
+    for name, command in cli.commands.items():
+        if isinstance(command, click.Group):
+            for sub in command.commands:
+                assert f"`fedsec {name} {sub}" in text, f"README's command table lacks fedsec {name} {sub}"
+        else:
+            assert f"`fedsec {name} " in text, f"README's command table lacks fedsec {name}"
+    for attack in attacks.ATTACKS:
+        assert f"| `{attack}` |" in text, f"README's attack table lacks {attack}"
+
+
+def test_the_readme_picture_is_committed_small():
+    picture = ROOT / "docs" / "img" / "main-job.png"
+    assert f"]({picture.relative_to(ROOT).as_posix()})" in README.read_text(encoding="utf-8")
+    assert picture.is_file() and picture.stat().st_size < 100_000
+
+
+def test_the_readmes_python_example_runs(tmp_path):
+    fedsec = importlib.import_module("fedsec")
+    if not callable(getattr(fedsec, "attack", None)):
+        pytest.skip("fedsec.attack (the Python API) does not exist yet")
+    blocks = re.findall(r"```python\n(.*?)\n```", README.read_text(encoding="utf-8"), re.S)
+    assert len(blocks) == 1, "the README has one Python example"
+    done = subprocess.run([sys.executable, "-c", blocks[0]], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"\d+\.\d\d dB over \d+ images", done.stdout), done.stdout[-2000:]
+
+
+def test_the_site_builds_in_strict_mode_with_every_page_and_the_api_reference(tmp_path):
+    pytest.importorskip("mkdocs", reason="the docs tooling is in the test extra: pip install -e '.[test]'")
+    pytest.importorskip("mkdocstrings", reason="the docs tooling is in the test extra: pip install -e '.[test]'")
+    for page in PAGES:
+        assert (ROOT / "docs" / page).is_file(), f"docs/{page} is missing"
+    site = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    api = (site / "library" / "index.html").read_text(encoding="utf-8")
+    assert "attack_recorded" in api, "the library reference lists attacks.harness.attack_recorded"
+
+
+def test_no_shipped_file_holds_a_machine_path_or_process_words():
+    hits = []
+    for name in shipped_files():
+        text = text_of(name)
+        if text is None:
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if MACHINE_PATHS.search(line) and EXAMPLE_MARKER not in line:
+                hits.append(f"{name}:{number}: machine path: {line.strip()[:120]}")
+            for pattern in PROCESS_WORDS:
+                if pattern.search(line):
+                    hits.append(f"{name}:{number}: process words: {line.strip()[:120]}")
+    assert not hits, "\n".join(hits)
+
+
+def test_every_relative_markdown_link_points_to_a_shipped_file():
+    files = shipped_files()
+    shipped = set(files)
+    folders = {str(Path(f).parent) for f in files}
+    broken = []
+    for name in (f for f in files if f.endswith(".md")):
+        text = text_of(name) or ""
+        text = re.sub(r"```.*?```", "", text, flags=re.S)  # links inside code are not links
+        for target in MARKDOWN_LINK.findall(text):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue  # a URL, a mail address or an anchor on the same page
+            normal = os.path.normpath(Path(name).parent / target.split("#")[0])
+            if normal not in shipped and normal not in folders:
+                broken.append(f"{name}: ({target})")
+    assert not broken, "links to files the repository does not hold:\n" + "\n".join(broken)
+
+
+def test_a_released_tool_carries_licence_changelog_and_citation():
+    import tomllib
+
+    licence = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert project["license"] == {"text": "MIT"} and licence.startswith("MIT License")
+    assert "Copyright (c)" in licence and "the fedsec authors" in licence
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert re.search(rf"^## \[?{re.escape(project['version'])}\]?", changelog, re.M)
+    citation = (ROOT / "CITATION.cff").read_text(encoding="utf-8")
+    fields = dict(re.findall(r"^([a-z-]+):\s*(.*)$", citation, re.M))
+    assert fields["cff-version"] == "1.2.0"
+    for key in ("message", "title", "authors", "version", "license"):
+        assert key in fields, f"CITATION.cff lacks {key}"
+    assert fields["version"].strip("\"'") == project["version"] and fields["license"].strip("\"'") == "MIT"
+
+
+def test_the_docs_tooling_is_pinned_in_the_test_extra():
+    import tomllib
+
+    test = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]["test"]
+    pins = {re.split(r"[<>=\[]", r)[0]: r for r in test}
+    assert "<2" in pins["mkdocs"], "MkDocs 1.x: the strict build must not meet a new major"
+    assert "mkdocs-material" in pins and "mkdocstrings" in pins
