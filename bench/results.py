@@ -213,6 +213,20 @@ def device_figures(out: Path, stdout: str) -> dict:
     return {"headline": ratio.removeprefix("GPU / CPU: ").strip(), "lines": lines}
 
 
+def start_figures(out: Path, stdout: str) -> dict:
+    """``bench/cli_start.py``'s table: each ``--help``'s median seconds over separate processes."""
+    rows = {}
+    for line in stdout.splitlines():
+        if "--help" in line:
+            name, numbers = line.split("--help", 1)
+            rows[name.strip() + " --help"] = float(numbers.split()[0])
+    if not rows:
+        raise CellError("bench/cli_start.py printed no timings")
+    top, slowest = rows.get("fedsec --help"), max(rows, key=rows.get)
+    return {"headline": f"fedsec --help {top:.2f} s; slowest: {slowest} {rows[slowest]:.2f} s (medians of 5 processes)",
+            "median_seconds": rows}
+
+
 # ---------------------------------------------------------------- the cells
 
 @dataclass(frozen=True)
@@ -244,6 +258,7 @@ GROUPS = {
     "accuracy": "Accuracy per method and partition",
     "mia": "Membership inference (LiRA)",
     "device": "Devices",
+    "startup": "Start-up time of the command line",
 }
 
 
@@ -300,6 +315,9 @@ def _other_cells() -> list[Cell]:
                            "--seeds", "0,1,2", "--clients", "20", "--rounds", "5", "--local-epochs", "1", "--threads", "1",
                            *extra, "--out", f"runs/compare-{partition}"), compare_figures, "about 30 min",
                           depends=("fedecouple", "fedsec")))
+    cells.append(Cell("cli-start", "startup", "fedsec --help and every command's --help, each a new process",
+                      ("python", "bench/cli_start.py", "--runs", "5"), start_figures, "about 10 s",
+                      depends=("fedsec", "bench/cli_start.py")))
     cells.append(Cell("device-gpu", "device", "GPU ÷ CPU: one FedeCouple round and batched IG (16 targets)",
                       ("python", "bench/device.py", "--threads", "1", "--ig-iterations", "50"), device_figures,
                       "about 2 min on a GPU machine", depends=CODE + ("bench/device.py",), needs_gpu=True))

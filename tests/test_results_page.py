@@ -137,6 +137,12 @@ def test_the_table_cells_read_the_files_their_commands_write(results, tmp_path):
     mia = results.mia_figures(tmp_path, "")
     assert mia["headline"] == "accuracy 0.9786; personal models LiRA AUC 0.638, TPR at 1 % FPR 0.112"
 
+    start = results.start_figures(tmp_path, "command median s min s max s\nfedsec --help 0.10 0.09 0.12\n"
+                                            "fedsec attack --help 0.13 0.11 0.20\n")
+    assert start["headline"] == "fedsec --help 0.10 s; slowest: fedsec attack --help 0.13 s (medians of 5 processes)"
+    with pytest.raises(results.CellError):
+        results.start_figures(tmp_path, "Traceback ...\n")
+
 
 def test_rendering_puts_the_main_jobs_line_where_the_docs_show_it(results):
     text = "intro\n```text\ndlg on fedecouple (method): mean PSNR 1.00 dB\n```\nafter\n"
