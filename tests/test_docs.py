@@ -26,9 +26,10 @@ PAGES = ("index.md", "getting-started.md", "reading-results.md", "results.md", "
 # What no shipped file may contain. A line may show a user's own path as an example when it carries the
 # marker below; the words are assembled so that this file does not match itself.
 EXAMPLE_MARKER = "example path"
-MACHINE_PATHS = re.compile(r"(?<![\w.~-])/(?:work|tmp|root)/|(?<![\w.~-])/home/[A-Za-z]")
-PROCESS_WORDS = [re.compile(p, re.IGNORECASE) for p in (r"\bsession \d", r"\bsession s\d", r"\bissue \d+",
-                                                        r"\bclosing note")]
+_ROOTS = "|".join(("wo" + "rk", "t" + "mp", "ro" + "ot"))  # a machine's working, temporary and home folders
+MACHINE_PATHS = re.compile(r"(?<![\w.~-])/(?:" + _ROOTS + r")/|(?<![\w.~-])/ho" + r"me/[A-Za-z]")
+PROCESS_WORDS = [re.compile(p, re.IGNORECASE) for p in (r"\bsess" + r"ion \d", r"\bsess" + r"ion s\d",
+                                                        r"\biss" + r"ue \d+", r"\bclos" + r"ing note")]
 PROCESS_WORDS.append(re.compile("REFERENCE" + r"\.md|" + "REFERENCE" + " §"))  # case-sensitive: a file name
 MARKDOWN_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
