@@ -15,18 +15,21 @@ and the harness that attacks a recorded run (``recorded``: ``RecordedRun``, ``Th
 ``harness``: ``attack_recorded``).
 
 Adding an attack: one file in its family's folder that defines its functions and calls
-``register(AttackSpec(...))`` (or ``register_membership``), plus one import line here.
+``register(AttackSpec(...))`` (or ``register_membership``), plus one import line here. An attack module
+imports no other attack module; an inversion attack declares its objective, optimiser, prior and budget
+over the optimisation template (``attacks.inversion.optimise``).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-# each module registers its attacks on import; this order is the registry's (the CLI's choices, a report's columns)
-from .inversion import dlg, ig, labels  # noqa: F401
+# each module registers its attacks on import. No attack module imports another (what a family shares
+# lives in modules named for what it does, e.g. ``attacks.inversion.optimise``), so any order imports;
+# the order here is only the one the registry lists them in (the CLI's choices, a report's columns)
+from .inversion import dlg, ig, proto, labels  # noqa: F401
 from . import malicious  # noqa: F401
-from .inversion import proto  # noqa: F401
 from .membership import lira, mia_threshold, rmia  # noqa: F401
-from .inversion import fedavg_leakage  # noqa: F401  (registers fedavg-leak; after ig, whose helpers it uses)
+from .inversion import fedavg_leakage  # noqa: F401
 from .base import AttackResult, Budget, LocalHyperparameters, NotApplicable, Observation
 from .inversion.batching import Batch, plan_one_by_one, run_plan
 from .registry import ATTACKS, MEMBERSHIP, AttackSpec, MembershipSpec, get, names, register, unregister

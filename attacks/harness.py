@@ -11,7 +11,7 @@ write what it returns.
 Scoring: each reconstruction against the images the client trained on (``attacks.metrics``), beside
 two priors (the pooled mean image, the class means of data the attacker could hold); the
 forward-model check (``attacks.inversion.forward_check``) with the target's true images; a malicious
-server's read-back by ``attacks.malicious.scoring``.
+server's read-back by the attack's own ``AttackSpec.score_target``.
 """
 from __future__ import annotations
 
@@ -228,7 +228,7 @@ def _score_target(run: RecordedRun, spec: AttackSpec, job: Target, prior: torch.
     idx = torch.from_numpy(run.ground_truth.samples(job.round, job.client))
     truths, truth_labels = dataset.images[idx], dataset.labels[idx]
     if spec.malicious:
-        return _score_malicious(run, job, base, truths, truth_labels, prior, panels, auxiliary)
+        return _score_malicious(run, spec, job, base, truths, truth_labels, prior, panels, auxiliary)
     if len(truths) > len(result.images) or spec.scoring == "class-images":
         note = ("each reconstruction is scored against its best match among the images the client trained "
                 "on in that round (for proto: among the images of its class); the prior against the same image")
@@ -251,31 +251,18 @@ def _score_target(run: RecordedRun, spec: AttackSpec, job: Target, prior: torch.
     return rows
 
 
-def _score_malicious(run: RecordedRun, job: Target, base: dict, truths, truth_labels, prior, panels: list,
-                     auxiliary) -> list[dict]:
-    """Every image the client trained on: its recovered input's relative error and the image rebuilt
-    from it (``attacks.malicious.scoring.score_recovered``)."""
-    from .malicious.fishing import CRAFT as FISHING, score_fished
-    from .malicious.scoring import score_recovered
-
+def _score_malicious(run: RecordedRun, spec: AttackSpec, job: Target, base: dict, truths, truth_labels, prior,
+                     panels: list, auxiliary) -> list[dict]:
+    """The rows of a malicious server's read-back, as the attack scores it (``AttackSpec.score_target``:
+    e.g. every image the client trained on with its recovered input's relative error, or the images
+    a classifier-fishing craft isolated), each with its class prior's PSNR."""
     priors = class_priors(run, job.round, job.client, auxiliary)
     record = run.crafted[(job.round, job.client)]
-    if getattr(record, "craft", None) == FISHING:  # the images the craft isolated, per target
-        rows = []
-        for row in score_fished(run.make_model, record, job.result, truths, truth_labels, prior):
-            j = row.pop("truth_index")
-            rows.append({**base, "image": j, "label_pred": record.target, **row,
-                         "class_prior_psnr": float(psnr(priors[row["label_true"]], truths[j]))})
-            if len(panels) < MAX_PANELS and row["reconstruction"] >= 0:
-                panels.append((truths[j], job.result.images[row["reconstruction"]], row["psnr"],
-                               f"r{job.round} c{job.client}"))
-        return rows
     rows = []
-    for row in score_recovered(run.make_model, record, job.result, truths, prior):
-        j = row["truth_index"]
-        rows.append({**base, "image": j, "psnr": row["psnr"], "ssim": row["ssim"], "prior_psnr": row["prior_psnr"],
-                     "class_prior_psnr": float(psnr(priors[int(truth_labels[j])], truths[j])),
-                     "label_true": int(truth_labels[j]), "label_pred": -1, "input_error": row["input_error"]})
+    for row in spec.score_target(run.make_model, record, job.result, truths, truth_labels, prior):
+        j = row.pop("truth_index")
+        rows.append({**base, "image": j, "label_pred": -1, **row,
+                     "class_prior_psnr": float(psnr(priors[int(row["label_true"])], truths[j]))})
         if len(panels) < MAX_PANELS and row["reconstruction"] >= 0:
             panels.append((truths[j], job.result.images[row["reconstruction"]], row["psnr"],
                            f"r{job.round} c{job.client}"))
@@ -313,17 +300,12 @@ def _shared_notes(scored: list[Target]) -> list[str]:
 
 
 def _statistics(run: RecordedRun, spec: AttackSpec, rows: list[dict], seed: int) -> dict:
-    """The leakage statistics (``attacks.metrics.leakage_statistics``), a malicious server's input
-    shares, and the clients' download check when one ran."""
+    """The leakage statistics (``attacks.metrics.leakage_statistics``), the attack's own
+    (``AttackSpec.statistics``: e.g. a malicious server's input shares), and the clients' download
+    check when one ran."""
     statistics = leakage_statistics(rows, seed=seed) if spec.rebuilds_images else {}
-    if spec.malicious and "fishing" in spec.crafts:
-        from .malicious.fishing import fishing_statistics
-
-        statistics.update(fishing_statistics(rows, seed))
-    elif spec.malicious:
-        from .malicious.scoring import input_statistics
-
-        statistics.update(input_statistics(rows, seed))
+    if spec.statistics is not None:
+        statistics.update(spec.statistics(rows, seed))
     if run.download_check is not None:
         attacked = set(run.crafted) if spec.malicious else set()
         statistics["download_check"] = run.download_check.summary(attacked)

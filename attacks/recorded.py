@@ -30,6 +30,7 @@ from fedecouple.models import SplitModel
 
 from .base import KnownSchedule, LocalHyperparameters, Observation
 from .inversion.observation import observe
+from .inversion.prototypes import per_class_values
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class RecordedRun:
     # a malicious server's records of the downloads it crafted, by (round, client)
     # (``attacks.malicious.CraftRecord``); empty for an honest server
     crafted: dict = field(default_factory=dict)
-    # the clients' download check, when one ran (``fedsec.defenses.download_check.DownloadCheck``):
+    # the clients' download check, when one ran (``defenses.download_check.DownloadCheck``):
     # ``summary(attacked)`` gives its detection statistics
     download_check: object | None = None
     device: str = "cpu"  # where the gradient attacks compute (``fedecouple.devices``)
@@ -126,8 +127,6 @@ class RecordedRun:
     def round_prototypes(self, round: int) -> dict[int, torch.Tensor]:
         """Per class, the mean of the prototypes every client uploaded in ``round`` (the server sees them
         all; equal weights)."""
-        from .inversion.proto import per_class_values
-
         specs = [s for s in self.method.manifest(self.make_model()) if s.kind == "prototype" and s.per_class]
         sums: dict[int, list[torch.Tensor]] = {}
         for (r, _), exchange in sorted(self.recorder.exchanges.items()):

@@ -2,9 +2,11 @@
 
 Everything around the attacks reads this declaration instead of repeating facts about them: the
 CLI's choices and defaults (``fedsec attack``, ``report --attacks``, ``defend --attacks``), the
-applicability check made before anything trains, which scoring applies to a result, and the
-report's columns. Adding an attack is one file that defines its functions and calls ``register``
-at import, plus the line in ``attacks/__init__.py`` that imports that file.
+applicability check made before anything trains, which scoring applies to a result, the report's
+columns and stages, the time estimate's rate, and for a malicious server's attack the download it
+crafts (``CraftRequest``), how its read-back is scored and summed up, and the lines it prints.
+Adding an attack is one file that defines its functions and calls ``register`` at import, plus the
+line in ``attacks/__init__.py`` that imports that file.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Callable
 KINDS = ("gradient", "image", "labels", "malicious")
 SCORINGS = ("images", "class-images", "labels")
 WEIGHT_KINDS = frozenset({"extractor", "classifier"})
+ESTIMATE_PER = ("image", "target")
 _UPLOAD_WORDS = {"prototype": "class prototypes", "class_counts": "class counts", "statistic": "statistics",
                  "sample_count": "its sample count", "extractor": "the extractor", "classifier": "the classifier"}
 
@@ -52,12 +55,41 @@ class AttackSpec:
     extra_columns: tuple[str, ...] = ()
     # the earliest round it can attack (classifier fishing: 1, it reads the client's earlier upload)
     first_round: int = 0
+    # a malicious server's side, which the harness calls (the attack itself only reads the record):
+    # ``craft_download(request: CraftRequest) -> (tensors, record)``, the download sent to one attacked
+    # client and the server's record of it (the attack's ``Observation.crafted``)
+    craft_download: Callable | None = None
+    # ``unreachable(method, model) -> str | None``: why its crafted download cannot reach the method's
+    # update, from ``Method.download_reaches`` (None: it can), checked before anything trains
+    unreachable: Callable | None = None
+    # ``score_target(make_model, record, result, truths, truth_labels, prior) -> rows``: its read-back
+    # scored against the images the client trained on, one dict per scored image: ``truth_index``,
+    # ``reconstruction`` (the result's image, -1: none) and the values of ``attacks.harness.IMAGE_COLUMNS``
+    # (psnr, ssim, prior_psnr, label_true; label_pred, input_error where it has them) and ``extra_columns``
+    score_target: Callable | None = None
+    # ``statistics(rows, seed) -> dict``: what its summary adds to the leakage statistics
+    statistics: Callable | None = None
+    # ``summary_lines(summary) -> list[str]``: what the terminal shows of those under the headline
+    summary_lines: Callable | None = None
+    # ``fedsec.estimate``: seconds per optimiser step of one target on the reference machine (2 cores,
+    # one torch thread), times the target's images ("image": those it trained on, or rebuilds in the
+    # textbook setting) or once per target ("target"); None: the estimate's rates for its kind and method
+    estimate_rate: float | None = None
+    estimate_per: str = "image"
+    # with the kind's rates: the cost of one of its optimiser steps in Adam steps (an L-BFGS step runs
+    # several evaluations)
+    estimate_step_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"attack {self.name}: unknown kind {self.kind!r}; one of {KINDS}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"attack {self.name}: unknown scoring {self.scoring!r}; one of {SCORINGS}")
+        if self.crafts and None in (self.craft_download, self.unreachable, self.score_target):
+            raise ValueError(f"attack {self.name}: a malicious server's attack declares craft_download, "
+                             f"unreachable and score_target")
+        if self.estimate_per not in ESTIMATE_PER:
+            raise ValueError(f"attack {self.name}: unknown estimate_per {self.estimate_per!r}; one of {ESTIMATE_PER}")
 
     @property
     def malicious(self) -> bool:
@@ -78,6 +110,30 @@ class AttackSpec:
         hint = self.hint.format(method=method_name, attack=self.name) if self.hint else \
             f"{self.name} has nothing to work on"
         return f"{method_name} uploads no {self.needs}: it sends only {sent}; {hint}"
+
+
+@dataclass(frozen=True)
+class CraftRequest:
+    """What a malicious server holds when it crafts one attacked client's download
+    (``AttackSpec.craft_download``): the craft chosen (``--craft``), the round and client, the honest
+    download, ``make_model`` (a fresh model of the architecture at its initial weights), the public
+    images it holds (in [0, 1]) and their labels, the parameter groups the client trains from or
+    against as sent (``Method.download_reaches``), a seed of its own for this round and client, the
+    client's latest exchange it saw before this one ((round, download as sent, upload or None); None:
+    none), and the federation's method and local training settings (None where unknown)."""
+
+    craft: str
+    round: int
+    client: int
+    download: dict
+    make_model: Callable
+    public: object
+    public_labels: object | None
+    reached: tuple[str, ...]
+    seed: int
+    earlier: tuple | None = None
+    method: object = None
+    train: object = None
 
 
 ATTACKS: dict[str, AttackSpec] = {}

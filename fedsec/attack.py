@@ -24,11 +24,11 @@ attack, mode, round, client, image, psnr, ssim, prior_psnr, class_prior_psnr, la
 and the target's forward-model check: mis_specified, not_converged, replay_cosine, objective_truth,
 objective_reconstruction; label_count_error: Σ_k |n̂_k − n_k| of the closed-form label counts
 (``attacks.inversion.closed_form``) against the images the client trained on, empty without counts; input_error: for a
-malicious-server attack, the relative error of the image's recovered first-linear-layer input; for a gradient
-attack on one image whose classifier step's features the closed form solved (FedeCouple), their relative error
-against the image's true features; classifier
-fishing (``fish``) writes one row per image its craft isolated, with target_class, fished, k_true and k_inferred
-after these (``AttackSpec.extra_columns``); for a label attack one row per
+malicious-server attack that recovers its crafted layer's inputs, the relative error of the image's recovered input;
+for a gradient attack on one image whose classifier step's features the closed form solved (FedeCouple), their
+relative error against the image's true features; a malicious-server attack's rows are those its
+``AttackSpec.score_target`` scores, with its ``extra_columns`` after these (classifier fishing: one row per
+image its craft isolated, with target_class, fished, k_true and k_inferred); for a label attack one row per
 class: method, attack, mode, round, client, class, true_count, true_proportion,
 predicted_proportion), ``summary.json`` and ``reconstructions.png`` (ground truth above
 reconstruction, PSNR under each; not for label attacks), all written atomically.
@@ -99,7 +99,7 @@ class AttackSettings:
     train_rounds: int | None = None  # default: max(rounds) + 1
     threads: int | None = None  # default: the run's, else ATTACK_THREADS
     craft: str | None = None  # a malicious-server attack's crafted download (default: the attack's first)
-    download_check: bool = False  # clients test every download and refuse a crafted one (fedsec.defenses)
+    download_check: bool = False  # clients test every download and refuse a crafted one (defenses)
 
     @property
     def spec(self) -> AttackSpec:
@@ -245,9 +245,7 @@ def check_applicable(spec: AttackSpec, prep: Prepared) -> None:
     """A one-line UserError, before anything trains, when the method uploads nothing the attack uses."""
     model, reason = model_for(prep), None
     if spec.malicious and prep.method.communicates:  # first what a crafted download can reach
-        from attacks.malicious import not_reachable
-
-        reason = not_reachable(prep.method, model, spec.crafts[0])
+        reason = spec.unreachable(prep.method, model)
     reason = reason or spec.not_applicable(prep.method.name, prep.method.upload_kinds(model))
     if reason is not None:
         raise UserError(reason)
@@ -270,8 +268,8 @@ def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | No
     """Train ``config``, attack ``settings.targets`` clients in each attacked round, score, write
     (when ``out`` is given); returns the summary.
 
-    ``interceptors`` (e.g. a ``fedsec.defenses.FilterChain``) sit in the channel before the recorder,
-    so the server sees their output; ``dp`` (a ``fedsec.defenses.DPConfig``) trains every client with
+    ``interceptors`` (e.g. a ``defenses.FilterChain``) sit in the channel before the recorder,
+    so the server sees their output; ``dp`` (a ``defenses.DPConfig``) trains every client with
     DP-SGD and adds the per-client ε to the summary (``"dp"``). ``trainings`` (without interceptors
     and dp) keeps the recorded federation for the next attack whose training is the same
     (``training_key``), so a report trains it once for all of them."""
@@ -284,7 +282,7 @@ def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | No
     try:
         prep = prepare(config)
         if dp is not None:
-            from .defenses.dp import DPMethod
+            from defenses.dp import DPMethod
 
             prep = replace(prep, method=DPMethod(prep.method, dp))
         check_applicable(settings.spec, prep)
@@ -311,7 +309,7 @@ def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | No
                    **device_record(config.federation.device)}
         try:
             if dp is not None:
-                from .defenses.dp import privacy_report
+                from defenses.dp import privacy_report
 
                 context["dp"] = io.finite(privacy_report(fed.clients, dp))
             args = settings.split()
@@ -418,7 +416,7 @@ def recording_federation(prep: Prepared, settings: AttackSettings | None = None,
     if settings is not None and settings.spec.malicious:
         run.crafted = _malicious_server(prep, settings, targets, fed, run).records
     if settings is not None and settings.download_check:
-        from .defenses.download_check import DownloadCheck
+        from defenses.download_check import DownloadCheck
 
         run.download_check = DownloadCheck(lambda c: prep.dataset.images[torch.from_numpy(prep.partition.train[c])],
                                            run.make_model)
@@ -427,8 +425,9 @@ def recording_federation(prep: Prepared, settings: AttackSettings | None = None,
 
 
 def _malicious_server(prep: Prepared, settings: AttackSettings, targets: dict, fed, run: RecordedRun):
-    """The crafting interceptor for the attacked (round, client) pairs, last in the channel; it crafts
-    from public images: ``--aux-data``, else the pooled data without the attacked clients' own."""
+    """The crafting interceptor for the attacked (round, client) pairs (the attack's own craft,
+    ``AttackSpec.craft_download``), last in the channel; it crafts from public images: ``--aux-data``,
+    else the pooled data without the attacked clients' own."""
     from .malicious import MaliciousServer, public_rows
 
     attacked = [prep.partition.train[c] for r in targets for c in targets[r]]
@@ -439,9 +438,9 @@ def _malicious_server(prep: Prepared, settings: AttackSettings, targets: dict, f
     else:
         images, labels = prep.dataset.images, prep.dataset.labels
         rows = torch.from_numpy(public_rows(len(images), exclude, settings.seed))
-    server = MaliciousServer(settings.craft, {(r, c) for r in targets for c in targets[r]}, run.make_model,
-                             images[rows], prep.method.download_reaches, settings.seed, public_labels=labels[rows],
-                             method=prep.method, train=prep.config.federation.train)
+    server = MaliciousServer(settings.spec, settings.craft, {(r, c) for r in targets for c in targets[r]},
+                             run.make_model, images[rows], prep.method.download_reaches, settings.seed,
+                             public_labels=labels[rows], method=prep.method, train=prep.config.federation.train)
     fed.channel.interceptors.append(server)
     return server
 

@@ -56,11 +56,10 @@ def train_body(ctx: click.Context, shell: Shell) -> TrainResult:
         status = "new"
         if out is not None:
             run = TrainRun(out, config)
-            status = run.status()
-            if status == "other" and not p["force"]:
+            status = "new" if p["force"] else run.status()  # --force: trained again, files replaced
+            if status == "other":
                 record = run.record()
                 refuse(out, differences(run.stored_identity(record) if record else None, config.result_key()))
-            status = "new" if status == "other" else status
     if status == "done":
         summary = _read_summary(out)
         return TrainResult(summary, _csv(out / "metrics.csv"), out, [_train_line(config, summary, out) +

@@ -3,8 +3,9 @@
 ``fedsec --help`` and ``fedsec <command> --help`` must start in well under a second, so the command
 line reads the choices it shows (attacks with their one-line summaries and defaults, methods, data
 sets, partitions, architectures, defenses, threat-model choices) from here; the registries they
-mirror (``attacks.ATTACKS``, ``fedecouple.methods.METHODS``, ...) import torch. ``tests/test_catalog.py``
-holds the two equal, so adding an attack, method or data set means adding its line here too.
+mirror (``attacks.ATTACKS``, ``fedecouple.methods.METHODS``, ``defenses.DEFENSES``, ...) import torch.
+``tests/test_catalog.py`` holds the two equal, so adding an attack, method, defense or data set means adding
+its line here too.
 
 An attack registered at run time (``attacks.register``, e.g. a plugin or a test's toy attack) is still a
 valid choice: ``attack_names`` reads the live registry once ``attacks`` has been imported.
@@ -51,7 +52,7 @@ DATASETS = ("mnist5k", "digits", "cifar10", "cifar100", "fmnist", "emnist", "cin
 EMBEDDED_DATASETS = ("mnist5k", "digits")  # fedecouple.data.registry.EMBEDDED
 PARTITIONS = ("iid", "pathological", "weak", "dirichlet")  # fedecouple.data.SCHEMES
 ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits", "mlp", "resnet18", "resnet18-bn", "resnet50")
-DEFENSES = ("dp", "noise", "clip", "prune", "quantize", "exclude", "download-check")  # reports.tradeoff.VALUE_MEANING
+DEFENSES = ("dp", "noise", "clip", "prune", "quantize", "exclude", "download-check")  # defenses.DEFENSES
 MODES = ("auto", "method", "replay", "scaled")  # attacks.inversion.observation.MODES
 AUGMENTATION_MODELS = ("free", "family", "oracle")
 STARTS = ("noise", "mean")  # attacks.base.STARTS

@@ -215,7 +215,7 @@ def compare(ctx, **_):
                    "fish crafts only fishing (the classifier; needs --attack-rounds 1 or later).")
 @click.option("--download-check", is_flag=True, default=False,
               help="Every client tests each download before training and refuses one that looks crafted "
-                   "(fedsec.defenses.download_check); summary.json's download_check gives detections on the attacked "
+                   "(defenses.download_check); summary.json's download_check gives detections on the attacked "
                    "downloads and false alarms on all others.")
 @threat_model_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,

@@ -44,19 +44,11 @@ def note_lines(notes: list[str], out) -> list[str]:
 
 
 def attack_lines(summary: dict, out, prefix: str = "") -> list[str]:
-    """An attack's headline (after ``prefix``) and its notes."""
-    return [prefix + attack_headline(summary, out), *fishing_lines(summary), *note_lines(summary["notes"], out)]
-
-
-def fishing_lines(summary: dict) -> list[str]:
-    """Classifier fishing's per-round outcome (``attacks.malicious.fishing.fishing_statistics``)."""
-    if not summary.get("fishing_targets"):
-        return []
-    low, high = summary["fishing_success_share_ci"]
-    return [f"  fishing: an isolated image rebuilt at >= prior + 6 dB in {summary['fishing_success_share']:.0%} "
-            f"[{low:.0%}, {high:.0%}] of {summary['fishing_targets']} attacked client-rounds; exactly one image "
-            f"isolated in {summary['fishing_one_isolated_share']:.0%}; fished count read right in "
-            f"{summary['fishing_k_correct_share']:.0%}"]
+    """An attack's headline (after ``prefix``), the lines the attack adds (``AttackSpec.summary_lines``:
+    e.g. classifier fishing's per-round outcome) and its notes."""
+    own = attacks.get(summary["attack"]).summary_lines
+    return [prefix + attack_headline(summary, out), *(own(summary) if own is not None else []),
+            *note_lines(summary["notes"], out)]
 
 
 def audit_lines(name: str, result: dict, out) -> list[str]:

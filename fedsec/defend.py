@@ -22,7 +22,7 @@ Defense values:
   ``--stat-noise-multiplier`` fixes it, of the mechanism for the method's whole-data statistics
   (clip ``--stat-clip``, default C; class counts ``--counts noised|withheld``); ε is the maximum
   over clients of the cumulative ε of the training run, both mechanisms composed
-  (``fedsec.defenses.dp``, ``fedsec.defenses.dp_statistics``);
+  (``defenses.dp``, ``defenses.dp_statistics``);
 * ``noise``: the *variance* v of Gaussian noise on the gradient the server reads from an update,
   g = −Δ/lr (the DLG paper's unit): the filter adds N(0, (lr·√v)²) to every entry of Δ;
 * ``clip``: bound C on the L2 norm of Δ (all model weights jointly);
@@ -31,16 +31,18 @@ Defense values:
 * ``exclude``: a field kind (``prototype``, ``class_counts``, ``statistic``, ``classifier``, ...)
   or an fnmatch pattern of field names (``prototype.*``) dropped from every upload;
 * ``download-check``: the value ``on``. Every client tests each download before training and
-  refuses one that looks crafted (``fedsec.defenses.download_check``); the row's training (an
+  refuses one that looks crafted (``defenses.download_check``); the row's training (an
   honest server) gives the false alarms (honest downloads refused), each malicious-server attack
   (``trap``, ``binning``) the detection rate on the downloads it crafted.
 
 Filters act on model weights (kinds extractor/classifier); Δ as defined in
-``fedsec.defenses.filters``. A filter gives no formal guarantee: its ε column is empty.
+``defenses.filters``. A filter gives no formal guarantee: its ε column is empty.
+
+Each defense is a ``defenses.registry.DefenseSpec`` (``defenses.DEFENSES``): its value's meaning, how a value
+is read, where it acts and how it is built for the run; the sweep reads the spec, not the name.
 """
 from __future__ import annotations
 
-import fnmatch
 import json
 import math
 import time
@@ -51,20 +53,20 @@ from typing import Callable
 import pandas as pd
 
 import attacks
+import defenses
 from attacks.verdicts import LEAK_GAP_DB
-from fedecouple.channel import ServerChannel
+from defenses.dp import DPConfig, DPMethod, check_dp_model
+from defenses.registry import DefendedRun, DefenseSpec
+from fedecouple.channel import Interceptor, ServerChannel
 from fedecouple.errors import UserError
-from fedecouple.methods.base import KINDS
-from reports.tradeoff import BASELINE, VALUE_MEANING, tradeoff_markdown, tradeoff_plot
+from reports.tradeoff import BASELINE, tradeoff_markdown, tradeoff_plot
 
 from . import io, runner
 from .attack import AttackSettings, check_applicable, model_for, parse_attacks, run_attack
-from .defenses.dp import DPConfig, DPMethod, check_dp_model, privacy_report
-from .defenses.filters import Exclude, FilterChain, GaussianNoise, NormClip, Prune, Quantize
 from .resumable import ResumableStage
 from .runner import Prepared, RunConfig
 
-DEFENSES = tuple(VALUE_MEANING)
+LOCAL_TRAINING = "local training"  # where DP-SGD acts (``DefenseSpec.acts``): it wraps the method, no interceptor
 # the DP statistics mechanism's settings and their defaults (they apply to --defense dp only)
 STAT_DEFAULTS = {"stat_noise_multiplier": None, "stat_clip": None, "counts": "noised"}
 # settings left out of a sweep's key at these values, so sweeps stored before they existed still resume
@@ -118,37 +120,21 @@ class DefendSettings:
 # parsing and validation
 
 
+def defense_spec(defense: str) -> DefenseSpec:
+    """The registered defense ``defense`` (``UserError`` naming the choices when there is none)."""
+    try:
+        return defenses.get(defense)
+    except KeyError as exc:
+        raise UserError(exc.args[0]) from None
+
+
 def parse_values(defense: str, text: str | list) -> list:
-    if defense not in DEFENSES:
-        raise UserError(f"unknown defense {defense!r}; choose one of: {', '.join(DEFENSES)}")
+    """The distinct values of ``text`` (comma-separated or a list), each read by the defense's spec."""
+    spec = defense_spec(defense)
     items = [str(t).strip() for t in (text.split(",") if isinstance(text, str) else text) if str(t).strip()]
     if not items:
         raise UserError("--values needs at least one value (comma-separated)")
-    if defense == "exclude":
-        return list(dict.fromkeys(items))
-    if defense == "download-check":
-        if set(items) != {"on"}:
-            raise UserError(f"--values for download-check is 'on' (the check has no knob), got {','.join(items)}")
-        return ["on"]
-    out = []
-    for item in items:
-        try:
-            value = int(item) if defense == "quantize" else float(item)
-        except ValueError:
-            kind = "an integer" if defense == "quantize" else "a number"
-            raise UserError(f"--values for {defense} must be comma-separated numbers; {item!r} is not {kind}") from None
-        if not math.isfinite(value):
-            raise UserError(f"--values for {defense} must be finite, got {item!r}")
-        if defense in ("dp", "noise") and value < 0:
-            raise UserError(f"--values for {defense} ({VALUE_MEANING[defense]}) must be >= 0, got {item}")
-        if defense == "clip" and value <= 0:
-            raise UserError(f"--values for clip (a norm bound) must be positive, got {item}")
-        if defense == "prune" and not 0 <= value <= 100:
-            raise UserError(f"--values for prune are percentages in [0, 100], got {item}")
-        if defense == "quantize" and not 1 <= value <= 32:
-            raise UserError(f"--values for quantize are bits in 1..32, got {item}")
-        out.append(value)
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(spec.read(item) for item in items))
 
 
 def value_slug(value) -> str:
@@ -157,31 +143,25 @@ def value_slug(value) -> str:
     return f"value-{safe}"
 
 
-def make_filter(defense: str, value, config: RunConfig):
-    if defense == "noise":
-        return GaussianNoise(sigma=config.federation.train.lr * math.sqrt(float(value)))
-    if defense == "clip":
-        return NormClip(float(value))
-    if defense == "prune":
-        return Prune(float(value))
-    if defense == "quantize":
-        return Quantize(int(value))
-    if defense == "exclude":
-        return Exclude(kinds=[value]) if value in KINDS else Exclude(fields=[value])
-    raise ValueError(defense)
-
-
-def make_chain(defense: str, value, prep: Prepared) -> FilterChain:
-    """The upload filter of ``defense`` at ``value`` for the configured method (its manifest gives the
-    field kinds, its persistent groups the reference of Δ)."""
-    return FilterChain.for_method([make_filter(defense, value, prep.config)], prep.method, model_for(prep),
-                                  seed=prep.config.federation.seed)
+def _dp_settings(settings: DefendSettings) -> dict:
+    """``DPConfig``'s fields other than the noise multiplier, from the sweep's settings."""
+    return {"max_grad_norm": settings.max_grad_norm, "delta": settings.delta, "accountant": settings.accountant,
+            "statistics_noise_multiplier": settings.stat_noise_multiplier, "statistics_clip": settings.stat_clip,
+            "counts": settings.counts}
 
 
 def dp_config(settings: DefendSettings, value) -> DPConfig:
-    return DPConfig(noise_multiplier=float(value), max_grad_norm=settings.max_grad_norm, delta=settings.delta,
-                    accountant=settings.accountant, statistics_noise_multiplier=settings.stat_noise_multiplier,
-                    statistics_clip=settings.stat_clip, counts=settings.counts)
+    return DPConfig(noise_multiplier=float(value), **_dp_settings(settings))
+
+
+def defended_run(prep: Prepared, settings: DefendSettings) -> DefendedRun:
+    """What a defense is built from: the configured method and model, the clients' data, the DP settings."""
+    import torch
+
+    return DefendedRun(method=prep.method, model=lambda: model_for(prep), lr=prep.config.federation.train.lr,
+                       seed=prep.config.federation.seed,
+                       images_of=lambda c: prep.dataset.images[torch.from_numpy(prep.partition.train[c])],
+                       dp=_dp_settings(settings))
 
 
 def validate(config: RunConfig, settings: DefendSettings) -> Prepared:
@@ -195,68 +175,36 @@ def validate(config: RunConfig, settings: DefendSettings) -> Prepared:
         raise UserError(f"--iterations must be at least 1, got {settings.iterations}")
     if settings.victim_batch < 1 or settings.victim_steps < 1:
         raise UserError("--victim-batch and --victim-steps must be at least 1")
-    if MIA in settings.attacks and settings.defense != "dp":
-        raise UserError(f"--attacks {MIA} runs under --defense dp only: its shadow federations take DP-SGD but no "
-                        f"channel filters")
+    spec = defense_spec(settings.defense)
+    if MIA in settings.attacks and spec.acts != LOCAL_TRAINING:
+        local = [s.name for s in defenses.DEFENSES.values() if s.acts == LOCAL_TRAINING]
+        raise UserError(f"--attacks {MIA} runs under {' or '.join(f'--defense {n}' for n in local)} only: its "
+                        f"shadow federations take DP-SGD but no channel filters")
     for attack in settings.attacks:
         if attack != MIA:
             check_applicable(attacks.get(attack), prep)
-    if settings.defense == "dp":
-        for v in settings.values:
-            DPMethod(prep.method, dp_config(settings, v))  # refuses what DP cannot cover
-        check_dp_model(prep)
-        return prep
     changed = [f"--{k.replace('_', '-')}" for k, v in STAT_DEFAULTS.items() if getattr(settings, k) != v]
-    if changed:
+    if changed and spec.acts != LOCAL_TRAINING:
         raise UserError(f"{', '.join(changed)} set the DP statistics mechanism: they apply to --defense dp only")
-    if settings.defense == "download-check":
-        return prep
-    manifest = prep.method.manifest(model_for(prep))
+    run = defended_run(prep, settings)
     for v in settings.values:
-        make_chain(settings.defense, v, prep)
-        if settings.defense == "exclude":
-            _check_excluded(config.method, v, manifest)
-        elif not any(spec.kind in ("extractor", "classifier") for spec in manifest):
-            raise UserError(f"{config.method} uploads no model weights: the {settings.defense} filter (on the update "
-                            f"Δ of the weights) has nothing to act on; use --defense exclude")
+        spec.build(v, run)  # refuses a value, method or upload the defense cannot cover
+    if spec.acts == LOCAL_TRAINING:
+        check_dp_model(prep)
     return prep
-
-
-def _check_excluded(method: str, value: str, manifest) -> None:
-    names = [spec.name.format(k=0) if spec.per_class else spec.name for spec in manifest]
-    if value in KINDS:
-        if not any(spec.kind == value for spec in manifest):
-            raise UserError(f"{method} uploads no field of kind {value!r}; its kinds: "
-                            f"{', '.join(sorted({s.kind for s in manifest}))}")
-    elif not any(fnmatch.fnmatchcase(n, value) for n in names):
-        raise UserError(f"--values {value!r} matches no field {method} uploads (fields: "
-                        f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''}; or a kind: {', '.join(KINDS)})")
 
 
 # ---------------------------------------------------------------------------------------------
 # one value
 
 
-def _defenses(settings: DefendSettings, value, prep: Prepared) -> tuple[list[FilterChain], DPConfig | None]:
+def _defenses(settings: DefendSettings, value, prep: Prepared) -> tuple[list[Interceptor], DPConfig | None]:
     """(channel interceptors, DP-SGD config) of one sweep value."""
     if value == BASELINE:
         return [], None
-    if settings.defense == "dp":
-        return [], dp_config(settings, value)
-    if settings.defense == "download-check":
-        return [download_check(prep)], None
-    return [make_chain(settings.defense, value, prep)], None
-
-
-def download_check(prep: Prepared):
-    """Every client's check of its downloads, on its own training images."""
-    import torch
-
-    from .attack import model_for
-    from .defenses.download_check import DownloadCheck
-
-    return DownloadCheck(lambda c: prep.dataset.images[torch.from_numpy(prep.partition.train[c])],
-                         lambda: model_for(prep))
+    spec = defense_spec(settings.defense)
+    built = spec.build(value, defended_run(prep, settings))
+    return ([], built) if spec.acts == LOCAL_TRAINING else ([built], None)
 
 
 def train_defended(prep: Prepared, settings: DefendSettings, value, out: Path) -> dict:
@@ -274,23 +222,15 @@ def train_defended(prep: Prepared, settings: DefendSettings, value, out: Path) -
     try:
         fed.run(config.federation.rounds)
     except KeyError as exc:
-        if settings.defense == "exclude":
+        if chains and defense_spec(settings.defense).acts == "upload":  # a filter dropped a field the server needs
             raise UserError(f"{config.method}'s server cannot aggregate without field {exc.args[0]!r}: "
-                            f"excluding {value!r} breaks the method's protocol") from None
+                            f"{settings.defense} {value!r} breaks the method's protocol") from None
         raise
     finally:
         fed.close()  # e.g. shut down the Ray this run started
     summary = runner.write_metrics(out, fed, config, time.perf_counter() - start)
-    if dp is not None:
-        defense = {"kind": "dp", **privacy_report(fed.clients, dp)}
-    elif settings.defense == "download-check" and chains:
-        from .defenses.download_check import detection_summary
-
-        defense = {"kind": "download-check", **detection_summary(chains[0].decisions, set())}
-    elif chains:
-        defense = {"kind": "filter", "filters": chains[0].summary()}
-    else:
-        defense = {"kind": "none"}
+    built = dp if dp is not None else chains[0] if chains else None
+    defense = {"kind": "none"} if built is None else defense_spec(settings.defense).report(built, fed.clients)
     defense = io.finite(defense)
     io.write_json(out / "defense.json", defense)
     return {**summary, "defense": defense}
@@ -302,7 +242,7 @@ def attack_defended(prep: Prepared, settings: DefendSettings, value, attack: str
         return io.read_json(out / "summary.json")
     chains, dp = _defenses(settings, value, prep)
     attack_settings = settings.for_attack(attack)
-    if settings.defense == "download-check":  # the attack's own check sits after a malicious server
+    if defense_spec(settings.defense).acts == "download":  # the attack's own check sits after a malicious server
         attack_settings, chains = replace(attack_settings, download_check=bool(chains)), []
     return run_attack(prep.config, attack_settings, out=out, progress=False, interceptors=chains, dp=dp)
 
@@ -364,12 +304,12 @@ def run_value(prep: Prepared, settings: DefendSettings, value, out: Path,
     if on_part:
         on_part("train")
     trained = train_defended(prep, settings, value, out / "train")
-    defense = trained["defense"]
+    defense, spec = trained["defense"], defense_spec(settings.defense)
     row = {"defense": BASELINE if value == BASELINE else settings.defense, "value": value,
            "accuracy": _num(trained.get("mean_accuracy")), "accuracy_std": _num(trained.get("std_accuracy")),
            "epsilon": (math.inf if defense.get("epsilon_max") is None else float(defense["epsilon_max"]))
-           if defense.get("kind") == "dp" else float("nan"), "epsilon_attacked": float("nan")}
-    if settings.defense == "download-check":
+           if spec.formal and value != BASELINE else float("nan"), "epsilon_attacked": float("nan")}
+    if spec.acts == "download":
         row["false_alarm_rate"] = _num(defense.get("false_alarm_rate"))
     notes = []
     for attack in settings.attacks:
@@ -385,7 +325,7 @@ def run_value(prep: Prepared, settings: DefendSettings, value, out: Path,
             # each attack's own prior: the prototype attack scores against another one than DLG/IG
             row[f"prior_psnr_{attack}"] = _num(summary.get("mean_prior_psnr"))
             row[f"mis_specified_{attack}"] = bool(summary.get("mis_specified"))
-            if settings.defense == "download-check":
+            if spec.acts == "download":
                 row[f"detection_rate_{attack}"] = _num((summary.get("download_check") or {}).get("detection_rate"))
             if not summary.get("images_scored"):
                 notes.extend(summary.get("notes", [])[:2])
@@ -408,8 +348,8 @@ def tradeoff_frame(rows: list[dict], settings: DefendSettings) -> pd.DataFrame:
     image = [a for a in settings.attacks if a != MIA and attacks.get(a).rebuilds_images]
     labels = [a for a in settings.attacks if a != MIA and not attacks.get(a).rebuilds_images]
     membership = ["mia_auc", "mia_tpr_1pct_fpr", "mia_epsilon_lower_bound"] if MIA in settings.attacks else []
-    check = (["false_alarm_rate"] + [f"detection_rate_{a}" for a in image]) if settings.defense == "download-check" \
-        else []
+    check = (["false_alarm_rate"] + [f"detection_rate_{a}" for a in image]) \
+        if defense_spec(settings.defense).acts == "download" else []
     columns = (COLUMNS + check + [f"mean_psnr_{a}" for a in image] + [f"prior_psnr_{a}" for a in image]
                + [f"mis_specified_{a}" for a in image] + [f"class_presence_{a}" for a in labels]
                + membership + [f"max_psnr_{a}" for a in image] + ["seconds"])
@@ -475,7 +415,8 @@ def defend(config: RunConfig, settings: DefendSettings, out: str | Path, progres
             frame = tradeoff_frame(rows, settings)
             io.write_csv(out / "tradeoff.csv", frame)
             io.write_bytes(out / "tradeoff.png", tradeoff_plot(frame, meta))
-            io.write_text(out / "tradeoff.md", tradeoff_markdown(frame, meta, command))
+            io.write_text(out / "tradeoff.md", tradeoff_markdown(frame, meta, command,
+                                                                 value_meaning=defense_spec(settings.defense).meaning))
             if on_value is not None:
                 on_value(row)
     finally:

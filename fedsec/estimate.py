@@ -1,5 +1,7 @@
 """How long a report will take, printed before it starts: rates measured on the reference machine
-(2 CPU cores, one torch thread; the audit preset's run), scaled by the work a stage does.
+(2 CPU cores, one torch thread; the audit preset's run), scaled by the work a stage does. An attack
+that declares its own rate (``AttackSpec.estimate_rate``, e.g. a malicious server's) is timed by it;
+the others by the rates below for their kind and method.
 
 A rough guide, not a promise: the rates are for mnist5k's 28×28 CNN; a stage's training is scaled
 by the images each client trains on per round (samples × local epochs), an attack's optimisation
@@ -25,17 +27,7 @@ STEP_SECONDS = {"textbook": {"fedecouple": 0.0108, "fedpac": 0.0107, "fedper": 0
                 # fedavg: fedavg-leak on clients of 100 images, 4 targets x 200 steps in 100 s (the N-curve sweep;
                 # the other methods' rates match that sweep within 10 %, FedeCouple's within a factor 2.5)
                 "real": {"fedecouple": 0.0057, "fedpac": 0.0028, "fedper": 0.00094, "fedavg": 0.0012, None: 0.003},
-                "image": {"fedpac": 0.0195, "fedproto": 0.0316, None: 0.025},
-                # a malicious server's image rebuild, per L-BFGS step and image the client trained on:
-                # FedAvg, clients of 50 images (150 s for 4 targets x 300 steps; 10 s at 10 images)
-                "malicious": {None: 0.0025}}
-# an L-BFGS step (DLG, iDLG) runs up to 20 evaluations, but most starts stall or converge and stop
-# well before the budget: per budgeted step ≈ 2.6 Adam steps in the main job's run (8 FedeCouple
-# targets, 300 steps budgeted: 69 s of attack)
-STEP_FACTOR = {"dlg": 2.6, "idlg": 2.6}
-# classifier fishing (``fedsec attack fish``): seconds per inversion step of one target (its one or
-# two fished images; measured at 9 s per 1000 steps on the shared machine, FedAvg, seed 1)
-FISH_STEP_SECONDS = 0.009
+                "image": {"fedpac": 0.0195, "fedproto": 0.0316, None: 0.025}}
 # seconds per target beyond its optimiser steps (observation, forward-model check, scoring), per image
 TARGET_SECONDS_PER_IMAGE = 0.006
 TARGET_SECONDS = 0.1
@@ -49,26 +41,31 @@ class StageWork:
     clients: int
     rounds: int  # rounds trained (0: the training is shared or already done)
     images_per_client: float  # training images per client per round (samples x local epochs)
-    attack_kind: str | None = None  # gradient | image | labels
+    attack_kind: str | None = None  # gradient | image | labels | malicious
     setting: str | None = None  # textbook | real (gradient attacks)
     targets: int = 0  # attacked clients over all attacked rounds
     steps: int = 0  # optimiser steps x starts per target
     images: float = 0.0  # images per target the step cost scales with
     attack: str | None = None
+    # the attack's own seconds per step (``AttackSpec.estimate_rate``; None: the rates of its kind),
+    # times the images per target (``per_image``) or once per target
+    step_seconds: float | None = None
+    per_image: bool = True
+    step_factor: float = 1.0  # its step in steps of the kind's rate (``AttackSpec.estimate_step_factor``)
 
 
 def seconds(work: StageWork) -> float:
     """The stage's estimated wall time on the reference machine."""
     per_client = ROUND_SECONDS.get(work.method, DEFAULT_ROUND_SECONDS) * work.images_per_client / REFERENCE_IMAGES
     total = work.rounds * work.clients * per_client
-    if work.attack_kind in ("gradient", "image", "malicious"):
+    if work.step_seconds is not None:
+        total += work.targets * (TARGET_SECONDS + TARGET_SECONDS_PER_IMAGE * work.images
+                                 + work.steps * (work.images if work.per_image else 1.0) * work.step_seconds)
+    elif work.attack_kind in ("gradient", "image"):
         rates = STEP_SECONDS[work.attack_kind if work.attack_kind != "gradient" else work.setting or "textbook"]
         images = 1.0 if work.attack_kind == "image" else work.images
         total += work.targets * (TARGET_SECONDS + TARGET_SECONDS_PER_IMAGE * images
-                                 + work.steps * images * rates.get(work.method, rates[None])
-                                 * STEP_FACTOR.get(work.attack or "", 1.0))
-    elif work.attack == "fish":
-        total += work.targets * (TARGET_SECONDS + work.steps * FISH_STEP_SECONDS)
+                                 + work.steps * images * rates.get(work.method, rates[None]) * work.step_factor)
     elif work.attack_kind is not None:
         total += work.targets * TARGET_SECONDS
     return total
@@ -82,12 +79,14 @@ def describe(total_seconds: float) -> str:
 def attack_work(method: str, clients: int, images_per_client: float, settings, train_rounds: int) -> StageWork:
     """The work of one attack run (``settings``: resolved ``AttackSettings``) that trains
     ``train_rounds`` rounds first (0: its training is shared)."""
-    real = settings.victim_batch == 0
-    refused = settings.spec.kind == "malicious" and settings.download_check  # nothing uploaded, nothing rebuilt
-    return StageWork(method, clients, train_rounds, images_per_client, attack_kind=settings.spec.kind,
+    real, spec = settings.victim_batch == 0, settings.spec
+    refused = spec.malicious and settings.download_check  # nothing uploaded, nothing rebuilt
+    return StageWork(method, clients, train_rounds, images_per_client, attack_kind=spec.kind,
                      setting="real" if real else "textbook", targets=settings.targets * len(settings.rounds),
                      steps=0 if refused else settings.iterations * settings.restarts,
-                     images=images_per_client if real else settings.victim_batch, attack=settings.attack)
+                     images=images_per_client if real else settings.victim_batch, attack=settings.attack,
+                     step_seconds=spec.estimate_rate, per_image=spec.estimate_per == "image",
+                     step_factor=spec.estimate_step_factor)
 
 
 def training_images(prep) -> float:

@@ -54,13 +54,13 @@ from attacks import statistics as st
 from attacks.membership.rmia import DEFAULT_GAMMA, DEFAULT_TEMPERATURE
 from attacks.membership.scoring import (AuditRecords, KindScores, attack_metrics, chance_level, per_client_aucs,
                                         score_kind, score_update)
+from defenses.dp import DPConfig, DPMethod, check_dp_model
 from fedecouple.backends import make_backend
 from fedecouple.data.partition import Partition
 from fedecouple.engine import derive_seed
 from fedecouple.errors import UserError
 
 from . import io
-from .defenses.dp import DPConfig, DPMethod, check_dp_model
 from .mia_runs import KINDS, RunSpec, done_record, load_signals, run_one
 from .runner import Prepared, RunConfig, prepare, run_record
 from .versions import provenance

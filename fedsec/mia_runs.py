@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from defenses.dp import DPConfig, DPMethod, privacy_report
 from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.data.dataset import ImageDataset
 from fedecouple.devices import to_device
@@ -41,7 +42,6 @@ from fedecouple.engine import Federation, derive_seed, summarize
 from fedecouple.models import SplitModel, set_params
 
 from . import io
-from .defenses.dp import DPConfig, DPMethod, privacy_report
 from .resumable import ResumableStage
 from .runner import RunConfig, build_method
 

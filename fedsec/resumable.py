@@ -190,19 +190,17 @@ class RunFolder(ResumableStage):
     def claim(self, force: bool) -> str:
         """``new`` (start), ``done`` (same configuration, finished: reuse it), ``partial`` (same
         configuration, interrupted: redo it); a folder of another configuration is refused (a
-        one-line ``UserError`` naming what differs) unless ``force``, which makes it ``new``."""
+        one-line ``UserError`` naming what differs). ``force`` makes every folder ``new``: computed
+        again and its files replaced."""
+        if force:
+            return "new"
         record = self.record()
         if record is None:
             if any((self.path / name).exists() for name in self.required):
-                if not force:
-                    refuse(self.path, "results with no record of their configuration, written by an earlier "
-                                      "version")
-                return "new"
+                refuse(self.path, "results with no record of their configuration, written by an earlier version")
             return "new"
         if self.stored_identity(record) != self.identity:
-            if not force:
-                refuse(self.path, differences(self.stored_identity(record), self.identity))
-            return "new"
+            refuse(self.path, differences(self.stored_identity(record), self.identity))
         done = record.get("status") == "done" and all((self.path / n).is_file() for n in self.required)
         return "done" if done else "partial"
 

@@ -24,7 +24,7 @@ NOTE = ("A malicious server crafts the download of the attacked clients{rounds} 
         "nothing that round, so none of its images is rebuilt. Intervals are 95 % and resample the attacked "
         "clients (shares: hulled with Clopper–Pearson). \"inputs exact\": the crafted layer's input recovered to a "
         "relative error ≤ 1e-3, where the attack reports it. check on: every client tests each download before "
-        "training and refuses one that looks crafted (`fedsec.defenses.download_check`); honest downloads "
+        "training and refuses one that looks crafted (`defenses.download_check`); honest downloads "
         "refused are its false alarms in the same run.")
 
 

@@ -18,15 +18,6 @@ from .figures import png_bytes
 from .formatting import is_true
 
 BASELINE = "none"
-VALUE_MEANING = {
-    "dp": "noise multiplier σ of DP-SGD (and of the statistics mechanism unless --stat-noise-multiplier is set)",
-    "noise": "variance v of the noise on the gradient −Δ/lr (σ on Δ = lr·√v)",
-    "clip": "bound on the L2 norm of Δ",
-    "prune": "percent of the entries of Δ zeroed (smallest |Δ| first)",
-    "quantize": "bits per entry of Δ (2^k levels per tensor)",
-    "exclude": "field kind or name pattern dropped from every upload",
-    "download-check": "on: every client tests each download before training and refuses one that looks crafted",
-}
 
 
 def _fmt(x, digits=2, pct=False) -> str:
@@ -103,13 +94,16 @@ def claim_check(frame: pd.DataFrame, meta: Mapping) -> str | None:
     return " ".join(lines)
 
 
+# one marker per image attack, in the order the sweep lists them (the legend names them)
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
+
+
 def _leakage_axes(ax, frame: pd.DataFrame, meta: Mapping) -> None:
-    markers = {"dlg": "o", "idlg": "v", "ig": "s", "proto": "^"}
-    for a in meta["image_attacks"]:
+    for i, a in enumerate(meta["image_attacks"]):
         col = f"mean_psnr_{a}"
         ok = frame[col].notna()
-        ax.plot(frame.loc[ok, col], frame.loc[ok, "accuracy"] * 100, marker=markers.get(a, "o"), linestyle="-",
-                label=a.upper())
+        ax.plot(frame.loc[ok, col], frame.loc[ok, "accuracy"] * 100, marker=MARKERS[i % len(MARKERS)],
+                linestyle="-", label=a.upper())
         for _, r in frame[ok].iterrows():
             ax.annotate(str(r["value"]), (r[col], r["accuracy"] * 100), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")
@@ -203,7 +197,8 @@ def _statistics_sentence(m: Mapping) -> str:
 
 
 def _attacked_round(meta: Mapping) -> str:
-    """The attacked round: "round 0", or "round 0 (fish: round 1)" where an attack needs a later one."""
+    """The attacked round: "round 0", or "round 0 (<attack>: round 1)" where an attack needs a later one
+    (``meta["attack_rounds"]``: {attack: its first attacked round})."""
     rounds = meta.get("attack_rounds") or {}
     later = {a: r for a, r in rounds.items() if r}
     if later and len(later) == len(rounds):
@@ -211,11 +206,12 @@ def _attacked_round(meta: Mapping) -> str:
     return "round 0" + ("" if not later else " (" + ", ".join(f"{a}: round {r}" for a, r in later.items()) + ")")
 
 
-def tradeoff_markdown(frame: pd.DataFrame, meta: Mapping, command: str | None) -> str:
-    """``tradeoff.md``: the table, the plot, what the value means, the DLG claim check, notes."""
+def tradeoff_markdown(frame: pd.DataFrame, meta: Mapping, command: str | None, *, value_meaning: str) -> str:
+    """``tradeoff.md``: the table, the plot, what the value means (``value_meaning``: the defense's own
+    words for its swept value), the DLG claim check, notes."""
     m = meta
     lines = [f"## Defense: {m['defense']} on {m['method']} ({m['dataset']})", "",
-             f"Value = {VALUE_MEANING[m['defense']]}. Each value: train {m['rounds']} rounds × {m['clients']} clients "
+             f"Value = {value_meaning}. Each value: train {m['rounds']} rounds × {m['clients']} clients "
              f"({m['partition']}, {m['local_epochs']} local epoch(s), lr {m['lr']:g}, batch {m['batch_size']}, seed "
              f"{m['seed']}) with the defense, then attack {_attacked_round(m)} of a fresh run with the same defense ({m['targets']} "
              f"targets; DLG/IG: each target trains {m['victim_steps']} step(s) on {m['victim_batch']} image(s)).", ""]

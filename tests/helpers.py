@@ -23,9 +23,9 @@ def tiny_federation(dataset, method="fedecouple", clients=3, rounds=1, intercept
 
 
 def dp_federation(dataset, method, dp, clients=2, rounds=1, init_server=False):
-    """``tiny_federation`` whose method runs under ``fedsec``'s DP wrapper with ``dp`` (a ``DPConfig``);
+    """``tiny_federation`` whose method runs under the DP wrapper of ``defenses`` with ``dp`` (a ``DPConfig``);
     the clients built for the plain method are dropped so each starts with its own accountant."""
-    from fedsec.defenses import DPMethod  # tests of the engine alone never import the harness
+    from defenses import DPMethod  # tests of the engine alone never import the harness
 
     fed = tiny_federation(dataset, method, clients=clients, rounds=rounds)
     fed.method = DPMethod(fed.method, dp)

@@ -16,7 +16,7 @@ from torch.func import functional_call
 
 from attacks import ATTACKS
 from attacks.base import Budget, LocalHyperparameters, NotApplicable, Observation
-from attacks.inversion.dlg import idlg_labels
+from attacks.inversion.idlg_rule import idlg_labels
 from attacks.metrics import match, psnr, score_reconstructions, ssim
 from attacks.inversion.observation import observe, update_target
 from attacks.inversion.forward_model import GradientMatcher
@@ -90,7 +90,7 @@ def test_idlg_rule_is_not_read_from_a_distilled_personal_classifier():
     """FedeCouple's personal classifier in a trained round already fits the image (p_y ≈ 1): its update
     is mostly the KL term towards the global classifier, the negative row sums spread over several rows
     and the sign rule names a wrong class. ``idlg_applies`` tells the two apart."""
-    from attacks.inversion.dlg import idlg_applies, idlg_share
+    from attacks.inversion.idlg_rule import idlg_applies, idlg_share
     from fedecouple.methods.fedecouple import distillation_loss
 
     c, d, y = 10, 32, 7

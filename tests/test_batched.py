@@ -11,8 +11,9 @@ import torch
 
 from attacks import attack_many, plan
 from attacks.base import Budget
-from attacks.inversion.batching import BatchedLBFGS, stack_targets
+from attacks.inversion.batching import stack_targets
 from attacks.inversion.dlg import _setup
+from attacks.inversion.optimise import BatchedLBFGS
 from fedsec.attack import AttackSettings, run_attack
 from fedsec.runner import RunConfig
 

@@ -10,12 +10,12 @@ def test_the_catalog_equals_the_registries():
     import attacks
     from attacks.base import STARTS
     from attacks.inversion.observation import AUGMENTATION_MODELS, MODES
+    from defenses import DEFENSES
     from fedecouple.data import DATASETS, SCHEMES
     from fedecouple.data.registry import EMBEDDED
     from fedecouple.methods import METHODS
     from fedecouple.models import ARCHITECTURES
     from fedsec import catalog
-    from reports.tradeoff import VALUE_MEANING
 
     registered = {n: s for n, s in attacks.ATTACKS.items() if n in catalog.ATTACKS or n != "toy"}
     assert {n: (s.summary, s.kind, s.default_iterations, s.default_restarts, s.first_round)
@@ -24,7 +24,7 @@ def test_the_catalog_equals_the_registries():
     assert tuple(attacks.MEMBERSHIP) == catalog.MEMBERSHIP_ATTACKS
     assert tuple(METHODS) == catalog.METHODS and tuple(DATASETS) == catalog.DATASETS
     assert tuple(EMBEDDED) == catalog.EMBEDDED_DATASETS and tuple(SCHEMES) == catalog.PARTITIONS
-    assert tuple(ARCHITECTURES) == catalog.ARCHITECTURES and tuple(VALUE_MEANING) == catalog.DEFENSES
+    assert tuple(ARCHITECTURES) == catalog.ARCHITECTURES and tuple(DEFENSES) == catalog.DEFENSES
     assert tuple(MODES) == catalog.MODES and tuple(AUGMENTATION_MODELS) == catalog.AUGMENTATION_MODELS
     assert tuple(STARTS) == catalog.STARTS
 

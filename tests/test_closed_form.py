@@ -209,7 +209,7 @@ def test_fedecouple_classifier_step_features_are_solved_exactly(digits, da):
 def test_one_minus_cosine_is_the_cosine_distance_without_cancellation():
     """IG's data term: equal to 1 − cos (float64, to float32 summation rounding) for unrelated vectors, and ≈ 0 (never negative) for a
     vector against itself and a positive multiple of it, where a float32 1 − cos is off by ~1e-6."""
-    from attacks.inversion.forward_model import one_minus_cosine
+    from attacks.inversion.matching_terms import one_minus_cosine
 
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(200_000, generator=gen), torch.randn(200_000, generator=gen)
@@ -238,7 +238,7 @@ def test_fedecouple_extractor_linear_input_is_solved_from_the_features(digits, d
     assert error(truth) < 1e-4
     assert error(noise) > 0.05
     # the attack's term: zero (to rounding) at the truth, and it weighs the nearest candidate
-    from attacks.inversion.forward_model import _nearest_relative_error
+    from attacks.inversion.matching_terms import _nearest_relative_error
     assert float(_nearest_relative_error(truth, candidates)) < 1e-8
     assert float(_nearest_relative_error(noise, candidates)) > 1e-3
 

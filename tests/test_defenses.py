@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from defenses import (DPConfig, DPMethod, Exclude, FilterChain, GaussianNoise, NormClip, Prune, Quantize, epsilon,
+                      privacy_report)
+from defenses.dp import ACCOUNT_KEY, DPSession, history_rows
 from fedecouple.channel import Download, Upload
 from fedecouple.errors import UserError
 from fedecouple.methods import make_method
 from fedecouple.methods.base import ClientContext, Method, TrainConfig, make_upload, sgd
 from fedecouple.models import build_model, get_params
-from fedsec.defenses import (DPConfig, DPMethod, Exclude, FilterChain, GaussianNoise, NormClip, Prune, Quantize,
-                             epsilon, privacy_report)
-from fedsec.defenses.dp import ACCOUNT_KEY, DPSession, history_rows
 
 from helpers import dp_federation, tiny_federation
 from helpers import TEST_THREADS
@@ -338,6 +338,52 @@ def test_epsilon_edge_cases():
     assert math.isinf(epsilon([(0.0, 0.1, 5)], 1e-5))
     with pytest.raises(UserError):
         DPConfig(noise_multiplier=-1).validate()
+
+
+# ------------------------------------------------------------------------------------------------
+# the registry
+
+
+def test_every_defense_declares_itself_once_in_the_registry():
+    import defenses
+    from defenses.registry import PLACES, DefenseSpec
+
+    assert list(defenses.DEFENSES) == ["dp", "noise", "clip", "prune", "quantize", "exclude", "download-check"]
+    assert all(spec.name == name and spec.acts in PLACES and spec.meaning for name, spec in defenses.DEFENSES.items())
+    assert [n for n, s in defenses.DEFENSES.items() if s.formal] == ["dp"]  # only DP's value gives an ε
+    assert {n: s.acts for n, s in defenses.DEFENSES.items() if s.acts != "upload"} == \
+        {"dp": "local training", "download-check": "download"}
+    with pytest.raises(KeyError, match="choose one of: dp, noise, clip"):
+        defenses.get("nope")
+    with pytest.raises(ValueError, match="acts on"):
+        DefenseSpec("x", "", acts="server", formal=False, parse=str, build=None, report=None)
+
+
+def test_a_spec_reads_its_values_and_builds_the_defense_for_a_run(digits):
+    import defenses
+    from defenses.registry import DefendedRun
+
+    get = defenses.get
+    assert get("quantize").read("4") == 4 and isinstance(get("quantize").read("4"), int)
+    assert get("exclude").read("prototype.*") == "prototype.*" and get("download-check").read("on") == "on"
+    for name, item, needle in [("quantize", "4.5", "not an integer"), ("prune", "120", "percentages"),
+                               ("dp", "-1", ">= 0"), ("clip", "0", "must be positive"), ("noise", "inf", "finite"),
+                               ("download-check", "off", "no knob")]:
+        with pytest.raises(UserError, match=f"--values for {name} .*{needle}"):
+            get(name).read(item)
+
+    def run(method, **dp):
+        return DefendedRun(method=make_method(method), lr=0.1, seed=0, images_of=lambda c: digits.images[:4], dp=dp,
+                           model=lambda: build_model("digits", digits.channels, digits.image_size,
+                                                     digits.num_classes, digits.mean, digits.std))
+
+    chain = get("noise").build(0.01, run("fedavg"))
+    assert isinstance(chain, FilterChain) and chain.filters[0].sigma == pytest.approx(0.1 * math.sqrt(0.01))
+    assert get("dp").build(2.0, run("fedavg", max_grad_norm=3.0)) == DPConfig(noise_multiplier=2.0, max_grad_norm=3.0)
+    with pytest.raises(UserError, match="no field of kind 'prototype'"):
+        get("exclude").build("prototype", run("fedavg"))
+    assert get("exclude").build("prototype", run("fedproto")).filters[0].kinds == ("prototype",)
+    assert get("download-check").build("on", run("fedavg")).images_of(0).shape[0] == 4
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""DP for whole-data statistics (fedsec/defenses/dp_statistics.py): the noise has the variance the
+"""DP for whole-data statistics (defenses/dp_statistics.py): the noise has the variance the
 formula says, releases compose in the client's accountant as Opacus composes them, σ → 0 gives the
 plain method's upload, coverage is what the methods declare, and label-count inference from
 FedProto/FedPAC uploads is at chance at small ε (measured against a precisely defined chance)."""
@@ -12,17 +12,17 @@ import pytest
 import torch
 
 from attacks.base import NotApplicable
-from attacks.inversion.labels import label_inference
+from attacks.inversion.label_distribution import label_inference
 from attacks.metrics import presence_threshold
 from attacks.inversion.observation import observe
+from defenses import DPConfig, DPMethod, epsilon, privacy_report
+from defenses.dp import ACCOUNT_KEY, history_rows
+from defenses.dp_statistics import COUNTS_KEY, RELEASES_KEY, StatisticsMechanism, held_threshold
 from fedecouple.channel import Download
 from fedecouple.errors import UserError
 from fedecouple.methods import make_method
 from fedecouple.methods.base import ClientContext, Method, TrainConfig, make_upload
 from fedecouple.models import build_model, set_params
-from fedsec.defenses import DPConfig, DPMethod, epsilon, privacy_report
-from fedsec.defenses.dp import ACCOUNT_KEY, history_rows
-from fedsec.defenses.dp_statistics import COUNTS_KEY, RELEASES_KEY, StatisticsMechanism, held_threshold
 
 from helpers import dp_federation
 

@@ -1,4 +1,4 @@
-"""IG's final stage (``attacks.inversion.final_stage``), the smoothed model it runs through
+"""IG's final stage (the inversion template's ``polish``), the smoothed model it runs through
 (``attacks.inversion.smoothing``), and FedPAC's replay leaving out what the attack does not read."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from torch.func import grad_and_value, vmap
 
 from attacks.base import LocalHyperparameters
-from attacks.inversion.final_stage import polish
 from attacks.inversion.forward_model import GradientMatcher, replay_context
 from attacks.inversion.observation import observe, update_target
+from attacks.inversion.optimise import polish
 from attacks.inversion.smoothing import smoothed
 from fedecouple.engine import VictimSetting
 from fedecouple.methods.replay import Step, features

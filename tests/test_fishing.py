@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attacks.malicious import fishing_download, not_reachable
+import attacks
+from attacks.malicious import fishing_download
 from attacks.malicious.fishing import fished_weights, rarest_present
 from fedecouple.channel import Download, Recorder, ServerChannel, Upload
 from fedecouple.errors import UserError
@@ -105,8 +106,9 @@ def test_the_interceptor_crafts_only_the_attacked_download_from_the_clients_earl
     data, model = digits_model()
     make = model_factory(model)
     honest = get_params(model)
-    server = MaliciousServer("fishing", {(1, 2)}, make, data.images[1000:1500], ("extractor", "classifier"),
-                             public_labels=data.labels[1000:1500], method=make_method("fedavg"))
+    server = MaliciousServer(attacks.get("fish"), "fishing", {(1, 2)}, make, data.images[1000:1500],
+                             ("extractor", "classifier"), public_labels=data.labels[1000:1500],
+                             method=make_method("fedavg"))
     channel = ServerChannel([server], recorder=Recorder())
     images, labels = _batch_with_one_of(data, 7, others=(0, 1), per_other=4)
     received = {}
@@ -135,11 +137,12 @@ def _step(make, tensors, images, labels, lr=0.05):
 
 def test_fishing_refuses_a_method_that_trains_under_its_own_head():
     _, model = digits_model()
-    reason = not_reachable(make_method("fedper"), model, "fishing")
+    fish, trap = attacks.get("fish").unreachable, attacks.get("trap").unreachable
+    reason = fish(make_method("fedper"), model)
     assert reason is not None and "fedper" in reason and "classifier" in reason
-    assert not_reachable(make_method("fedper"), model, "binning") is None
-    assert not_reachable(make_method("fedavg"), model, "fishing") is None
-    assert "fedproto" in not_reachable(make_method("fedproto"), model, "fishing")
+    assert trap(make_method("fedper"), model) is None
+    assert fish(make_method("fedavg"), model) is None
+    assert "fedproto" in fish(make_method("fedproto"), model)
 
 
 def test_fedsec_attack_fish_writes_the_fished_columns(tmp_path):
@@ -164,7 +167,7 @@ def test_fedsec_attack_fish_writes_the_fished_columns(tmp_path):
 
 
 def test_the_download_check_refuses_a_fishing_download_and_passes_a_trained_one():
-    from fedsec.defenses.download_check import inspect
+    from defenses.download_check import inspect
 
     data, model = digits_model()
     make = model_factory(model)

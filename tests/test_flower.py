@@ -29,7 +29,7 @@ from fedecouple.methods import make_method  # noqa: E402
 from fedecouple.methods.base import TrainConfig  # noqa: E402
 from fedsec.attack import AttackSettings  # noqa: E402
 from fedsec.cli import main  # noqa: E402
-from fedsec.defenses.filters import FilterChain, NormClip  # noqa: E402
+from defenses.filters import FilterChain, NormClip  # noqa: E402
 from fedsec.flower.harness import recorded_run  # noqa: E402
 from fedsec.flower.recording import RecordingStrategy  # noqa: E402
 from fedsec.flower.simulation import simulate  # noqa: E402

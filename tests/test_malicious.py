@@ -6,12 +6,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import attacks
 from attacks.malicious import craft, match_inputs, not_reachable, recover_inputs, true_inputs
 from fedecouple.channel import Download, Recorder, ServerChannel
 from fedecouple.data.partition import make_partition
 from fedecouple.methods import make_method
 from fedecouple.models import get_params
-from fedsec.defenses.download_check import inspect
+from defenses.download_check import inspect
 from fedsec.malicious import MaliciousServer
 from helpers import digits_model, model_factory
 
@@ -19,7 +20,8 @@ from helpers import digits_model, model_factory
 def test_interceptor_rewrites_only_the_attacked_download_and_the_recorder_keeps_the_honest_one():
     data, model = digits_model()
     honest = get_params(model)
-    server = MaliciousServer("binning", {(1, 2)}, model_factory(model), data.images[:200], ("extractor", "classifier"))
+    server = MaliciousServer(attacks.get("binning"), "binning", {(1, 2)}, model_factory(model), data.images[:200],
+                             ("extractor", "classifier"))
     channel = ServerChannel([server], recorder=Recorder())
     received = {(r, c): channel.download(Download(r, c, honest)) for r in (0, 1) for c in range(4)}
     for (r, c), down in received.items():

@@ -43,6 +43,9 @@ def test_another_configuration_is_refused_the_same_is_reused_force_replaces(tmp_
     assert "finished earlier" in capsys.readouterr().out and _files(out) == first
     main([*command, *SMALL, "--seed", "5", "--force", "--out", str(out)])
     assert 'seed = 5' in (out / "config.toml").read_text() and _files(out) != first
+    capsys.readouterr()
+    main([*command, *SMALL, "--seed", "5", "--force", "--out", str(out)])  # the same configuration, forced: run again
+    assert "finished earlier" not in capsys.readouterr().out
 
 
 def test_train_without_out_writes_a_default_folder_and_says_where(tmp_path, monkeypatch, capsys):

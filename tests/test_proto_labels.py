@@ -1,4 +1,4 @@
-"""Prototype inversion (attacks/inversion/proto.py) and label-distribution inference (attacks/inversion/labels.py).
+"""Prototype inversion (attacks/inversion/proto.py) and label-distribution inference (attacks/inversion/label_distribution.py).
 
 Small fixed-seed cases on the 8x8 ``digits`` set, against the real FedPAC / FedProto /
 FedeCouple / FedAvg / FedPer / FedRep methods where the test needs a method's real upload.
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from attacks.base import Budget, NotApplicable, Observation
-from attacks.inversion.labels import label_inference
+from attacks.inversion.label_distribution import label_inference
 from attacks.metrics import presence_threshold, psnr, score_label_distribution, score_reconstructions
 from attacks.inversion.observation import observe
 from attacks.inversion.proto import prototype_inversion

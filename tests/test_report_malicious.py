@@ -104,12 +104,17 @@ def test_the_audit_preset_plans_trap_at_10_and_50_images_with_the_check_off_and_
 
 
 def test_the_estimate_counts_no_rebuild_where_the_check_refuses_the_download():
+    import attacks
     from fedsec import estimate
 
     off, on = (rep.ReportSettings(targets=4).for_malicious("trap", check).resolved(0) for check in (False, True))
     rebuilt, refused = (estimate.seconds(estimate.attack_work("fedavg", 10, 50, s, 1)) for s in (off, on))
-    # 4 targets x 300 steps x 50 images at the measured rate, on top of the same training
-    assert rebuilt - refused == pytest.approx(4 * 300 * 50 * estimate.STEP_SECONDS["malicious"][None])
+    # 4 targets x 300 steps x 50 images at the rate trap declares, on top of the same training
+    assert rebuilt - refused == pytest.approx(4 * 300 * 50 * attacks.get("trap").estimate_rate)
+    # classifier fishing's rate is per target step, whatever the client's images
+    fish = rep.ReportSettings(targets=4).for_malicious("fish", False).resolved(0)
+    small, large = (estimate.seconds(estimate.attack_work("fedavg", 10, n, fish, 0)) for n in (10, 50))
+    assert large - small == pytest.approx(4 * 40 * estimate.TARGET_SECONDS_PER_IMAGE)
 
 
 @pytest.mark.parametrize("attack, sizes, message", [

@@ -1,5 +1,5 @@
 """Structure the project holds itself to: short functions, and imports that flow one way
-(``fedecouple`` ← ``attacks`` ← ``fedsec`` → ``reports``)."""
+(``fedecouple`` ← ``attacks`` ← ``defenses`` ← ``fedsec`` → ``reports``)."""
 from __future__ import annotations
 
 import ast
@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 80
 # package → the project packages it may import
 ALLOWED = {"fedecouple": {"fedecouple"}, "attacks": {"fedecouple", "attacks"},
-           "fedsec": {"fedecouple", "attacks", "fedsec", "reports"}, "reports": {"reports"}}
+           "defenses": {"fedecouple", "attacks", "defenses"},
+           "fedsec": {"fedecouple", "attacks", "defenses", "fedsec", "reports"}, "reports": {"reports"}}
 
 
 def _modules(package: str):
@@ -19,7 +20,7 @@ def _modules(package: str):
         yield path, ast.parse(path.read_text(encoding="utf-8"))
 
 
-def long_functions(packages=("fedsec", "attacks", "fedecouple"), limit: int = MAX_LINES) -> list[str]:
+def long_functions(packages=("fedsec", "attacks", "defenses", "fedecouple"), limit: int = MAX_LINES) -> list[str]:
     """``path:line name (n lines)`` for every function or method longer than ``limit`` lines."""
     found = []
     for package in packages:
@@ -125,3 +126,145 @@ def test_the_verdict_rules_have_one_home():
     assert {where for _, where in defined} == {"attacks/verdicts.py"}
     assert sorted(name for name, _ in defined) == sorted(VERDICT_CONSTANTS + ("at_chance", "is_lower_bound",
                                                                              "psnr_gap"))
+
+
+# -- the attacks are peers: an attack module imports no other, and the inversion attacks optimise through
+#    one template (``attacks.inversion.optimise``)
+
+REGISTER_CALLS = ("register", "register_membership")
+OPTIMISE_TEMPLATE = "attacks/inversion/optimise/"
+# training that is not an inversion, which an attack may run with its own optimiser: (file, function)
+TRAINING_ALLOWED = {
+    # prototype inversion's surrogate extractor: the server trains a copy of the model on its public
+    # data towards the round's prototypes (the auxiliary-data threat model), before any inversion
+    ("attacks/inversion/prototypes.py", "fit_surrogate"),
+}
+TV_PACKAGES = ("attacks", "fedecouple", "fedsec", "defenses")
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _attack_modules_imported(path: Path, tree: ast.AST, known: set[str]) -> set[str]:
+    """The modules of ``known`` (dotted names) the module at ``path`` imports, anywhere in it: ``from X
+    import a`` counts X, and X.a where that is a module."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found |= {module} | {f"{module}.{a.name}" for a in node.names}
+    return found & known
+
+
+def attack_modules_importing_attack_modules() -> list[str]:
+    """``a imports b (via ...)`` for every module of ``attacks/`` that registers an attack (a call to
+    ``register`` or ``register_membership``) and imports another such module, directly or through the
+    modules of ``attacks/`` it imports."""
+    modules = {_module_of(path): (path, tree) for path, tree in _modules("attacks")}
+    calls = {name: {node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+                    for node in ast.walk(tree) if isinstance(node, ast.Call)
+                    and isinstance(node.func, (ast.Name, ast.Attribute))} for name, (_, tree) in modules.items()}
+    attacks = {name for name, called in calls.items() if called & set(REGISTER_CALLS)}
+    imports = {name: _attack_modules_imported(path, tree, set(modules)) for name, (path, tree) in modules.items()}
+    wrong = []
+    for attack in sorted(attacks):
+        via: dict[str, str] = {m: attack for m in imports[attack]}
+        stack = sorted(imports[attack])
+        while stack:
+            module = stack.pop()
+            if module == attack:
+                continue
+            if module in attacks:
+                chain, step = [], via[module]
+                while step != attack:
+                    chain.append(step)
+                    step = via[step]
+                wrong.append(f"{attack} imports {module}" + (f" (via {' -> '.join(chain[::-1])})" if chain else ""))
+                continue
+            for nxt in sorted(imports[module] - set(via)):
+                via[nxt] = module
+                stack.append(nxt)
+    return wrong
+
+
+def test_no_attack_module_imports_another():
+    """An attack module (one that registers an attack) imports no other attack module, directly or
+    through the modules it imports: what attacks share lives in modules named for what it does, so
+    ``attacks/__init__.py`` can import them in any order."""
+    assert attack_modules_importing_attack_modules() == []
+
+
+def _dotted(node: ast.AST) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id] + parts[::-1]) if isinstance(node, ast.Name) else ""
+
+
+def _optimiser_names(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """(names bound to torch.optim or to something in it, names bound to scipy.optimize.minimize or its
+    module) by the module's imports."""
+    optim, minimize = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in ("torch", "torch.optim", "torch.optim.lr_scheduler"):
+            optim |= {a.asname or a.name for a in node.names if node.module != "torch" or a.name == "optim"}
+        elif isinstance(node, ast.ImportFrom) and node.module in ("scipy", "scipy.optimize"):
+            minimize |= {a.asname or a.name for a in node.names if a.name in ("optimize", "minimize")}
+        elif isinstance(node, ast.Import):
+            optim |= {a.asname for a in node.names if a.asname and a.name.startswith("torch.optim")}
+            minimize |= {a.asname for a in node.names if a.asname and a.name == "scipy.optimize"}
+    return optim, minimize
+
+
+def optimisers_outside_the_template() -> list[str]:
+    """``path:line what (in function)`` for every construction of a ``torch.optim`` optimiser or
+    scheduler, call of ``scipy.optimize.minimize`` or L-BFGS class in ``attacks/`` outside the
+    optimisation template and ``TRAINING_ALLOWED``."""
+    found = []
+    for path, tree in _modules("attacks"):
+        where = path.relative_to(ROOT).as_posix()
+        if where.startswith(OPTIMISE_TEMPLATE):
+            continue
+        optim, minimize = _optimiser_names(tree)
+        functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and "lbfgs" in node.name.lower():
+                what = f"class {node.name}"
+            elif isinstance(node, ast.Call):
+                name = _dotted(node.func)
+                head = name.split(".")[0]
+                optimiser = name.startswith("torch.optim.") or head in optim
+                scipy = name == "scipy.optimize.minimize" or (name.split(".")[-1] == "minimize" and head in minimize)
+                if not (optimiser or scipy):
+                    continue
+                what = name
+            else:
+                continue
+            inside = [f for f in functions if f.lineno <= node.lineno <= f.end_lineno and f is not node]
+            function = min(inside, key=lambda f: f.end_lineno - f.lineno).name if inside else None
+            if (where, function) not in TRAINING_ALLOWED:
+                found.append(f"{where}:{node.lineno} {what} (in {function})")
+    return found
+
+
+def test_inversion_optimisers_live_in_the_template():
+    """Every inversion loop runs on ``attacks.inversion.optimise`` (Adam with its step schedule, torch's
+    and the batched L-BFGS, scipy's L-BFGS-B): no other module of ``attacks/`` builds an optimiser,
+    except for the training ``TRAINING_ALLOWED`` names."""
+    assert optimisers_outside_the_template() == []
+
+
+def test_one_total_variation():
+    """The image prior has one definition (``attacks.inversion.optimise.priors.total_variation``, its forms
+    chosen by arguments): no second formula elsewhere."""
+    defined = [f"{path.relative_to(ROOT).as_posix()}:{node.lineno}" for package in TV_PACKAGES
+               if (ROOT / package).is_dir() for path, tree in _modules(package) for node in ast.walk(tree)
+               if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "total_variation"]
+    assert len(defined) == 1, defined

@@ -1,21 +1,25 @@
 """fedsec train: outputs, determinism, resume, and one-line errors."""
 import json
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 
 from fedsec.runner import RunConfig, train
-from helpers import TEST_THREADS
+from helpers import TEST_THREADS, run_cli
 
 FAST = dict(method="fedecouple", dataset="digits", partition="pathological", clients=3, local_epochs=1, seed=0,
             threads=TEST_THREADS)  # bit-identical floats need the same torch thread count
 
 
-def fedsec(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "fedsec.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=800)
+@pytest.fixture
+def fedsec(capsys):
+    """``fedsec ARGS`` run in this process (``helpers.run_cli``: anything raised but the CLI's own exit
+    fails the test), as a finished process: returncode, stdout, stderr."""
+    def run(*args):
+        code, out, err = run_cli(list(args), capsys)
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+    return run
 
 
 def test_outputs_and_determinism(tmp_path):
@@ -34,7 +38,7 @@ def test_outputs_and_determinism(tmp_path):
     assert list(metrics.columns) == ["round", "client", "accuracy", "loss"] and len(metrics) == 6
 
 
-def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path):
+def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path, fedsec):
     train(RunConfig.of(**FAST, rounds=3), tmp_path / "full")
     train(RunConfig.of(**FAST, rounds=1), tmp_path / "part")  # "interrupted" after round 1
     config = json.loads((tmp_path / "part" / "config.json").read_text())
@@ -56,7 +60,7 @@ def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path):
     (["--lr", "-1"], "--lr"),
     (["--hp", "bogus=1"], "no hyperparameter bogus"),
 ])
-def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, args, fragment):
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, args, fragment, fedsec):
     out = tmp_path / "run"
     result = fedsec("train", "--dataset", "digits", *args, "--out", str(out)) if "--dataset" not in args else \
         fedsec("train", *args, "--out", str(out))
@@ -66,19 +70,19 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, args, fragment):
     assert not out.exists()
 
 
-def test_resume_of_missing_run_is_a_clear_error(tmp_path):
+def test_resume_of_missing_run_is_a_clear_error(tmp_path, fedsec):
     result = fedsec("train", "--resume", str(tmp_path / "nothing"))
     assert result.returncode == 2 and "config.json not found" in result.stderr
 
 
-def test_nan_training_is_reported_not_crashed(tmp_path):
+def test_nan_training_is_reported_not_crashed(tmp_path, fedsec):
     result = fedsec("train", "--dataset", "digits", "--clients", "2", "--rounds", "1", "--lr", "1e6",
                     "--out", str(tmp_path / "r"))
     assert result.returncode == 2 and "diverged" in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.timeout(900)
-def test_issue_acceptance_fedecouple_mnist5k_pathological(tmp_path):
+def test_issue_acceptance_fedecouple_mnist5k_pathological(tmp_path, fedsec):
     """The issue's acceptance command: 10 clients, 3 rounds, 1 local epoch reaches >= 0.80."""
     result = fedsec("train", "--method", "fedecouple", "--dataset", "mnist5k", "--partition", "pathological",
                     "--classes-per-client", "3", "--clients", "10", "--rounds", "3", "--local-epochs", "1",

@@ -62,7 +62,7 @@ attack uses it through ``attacks.inversion.forward_model.GradientMatcher`` (reco
 * ``"labels"`` (and every method whose upload holds the classifier's update or class counts) —
   the per-class label counts of the images one step trained on (``label_counts``): from an
   uploaded ``class_counts`` field where there is one (exact), else for one image iDLG's rule on the
-  classifier's weight update (``attacks.inversion.dlg.idlg_labels``), else, for one plain step of a
+  classifier's weight update (``attacks.inversion.idlg_rule.idlg_labels``), else, for one plain step of a
   classifier sent in the download, from its bias update: Δb = −lr·(p̄ − n/B), so
   n̂ = B·(p̂ + Δb/lr) with p̂ the downloaded model's mean prediction, estimated at the public pixel
   mean image (exact after rounding whenever |p̂ − p̄| < 1/(2B)); rounded to B by largest

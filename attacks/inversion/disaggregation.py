@@ -38,6 +38,7 @@ from torch.func import functional_call
 from ..layer_inversion import invert_layer_inputs
 
 from .closed_form import _names_below, inverse_activation, last_linear_layer
+from .optimise import LBFGS, run_lbfgs
 
 SOLVED_RESIDUAL = 1e-6  # Σ of the relative squared errors of the four simulated updates
 MAX_SPLITS = 100  # label splits into steps tried at most (6 images in 3 steps of 2: at most 90)
@@ -47,6 +48,9 @@ SCREEN_ITERATIONS = 60  # L-BFGS iterations of a split's screening start; the be
 FINISH_ITERATIONS = 400
 FINISHED_SPLITS = 4
 INVERSION_STARTS = 8  # starts of the images' inversion from the solved inputs (``start_images``)
+# the fit of a split: L-BFGS with a strong-Wolfe line search in float64, its tolerances near float64's
+# rounding (an exact fit is the point), its inner iterations the screening's or the finish's
+FIT = LBFGS(lr=1, history_size=50, line_search="strong_wolfe", tolerance_grad=1e-15, tolerance_change=1e-18)
 
 
 @dataclass
@@ -141,19 +145,9 @@ class _Top:
 
 def _fit(top: _Top, basis: torch.Tensor, onehot: torch.Tensor, start: torch.Tensor, iterations: int):
     coefficients = start.clone().requires_grad_(True)
-    optimiser = torch.optim.LBFGS([coefficients], lr=1, max_iter=iterations, history_size=50,
-                                  line_search_fn="strong_wolfe", tolerance_grad=1e-15, tolerance_change=1e-18)
-
-    def objective():
-        optimiser.zero_grad()
-        value = top.residual(coefficients @ basis.T, onehot)
-        value.backward()
-        return value
-
-    try:
-        optimiser.step(objective)
-    except RuntimeError:  # a non-finite step: keep the start's value
-        pass
+    # a non-finite step raises RuntimeError: the run ends there, keeping its value
+    run_lbfgs(FIT, [coefficients], lambda: top.residual(coefficients @ basis.T, onehot), max_iter=iterations,
+              errors=(RuntimeError,))
     with torch.enable_grad():
         value = float(top.residual((coefficients @ basis.T).detach().requires_grad_(True), onehot).detach())
     return (value if value == value else float("inf")), coefficients.detach()

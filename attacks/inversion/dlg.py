@@ -18,133 +18,51 @@ The observed "gradient" comes from ``attacks.inversion.forward_model.GradientMat
 ("replay"). When the hyperparameters are unknown only the direction of Δ is known: the objective
 then fits the scale in closed form, ‖a − s·b‖² with s = max(⟨a, b⟩, 0)/‖b‖².
 
-**iDLG.** For one image and cross-entropy, the classifier's weight gradient is
-∂L/∂W_k = (p_k − 1[k = y])·h with h the features. With non-negative features only the true
-class's row has a negative sum, so y = argmin_k Σ_j ∂L/∂W_kj; then DLG runs with the label fixed.
-Our models use LeakyReLU(0.01) before the classifier: features can be slightly negative, but
-Σ_j h_j stays positive unless almost all features are negative, so the rule still holds in
-practice (the trace records the row sums; the bias gradient, p_k − 1[k = y], gives the same sign
-pattern exactly). For a batch of B > 1 images (not covered by iDLG) the classes with negative row
-sums are taken, B labels spread over them in proportion to |row sum| (a heuristic, noted).
-The rule is read only from an update with that signature (``idlg_applies``: the most negative row
-holds ≥ ``IDLG_SHARE`` of the negative row sums); otherwise, e.g. FedeCouple's personal classifier in a
-trained round, whose update is mostly its distillation towards the global classifier, the label is
-optimised jointly and a note says why.
+**iDLG.** The label is read from the classifier's weight update by iDLG's sign rule
+(``attacks.inversion.idlg_rule``; the trace records the row sums), then DLG runs with the label fixed.
+The rule is read only from an update with one image's cross-entropy signature (``idlg_applies``);
+otherwise, e.g. FedeCouple's personal classifier in a trained round, whose update is mostly its
+distillation towards the global classifier, the label is optimised jointly and a note says why.
 Without a classifier update (private head) iDLG falls back to DLG's joint label and says so.
 
-**Many targets.** ``plan``/``plan_idlg`` prepare a list of observations. Targets that share a
-model (``attacks.inversion.batching``) are optimised together: torch's L-BFGS algorithm with one state per
-target, vectorised (``BatchedLBFGS``), their objectives evaluated in one ``torch.func.vmap`` call.
-One target (``dlg``, or a group of one) runs torch's own ``LBFGS`` (``_optimise_one``), which
-``BatchedLBFGS`` reproduces.
+**The optimisation** is the template's (``attacks.inversion.optimise.matching``): DLG declares its
+objective, its L-BFGS (``RECIPE``) and its start. ``plan``/``plan_idlg`` prepare a list of
+observations. Targets that share a model (``attacks.inversion.batching``) are optimised together:
+torch's L-BFGS algorithm with one state per target, vectorised (``BatchedLBFGS``), their objectives
+evaluated in one ``torch.func.vmap`` call. One target (``dlg``, or a group of one) runs torch's own
+``LBFGS``, which ``BatchedLBFGS`` reproduces.
 """
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
-from torch.func import grad_and_value, vmap
+from torch.func import grad_and_value
 
 from ..base import STARTS, AttackResult, Budget, Observation
-from .batching import Batch, BatchedLBFGS, plan_by_model, stack_targets
+from .batching import Batch, plan_by_model
 from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
 from .forward_model import FAMILY_PARAMETERS, GradientMatcher, family_start
-from .restarts import BestOfStarts, result_from_best
+from .idlg_rule import IDLG_NOT_APPLICABLE, counted_labels, idlg_applies, idlg_labels, idlg_share
+from .optimise import LBFGS, Recipe, generator, mean_image, mix_seed, normal, result_from_best, uniform, \
+    with_closed_form
+from .optimise.matching import optimise
 
-LBFGS_LR = 1.0
-# a start whose best objective improved by less than 1 % over the last 15 L-BFGS steps (up to 300
-# evaluations) is stopped: its best iterate is kept (DLG either converges or stalls on our models).
-# Was 0.1 % over 25 steps: on the main job (FedeCouple, 8 targets) the same mean PSNR to 0.1 dB in
-# 55 % of the time
-STALL_STEPS = 15
-STALL_TOLERANCE = 1e-2
-
-
-def mix_seed(*parts: int) -> int:
-    """A 32-bit seed mixed from integers (a restart's generator; the attack modules share it)."""
-    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0])
-
-
-# iDLG's rule reads one image's cross-entropy gradient, whose only row with a negative sum is the true
-# class's. Where the negative sums spread over several rows the update is not that gradient (a personal
-# classifier distilled towards the global one in a trained round: FedeCouple's KL term outweighs a
-# cross-entropy the classifier already fits) and the rule picks a wrong class; the most negative row must
-# hold at least this share of the negative mass (below 1 for the float rounding of rows near zero). Seen:
-# 1.000 on every one-image target of FedAvg, FedPAC and FedeCouple at round 0 and FedPAC at round 19;
-# 0.15-0.46 on FedeCouple's at round 19, where the rule read 1 of 8 labels right
-IDLG_SHARE = 0.9
-
-
-def idlg_share(weight_gradient: torch.Tensor) -> float:
-    """The most negative row sum's share of all negative row sums of a classifier weight gradient (C, D)
-    (1.0: one image's cross-entropy signature, iDLG's rule applies; nan: no negative row)."""
-    rows = weight_gradient.detach().to(torch.float64).sum(dim=1)
-    negative = (-rows).clamp_min(0)
-    return float(negative.max() / negative.sum()) if float(negative.sum()) > 0 else float("nan")
-
-
-def idlg_applies(weight_gradient: torch.Tensor) -> bool:
-    """Whether iDLG's rule can read one image's label from this update (``IDLG_SHARE``)."""
-    return idlg_share(weight_gradient) >= IDLG_SHARE
-
-
-IDLG_NOT_APPLICABLE = (f"the classifier's update is not one image's cross-entropy gradient (its negative row sums are "
-                       f"spread: the most negative holds < {IDLG_SHARE:.0%} of them: the trace's idlg_share; e.g. "
-                       f"a personal classifier distilled towards the global one): iDLG's rule does not apply, the "
-                       f"label is optimised jointly with the image")
-
-
-def idlg_labels(weight_gradient: torch.Tensor, count: int = 1) -> tuple[torch.Tensor, list[str]]:
-    """Labels from the last layer's weight gradient (C, D): iDLG's sign rule (see module doc).
-
-    Works on any positive multiple of the gradient (e.g. −Δ of an SGD step). Returns the labels
-    and notes."""
-    rows = weight_gradient.detach().to(torch.float64).sum(dim=1)
-    if count == 1:
-        return rows.argmin().reshape(1), []
-    negative = torch.nonzero(rows < 0).flatten()
-    notes = [f"iDLG's rule is for one image; for {count} images the labels are spread over the classes whose "
-             f"classifier rows have negative gradient sums, in proportion to |sum| (heuristic)"]
-    if len(negative) == 0:
-        negative = rows.argsort()[:1]
-    weights = (-rows[negative]).clamp_min(1e-12)
-    share = (weights / weights.sum() * count).tolist()
-    counts = [int(v) for v in np.floor(share)]
-    if len(counts) <= count:
-        counts = [max(n, 1) for n in counts]  # every class with a negative row appears at least once
-    while sum(counts) > count:  # drop from the most over-represented class still holding two or more
-        j = max((i for i in range(len(counts)) if counts[i] > 1), key=lambda i: counts[i] - share[i])
-        counts[j] -= 1
-    while sum(counts) < count:  # largest remainder
-        j = max(range(len(counts)), key=lambda i: share[i] - counts[i])
-        counts[j] += 1
-    counts = torch.tensor(counts, dtype=torch.int64, device=negative.device)
-    labels = torch.repeat_interleave(negative, counts)
-    return labels, notes
-
-
-def counted_labels(matcher: GradientMatcher, budget: Budget) -> torch.Tensor | None:
-    """For a batch of several images, labels from the closed-form per-class counts
-    (``attacks.inversion.closed_form.label_counts``), class by class; for one image only where the
-    classifier-step solve confirmed its label (the features under it reproduce the update; else iDLG's
-    rule applies); None without counts."""
-    counts = matcher.closed.label_counts
-    b = matcher.originals or max(1, int(budget.batch))
-    if counts is None or int(counts.sum()) != b or matcher.epoch_copies != 1:
-        return None
-    if b == 1 and matcher.closed.classifier_features is None:
-        return None
-    return torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+# torch's L-BFGS at its defaults (learning rate 1, up to 20 evaluations per step, no line search). A start
+# whose best objective improved by less than 1 % over the last 15 steps (up to 300 evaluations) is stopped:
+# its best iterate is kept (DLG either converges or stalls on our models). Was 0.1 % over 25 steps: on the
+# main job (FedeCouple, 8 targets) the same mean PSNR to 0.1 dB in 55 % of the time
+RECIPE = Recipe("sum over the attacked weights of the squared distance of the dummy's update to the observed one",
+                LBFGS(lr=1.0, stall_steps=15, stall_tolerance=1e-2), prior=None, iterations=300)
+LBFGS_LR = RECIPE.optimiser.lr
 
 
 @dataclass
 class _Setup:
-    """One target's attack, ready to optimise: the matcher, its observed target, the fixed labels
-    (iDLG) or None (joint soft label), and what goes into the result's trace and notes."""
+    """One target's attack, ready to optimise (a ``matching.Problem``): the matcher, its observed target,
+    the fixed labels (iDLG) or None (joint soft label), and what goes into the result's trace and notes."""
 
     matcher: GradientMatcher
     target: list[torch.Tensor]
@@ -153,13 +71,17 @@ class _Setup:
     num_classes: int
     trace: dict
     notes: list[str]
-    start: str = "noise"
+    start_kind: str = "noise"
 
     def objective(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, target: list[torch.Tensor]) -> torch.Tensor:
         """DLG's objective for one target; ``y`` is the fixed labels or the label logits, ``z`` the
         augmented copies' family parameters ((0, 8) when there are none)."""
         soft = y if self.labels is not None else torch.softmax(y, dim=-1)
         return self.matcher.l2_objective(self.matcher.dummy(x, soft, z, target=target), target)
+
+    @property
+    def device(self):
+        return self.matcher.observation.device
 
     @property
     def originals(self) -> int:
@@ -185,14 +107,18 @@ class _Setup:
         """torch.func transform of ``objective``: (∂/∂x[, ∂/∂y], ∂/∂z), value."""
         return grad_and_value(self.objective, argnums=(0, 2) if self.labels is not None else (0, 1, 2))
 
+    def start(self, seed: int, restart: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        return _start(self, seed, restart)
 
-def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name: str) -> _Setup:
-    matcher = GradientMatcher(obs, mode)
-    notes = list(matcher.notes)
-    b = matcher.originals or max(1, int(budget.batch))
-    trace: dict = {"attack": name, "mode": matcher.mode, "attacked_parameters": list(matcher.names),
-                   "optimizer": "L-BFGS", "lr": LBFGS_LR}
-    trace["closed_form"] = matcher.closed.trace
+    def result(self, best: dict | None, notes: list[str], trace: dict) -> AttackResult:
+        return result_from_best(self.matcher, best, shape=self.shape, originals=self.originals,
+                                num_classes=self.num_classes, notes=notes, setup_trace=self.trace, trace=trace)
+
+
+def _labels(matcher: GradientMatcher, budget: Budget, fixed_labels: bool, b: int, notes: list[str],
+            trace: dict) -> torch.Tensor | None:
+    """The fixed labels (iDLG: the closed form's counts, else the sign rule) or None (a joint soft label),
+    the label source in ``trace``, and why in ``notes``."""
     labels = None
     if matcher.labels_unused:
         labels = torch.zeros(b, dtype=torch.int64)
@@ -204,7 +130,7 @@ def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name
         weight = matcher.classifier_weight_target()
         if weight is None:
             notes.append("no classifier update is available (private or excluded head): iDLG cannot read the "
-                          "label, so the label is optimised jointly as in DLG")
+                         "label, so the label is optimised jointly as in DLG")
         else:
             trace["classifier_row_sums"] = weight.detach().sum(dim=1).tolist()
             if b == 1 and not idlg_applies(weight):
@@ -216,7 +142,18 @@ def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name
                 trace["label_source"] = "idlg-rule"
     if labels is None:
         trace["label_source"] = "joint (soft label optimised with the image)"
-    else:
+    return labels
+
+
+def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name: str) -> _Setup:
+    matcher = GradientMatcher(obs, mode)
+    notes = list(matcher.notes)
+    b = matcher.originals or max(1, int(budget.batch))
+    trace: dict = {"attack": name, "mode": matcher.mode, "attacked_parameters": list(matcher.names),
+                   "optimizer": "L-BFGS", "lr": LBFGS_LR}
+    trace["closed_form"] = matcher.closed.trace
+    labels = _labels(matcher, budget, fixed_labels, b, notes, trace)
+    if labels is not None:
         labels = labels.to(obs.device)
     if budget.start not in STARTS:
         raise ValueError(f"unknown start {budget.start!r}; choose one of: {', '.join(STARTS)}")
@@ -234,197 +171,27 @@ def _start(setup: _Setup, seed: int, restart: int) -> tuple[torch.Tensor, torch.
     per-channel mean the model's normalisation carries), label logits standard normal (None when the
     labels are fixed), the copies' family parameters at the identity. The first start's image is the one
     the closed form rebuilt, where it rebuilt one (``GradientMatcher.closed_form_start``)."""
-    gen = torch.Generator().manual_seed(mix_seed(seed, restart, 0xD16))
-    device = setup.matcher.observation.device  # drawn on the CPU: the same starts on every device
-    x = torch.rand(setup.shape, generator=gen).to(device)
-    if setup.start == "mean":
-        x = setup.matcher.model.normalize.mean.reshape(1, -1, 1, 1).expand(setup.shape).clone()
+    gen = generator(mix_seed(seed, restart, 0xD16))
+    device = setup.device  # drawn on the CPU: the same starts on every device
+    x = uniform(setup.shape, gen, device)
+    if setup.start_kind == "mean":
+        x = mean_image(setup.matcher.model.normalize.mean, setup.shape)
     rebuilt = setup.matcher.closed_form_start if restart == 0 else None
     if rebuilt is not None:  # the image the closed form gives back; its augmented copies as drawn above
-        x = x.clone()
-        x[:len(rebuilt)] = rebuilt
-    y = None if setup.labels is not None else \
-        torch.randn((setup.originals, setup.num_classes), generator=gen).to(device)
+        x = with_closed_form(x, rebuilt)
+    y = None if setup.labels is not None else normal((setup.originals, setup.num_classes), gen, device)
     return x, y, family_start(setup.matcher.copy_parameters // FAMILY_PARAMETERS, device)
 
 
 def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int]) -> list[AttackResult]:
-    """DLG's L-BFGS on targets that share a model (``setups[0]``'s), all at once.
-
-    Per target what ``_optimise_one`` does with torch's L-BFGS (``attacks.inversion.batching.BatchedLBFGS``):
-    up to ``budget.iterations`` steps from each of ``budget.restarts`` starts, the lowest-objective
-    iterate kept, a start ended early when it converged, stalled or diverged."""
-    if len(setups) == 1:
-        return [_optimise_one(setups[0], budget, seeds[0])]
-    return _LockstepDLG(setups, budget, seeds).run()
-
-
-class _LockstepDLG:
-    """Several targets' DLG starts in lockstep: one vmapped evaluation for every running target, one
-    ``BatchedLBFGS`` holding each target's own L-BFGS state."""
-
-    def __init__(self, setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int]):
-        self.setups, self.budget, self.seeds = list(setups), budget, list(seeds)
-        lead, n = setups[0], len(setups)
-        self.lead, self.n, self.fixed = lead, n, lead.labels is not None
-        size = sum(lead.sizes)
-        self.transform = vmap(lead.gradient_and_value())
-        self.targets = stack_targets([s.target for s in setups])
-        self.labels = torch.stack([s.labels for s in setups]) if self.fixed else None
-        self.lbfgs = BatchedLBFGS(n, size, lr=LBFGS_LR, device=lead.matcher.observation.device)
-        self.notes = [list(s.notes) for s in setups]
-        self.restart = [0] * n
-        self.starts = BestOfStarts(n)
-        self.runs: list[dict] = [{} for _ in setups]
-        self.record = [{"evaluations": 0, "stalled": []} for _ in setups]
-
-    def begin(self, k: int) -> None:
-        x, y, z = _start(self.setups[k], self.seeds[k], self.restart[k])
-        self.lbfgs.start(k, torch.cat([x.reshape(-1)] + ([] if y is None else [y.reshape(-1)]) + [z.reshape(-1)]))
-        self.runs[k] = {"objective": float("inf"), "images": None, "labels": None, "evals": 0, "history": []}
-
-    def finish(self, k: int) -> None:
-        run = self.runs[k]
-        self.record[k]["evaluations"] += run["evals"]
-        self.starts.offer(k, run["objective"], run["history"], run if run["images"] is not None else None)
-        self.restart[k] += 1
-        if self.restart[k] < max(1, int(self.budget.restarts)):
-            self.begin(k)
-        else:
-            self.lbfgs.stop(k)
-
-    def evaluate(self, pending: list[int], rows: torch.Tensor, target: list[torch.Tensor], fixed_labels):
-        """(images, label logits or None, copy parameters, objective values, gradients) at the running
-        targets' iterates."""
-        x, y, z = self.lead.split(self.lbfgs.x[rows])
-        grads, values = self.transform(x, fixed_labels if self.fixed else y, z, target)
-        return x, y, z, values, torch.cat([g.reshape(len(pending), -1) for g in grads], dim=1)
-
-    def take(self, pending: list[int], rows: torch.Tensor, x, y, z, values: list[float]) -> tuple[list, list, list]:
-        """Record each running target's value (its best iterate so far); a non-finite value ends the
-        start. Returns (targets, values, row positions) to hand to L-BFGS."""
-        told, losses, told_rows = [], [], []
-        for j, (k, value) in enumerate(zip(pending, values)):
-            run = self.runs[k]
-            run["evals"] += 1
-            if not np.isfinite(value):
-                self.notes[k].append(f"restart {self.restart[k]}: the objective became non-finite; the best iterate "
-                                     f"before it is kept")
-                self.finish(k)
-                continue
-            if value < run["objective"]:
-                run["objective"] = value
-                run["images"] = x[j].detach().clone()
-                run["labels"] = self.labels[rows[j]].clone() if self.fixed else y[j].argmax(dim=-1)
-                run["probs"] = None if self.fixed else torch.softmax(y[j].detach(), dim=-1)
-                run["copy_parameters"] = z[j].detach().clone()
-            told.append(k)
-            losses.append(value)
-            told_rows.append(j)
-        return told, losses, told_rows
-
-    def after_step(self, k: int) -> None:
-        """A target finished one torch L-BFGS step: stop its start if it converged, stalled or is done."""
-        history = self.runs[k]["history"]
-        history.append(self.runs[k]["objective"])
-        verdict = _after_step(history)
-        if verdict == "stalled":
-            self.record[k]["stalled"].append(len(history))
-        if verdict or len(history) >= int(self.budget.iterations):
-            self.finish(k)
-
-    def run(self) -> list[AttackResult]:
-        start_time = time.perf_counter()
-        for k in range(self.n):
-            self.begin(k)
-        members: list[int] = []
-        while pending := self.lbfgs.pending():
-            if pending != members:  # the running targets change rarely: select their rows only then
-                members, rows = pending, torch.tensor(pending, device=self.lbfgs.x.device)
-                target = [t[rows] for t in self.targets]
-                fixed_labels = self.labels[rows] if self.fixed else None
-            x, y, z, values, grads = self.evaluate(pending, rows, target, fixed_labels)
-            told, losses, told_rows = self.take(pending, rows, x, y, z, values.tolist())
-            for k in self.lbfgs.tell(told, losses, grads[told_rows]):
-                self.after_step(k)
-        share = (time.perf_counter() - start_time) / self.n
-        return [_result(setup, self.starts.best[k], self.notes[k],
-                        {"restart_objectives": self.starts.objectives[k], "history": self.starts.histories[k],
-                         "evaluations": self.record[k]["evaluations"], "stalled_at_steps": self.record[k]["stalled"],
-                         "seconds": share, "batched_with": self.n, "optimizer": "L-BFGS (batched)"})
-                for k, setup in enumerate(self.setups)]
-
-
-def _optimise_one(setup: _Setup, budget: Budget, seed: int) -> AttackResult:
-    """One target with torch's own L-BFGS (the reference ``BatchedLBFGS`` reproduces)."""
-    start_time = time.perf_counter()
-    notes, labels = list(setup.notes), setup.labels
-    fixed = labels is not None
-    transform = setup.gradient_and_value()
-    starts, evaluations, stalled = BestOfStarts(1), 0, []
-    for restart in range(max(1, int(budget.restarts))):
-        x, y, z = _start(setup, seed, restart)
-        variables = [v.requires_grad_(True) for v in (x, y, z) if v is not None and v.numel()]
-        opt = torch.optim.LBFGS(variables, lr=LBFGS_LR)
-        run = {"objective": float("inf"), "images": None, "labels": None, "evals": 0}
-
-        def closure():
-            grads, value = transform(x.detach(), labels if fixed else y.detach(), z.detach(), setup.target)
-            for v, g in zip((x,) + (() if fixed else (y,)) + (z,), grads):
-                v.grad = g
-            objective = float(value)
-            run["evals"] += 1
-            if not np.isfinite(objective):
-                raise _Diverged
-            if objective < run["objective"]:
-                run.update(objective=objective, images=x.detach().clone(),
-                           labels=labels.clone() if fixed else y.detach().argmax(dim=-1),
-                           probs=None if fixed else torch.softmax(y.detach(), dim=-1),
-                           copy_parameters=z.detach().clone())
-            return value
-
-        history: list[float] = []
-        for _ in range(max(1, int(budget.iterations))):
-            try:
-                opt.step(closure)
-            except _Diverged:
-                notes.append(f"restart {restart}: the objective became non-finite; the best iterate before it is kept")
-                break
-            history.append(run["objective"])
-            verdict = _after_step(history)
-            if verdict == "stalled":
-                stalled.append(len(history))
-            if verdict:
-                break
-        evaluations += run["evals"]
-        starts.offer(0, run["objective"], history, run if run["images"] is not None else None)
-    return _result(setup, starts.best[0], notes, {"restart_objectives": starts.objectives[0],
-                                                  "history": starts.histories[0],
-                                        "evaluations": evaluations, "stalled_at_steps": stalled,
-                                        "seconds": time.perf_counter() - start_time})
-
-
-def _after_step(history: list[float]) -> str | None:
-    """After an L-BFGS step: "converged" (objective 1e-12 of its first value), "stalled" (less than
-    STALL_TOLERANCE better than STALL_STEPS steps ago), or None to go on."""
-    if history[-1] <= 1e-12 * max(history[0], 1e-30) or history[-1] == 0.0:
-        return "converged"
-    if len(history) > STALL_STEPS and history[-1] > (1 - STALL_TOLERANCE) * history[-1 - STALL_STEPS]:
-        return "stalled"
-    return None
-
-
-def _result(setup: _Setup, best: dict | None, notes: list[str], trace: dict) -> AttackResult:
-    return result_from_best(setup.matcher, best, shape=setup.shape, originals=setup.originals,
-                            num_classes=setup.num_classes, notes=notes, setup_trace=setup.trace, trace=trace)
-
-
-class _Diverged(Exception):
-    pass
+    """DLG's L-BFGS on targets that share a model (``setups[0]``'s), all at once (the template's
+    ``optimise.matching``): up to ``budget.iterations`` steps from each of ``budget.restarts`` starts, the
+    lowest-objective iterate kept, a start ended early when it converged, stalled or diverged."""
+    return optimise(setups, RECIPE.optimiser, budget.iterations, budget.restarts, seeds)
 
 
 def _run_dlg(obs: Observation, budget: Budget, seed: int, mode: str, fixed_labels: bool, name: str) -> AttackResult:
-    return _optimise_one(_setup(obs, budget, mode, fixed_labels, name), budget, seed)
+    return _optimise([_setup(obs, budget, mode, fixed_labels, name)], budget, [seed])[0]
 
 
 def dlg(observation: Observation, budget: Budget, seed: int, mode: str = "auto") -> AttackResult:
@@ -454,11 +221,15 @@ def plan_idlg(observations: Sequence[Observation], budget: Budget, mode: str = "
     return plan(observations, budget, mode, batched, fixed_labels=True, name="idlg")
 
 
+# an L-BFGS step runs up to 20 evaluations, but most starts stall or converge and stop well before the
+# budget: per budgeted step about 2.6 Adam steps in the main job's run (8 FedeCouple targets, 300 steps
+# budgeted: 69 s of attack); the time estimate's factor
+LBFGS_STEP_COST = 2.6
 register(AttackSpec("dlg", "gradient", "Deep Leakage from Gradients: image and soft label by L-BFGS gradient matching",
-                    dlg, plan, default_iterations=300, default_victim_batch=1, applies_to=WEIGHT_KINDS,
+                    dlg, plan, default_iterations=RECIPE.iterations, default_victim_batch=1, applies_to=WEIGHT_KINDS,
                     scoring="images", needs="model weights", hint=GRADIENT_HINT,
-                    matching="l2"))
+                    matching="l2", estimate_step_factor=LBFGS_STEP_COST))
 register(AttackSpec("idlg", "gradient", "improved DLG: the label from the classifier's gradient, then DLG",
-                    idlg, plan_idlg, default_iterations=300, default_victim_batch=1, applies_to=WEIGHT_KINDS,
-                    scoring="images", needs="model weights", hint=GRADIENT_HINT,
-                    matching="l2"))
+                    idlg, plan_idlg, default_iterations=RECIPE.iterations, default_victim_batch=1,
+                    applies_to=WEIGHT_KINDS, scoring="images", needs="model weights", hint=GRADIENT_HINT,
+                    matching="l2", estimate_step_factor=LBFGS_STEP_COST))

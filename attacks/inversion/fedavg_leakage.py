@@ -25,10 +25,11 @@ server knows, on dummy images, and matches the simulated update to the observed 
   one assignment that keeps the counts exact;
 * **the objective**: 1 − cos(simulated Δ, observed Δ) over all attacked weights (plus the method's
   uploaded statistics, as in IG's method mode) + ``TV_WEIGHT``·TV + ``ORDER_WEIGHT``·order term,
-  minimised by Adam on the sign of the gradient (as ``attacks.inversion.ig``), learning rate ×0.1 at 3/8, 5/8
-  and 7/8 of the budget; a start stops once the objective improves by less than
-  ``STALL_TOLERANCE`` over a window of the last phase (it stopped moving), and further starts are
-  skipped once the data term is below ``SOLVED_DATA_TERM``.
+  minimised by the template's Adam on the sign of the gradient (``attacks.inversion.optimise``, as IG),
+  learning rate ×0.1 at 3/8, 5/8 and 7/8 of the budget; a start stops once the objective improves by
+  less than ``STALL_TOLERANCE`` over a window of the last phase (it stopped moving), and further starts
+  are skipped once the data term is below ``SOLVED_DATA_TERM`` (``RECIPE`` declares the optimiser, the
+  prior and the budget).
 
 * **the layer inputs first** (``attacks.inversion.disaggregation``): for plain SGD with each image used
   once, every slot's label and input at the extractor's last linear layer (at its step's weights) are
@@ -57,21 +58,24 @@ from ..base import AttackResult, Budget, NotApplicable, Observation
 from .batching import Batch, build_each
 from .closed_form import round_to_total
 from .disaggregation import LayerInputs, disaggregate, input_term, replayed, start_images
-from .ig import milestones, total_variation
-from .final_stage import ITERATION_SHARE, TEMPERATURES, polish
 from .forward_check import OBJECTIVE_FLOOR
-from .forward_model import START_ITERATIONS, GradientMatcher, combine_epoch_copies
+from .closed_form_terms import START_ITERATIONS
+from .forward_model import GradientMatcher, combine_epoch_copies
+from .optimise import (ITERATION_SHARE, TEMPERATURES, BestOfStarts, Recipe, SignedAdam, TotalVariation,
+                       check_inputs, generator, normal, polish, run_adam, uniform)
 from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
 
-LR = 0.1
-SIGNED = True  # Adam on the sign of the gradient (IG's choice)
-# chosen among {0.01, 0.03, 0.1} on a tuning federation (seed 1, weak, 6 training images per client,
-# batch 2, one epoch, clients 0 and 1, 1000 iterations: mean 11.1 / 14.6 / 14.1 dB, data term lowest
-# at 0.03); reported on seed 0 (docs/real-training.md)
-TV_WEIGHT = 0.03
+STALL_TOLERANCE = 1e-3
+# the TV weight was chosen among {0.01, 0.03, 0.1} on a tuning federation (seed 1, weak, 6 training images
+# per client, batch 2, one epoch, clients 0 and 1, 1000 iterations: mean 11.1 / 14.6 / 14.1 dB, data term
+# lowest at 0.03); reported on seed 0 (docs/real-training.md)
+RECIPE = Recipe("1 - cos(simulated update, observed update) + input term + TV + order term",
+                SignedAdam(lr=0.1, stall_tolerance=STALL_TOLERANCE), TotalVariation(0.03, "mean"),
+                iterations=3000, restarts=2)
+LR = RECIPE.optimiser.lr
+TV_WEIGHT = RECIPE.prior.weight
 ORDER_WEIGHT = 1.0  # set, not tuned: it is zero at the truth, whatever its weight
 SINKHORN_ITERATIONS = 30
-STALL_TOLERANCE = 1e-3
 SOLVED_DATA_TERM = 1e-3
 ABSENT = -1e4  # logit of a class the counts exclude (exp underflows to 0 without NaN)
 # with the layer inputs solved (``attacks.inversion.disaggregation``): the weight of their term. Chosen with
@@ -234,53 +238,38 @@ def _terms(setup: _Setup, x: torch.Tensor, logits: torch.Tensor, tv_weight: floa
         data = matcher.cosine_objective(dummy, setup.target)
         extra = INPUT_WEIGHT * input_term(matcher, setup.layer, states, x)
     slots = x[:setup.slots]
-    total = data + extra + tv_weight * total_variation(x) + order_weight * epoch_order_term(slots, matcher.epoch_copies)
+    prior = TotalVariation(tv_weight, RECIPE.prior.kind)
+    total = data + extra + prior(x) + order_weight * epoch_order_term(slots, matcher.epoch_copies)
     return total, data
 
 
 def _start(setup: _Setup, budget: Budget, seed: int, restart: int, tv_weight: float, order_weight: float) -> dict:
-    """One start from seeded uniform noise (see the module docstring for the schedule and the stop)."""
+    """One start from seeded uniform noise (the first from the solved layer inputs' images, where they
+    were solved) by the template's signed Adam (see the module docstring for the schedule and the stop)."""
     matcher, iterations = setup.matcher, max(1, int(budget.iterations))
-    gen = torch.Generator().manual_seed(seed * 1009 + restart)
+    gen = generator(seed * 1009 + restart)
     shape = (setup.slots + matcher.free_copies, *matcher.observation.image_shape)
     device = matcher.observation.device
-    x = torch.rand(shape, generator=gen).to(device)
+    x = uniform(shape, gen, device)
     if restart == 0 and setup.layer is not None:  # the first start: the images rebuilt from the solved inputs
         x = start_images(matcher, setup.layer, START_ITERATIONS).to(device)
     x.requires_grad_(True)
-    logits = (0.01 * torch.randn((setup.slots, matcher.observation.num_classes), generator=gen)).to(device)
+    logits = normal((setup.slots, matcher.observation.num_classes), gen, device, scale=0.01)
     logits.requires_grad_(True)
-    opt = torch.optim.Adam([x, logits], lr=LR)
-    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones(iterations), gamma=0.1)
-    window, last_phase = max(10, iterations // 20), milestones(iterations)[-1]
-    best, checkpoint, history, steps = float("inf"), float("inf"), [], 0
-    for it in range(iterations):
+
+    def evaluate() -> tuple[torch.Tensor, list]:
         total, _ = _terms(setup, x, logits, tv_weight, order_weight)
-        value = float(total.detach())
-        if not np.isfinite(value):
-            setup.notes.append(f"start {restart}: the objective became non-finite at step {it}; stopped there")
-            break
-        best = min(best, value)
-        if it >= last_phase and (it - last_phase) % window == 0:
-            if best > (1 - STALL_TOLERANCE) * checkpoint:
-                break  # the objective stopped moving
-            checkpoint = best
-        opt.zero_grad(set_to_none=True)
-        total.backward()
-        for v in (x, logits):
-            if v.grad is not None and SIGNED:
-                v.grad = v.grad.sign()
-        opt.step()
-        sched.step()
-        with torch.no_grad():
-            x.clamp_(0.0, 1.0)
-        steps = it + 1
-        if it % max(1, iterations // 50) == 0:
-            history.append(value)
+        gradients = torch.autograd.grad(total, [x, logits], allow_unused=True)
+        return torch.tensor([float(total.detach())], dtype=torch.float64), list(gradients)
+
+    def nonfinite(_: int, it: int) -> None:
+        setup.notes.append(f"start {restart}: the objective became non-finite at step {it}; stopped there")
+
+    run = run_adam(RECIPE.optimiser, [x, logits], evaluate, iterations, on_nonfinite=nonfinite)
     with torch.no_grad():
         total, data = _terms(setup, x, logits, tv_weight, order_weight)
     return {"objective": float(total), "data_term": float(data), "images": x.detach(),
-            "probs": _labels(setup, logits).detach(), "steps": steps, "history": history}
+            "probs": _labels(setup, logits).detach(), "steps": run.steps, "history": run.history[0]}
 
 
 def leak_fedavg(observation: Observation, budget: Budget, seed: int, mode: str = "auto",
@@ -295,12 +284,13 @@ def _attack(setup: _Setup, budget: Budget, seed: int, tv_weight: float = TV_WEIG
     if int(budget.batch) > 1 and int(budget.batch) != setup.matcher.reconstructed:
         setup.notes.append(f"--images {budget.batch} does not apply: fedavg-leak rebuilds every image the client "
                            f"trained on ({setup.matcher.reconstructed})")
-    starts = []
+    starts, kept = [], BestOfStarts(1)
     for restart in range(max(1, int(budget.restarts))):
         starts.append(_start(setup, budget, seed, restart, tv_weight, order_weight))
+        kept.offer(0, starts[-1]["objective"], starts[-1]["history"], starts[-1])
         if starts[-1]["data_term"] <= SOLVED_DATA_TERM:
             break
-    best = min(starts, key=lambda s: s["objective"])
+    best = kept.best[0]
     final = (_final_stage(setup, best, int(budget.iterations) // ITERATION_SHARE, tv_weight, order_weight)
              if setup.layer is not None else None)
     matcher = setup.matcher
@@ -312,11 +302,11 @@ def _attack(setup: _Setup, budget: Budget, seed: int, tv_weight: float = TV_WEIG
              "restart_objectives": [s["objective"] for s in starts], "steps_per_start": [s["steps"] for s in starts],
              "history": [s["history"] for s in starts], "final_stage": final, "seconds": time.perf_counter() - started}
     return AttackResult(images=rebuilt, labels=_aligned_labels(slots.cpu(), labels, copies), trace=trace,
-                        notes=setup.notes, variables={"images": best["images"], "labels": best["probs"]})
+                        notes=setup.notes, variables=check_inputs(best["images"], best["probs"]))
 
 
 def _final_stage(setup: _Setup, best: dict, iterations: int, tv_weight: float, order_weight: float) -> dict | None:
-    """IG's final stage (``attacks.inversion.final_stage``) on the kept start, where the layer inputs are
+    """IG's final stage (the template's ``polish``) on the kept start, where the layer inputs are
     solved: the data term and the input term (both zero at the truth, no TV), by bounded L-BFGS over a
     continuation of the model's kinks; the images change only where the data term fell."""
     if iterations < 1 or best["data_term"] <= OBJECTIVE_FLOOR:
@@ -366,6 +356,6 @@ def plan(observations: Sequence[Observation], budget: Budget, mode: str = "auto"
 register(AttackSpec("fedavg-leak", "gradient",
                     "Dimitrov et al. 2022: simulate the client's local epochs, label counts first, epoch copies "
                     "tied by an order-invariant term, every image rebuilt",
-                    leak_fedavg, plan, default_iterations=3000, default_victim_batch=0,
+                    leak_fedavg, plan, default_iterations=RECIPE.iterations, default_victim_batch=0,
                     applies_to=WEIGHT_KINDS, scoring="images", needs="model weights", hint=GRADIENT_HINT,
-                    matching="cosine", default_restarts=2))
+                    matching="cosine", default_restarts=RECIPE.restarts))

@@ -33,6 +33,7 @@ from fedecouple.methods.replay import features as replay_features
 from ..base import AttackResult, Observation
 from .observation import update_target
 from .forward_model import GradientMatcher, batch_augmenter, replay_context
+from .prototypes import choose_extractor, set_objective, uploaded_prototypes
 
 # below this the matching term is float rounding: a truth and a reconstruction both at it are equal
 OBJECTIVE_FLOOR = 1e-6
@@ -200,14 +201,13 @@ def classifier_feature_error(matcher: GradientMatcher, images: torch.Tensor) -> 
 
 
 def prototype_check(obs: Observation, result: AttackResult, images: torch.Tensor, labels: torch.Tensor) -> dict:
-    """The forward check of prototype inversion (``attacks.inversion.proto``): per inverted class, its data term
+    """The forward check of prototype inversion (``attacks.inversion.proto``; its objective is
+    ``attacks.inversion.prototypes.set_objective``): per inverted class, its data term
     (the objective without TV) at the client's true images of that class (their mean feature is the
     prototype when the extractor is the one that computed it) against the kept set's; summed over
     the classes. ``mis_specified``: the truth matches worse than the reconstruction (the inverted
     extractor did not compute the prototypes, e.g. FedProto's initial model); ``not_converged``: the
     optimiser stopped short of the truth. None with a surrogate extractor (trained per attack)."""
-    from .proto import choose_extractor, set_objective, uploaded_prototypes
-
     empty = {"replay_cosine": None, "replay_relative_error": None, "objective_truth": None,
              "objective_reconstruction": None, "mis_specified": None, "not_converged": None}
     reconstruction = result.trace.get("data_term_per_class")

@@ -35,14 +35,13 @@ from torch.func import functional_call, grad
 
 from fedecouple.methods.base import phase_steps
 from fedecouple.methods.replay import ReplayContext, Step
-from fedecouple.methods.replay import features as replay_features
 from fedecouple.models import group_of, use_batch_statistics
 
 from ..base import LocalHyperparameters, Observation
-from ..layer_inversion import invert_layer_inputs
-from .closed_form import ROW_SPACE_WEIGHT, STATISTICS_WEIGHT
-from .closed_form import row_space as closed_row_space
 from .closed_form import derive as derive_closed_form
+from .closed_form_terms import ClosedFormTerms, one_hot
+from .matching_terms import MatchingTerms
+from .matching_terms import one_minus_cosine  # noqa: F401  (classifier fishing reads it from here)
 from .observation import CLASSIFIER_WEIGHT, COPY_MODELS, UpdateTarget, kept_model, resolve_mode, update_target
 
 
@@ -140,9 +139,6 @@ def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: lis
 
 
 FAMILY_PARAMETERS = 8  # per copy: gain a, offset b, and a 2x3 affine map
-# L-BFGS iterations of the image rebuilt from a closed-form layer input (``closed_form_start``), as a
-# malicious server's readout takes them (``fedsec attack trap``'s default budget)
-START_ITERATIONS = 300
 
 
 def family_start(count: int, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -166,12 +162,7 @@ def family_copy(images: torch.Tensor, parameters: torch.Tensor) -> torch.Tensor:
     return (parameters[:, :1, None, None] * warped + parameters[:, 1:2, None, None]).clamp(0.0, 1.0)
 
 
-def one_hot(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Probability rows for class ids (written to run under ``torch.func.vmap``)."""
-    return (labels.unsqueeze(-1) == torch.arange(num_classes, device=labels.device)).to(torch.float32)
-
-
-class GradientMatcher:
+class GradientMatcher(ClosedFormTerms, MatchingTerms):
     """Computes, for a dummy batch, the quantity comparable with the observed update.
 
     ``target`` is the list of observed tensors and ``dummy(x, y)`` the dummy's counterpart (same
@@ -183,7 +174,9 @@ class GradientMatcher:
     statistic (``l2_objective``, ``cosine_objective``). ``dummy_images`` images are optimised: the ``originals`` reconstructions, then one
     free image per augmented copy the client trained on when ``observation.copies`` is "free" (the
     default); with "family" each copy is ``family_copy`` of its image with ``copy_parameters`` unknown
-    parameters; with known draws (oracle) the copies are the client's.
+    parameters; with known draws (oracle) the copies are the client's. Its closed-form terms are
+    ``ClosedFormTerms`` (``attacks.inversion.closed_form_terms``), its objectives ``MatchingTerms``
+    (``attacks.inversion.matching_terms``).
     """
 
     def __init__(self, obs: Observation, mode: str = "auto"):
@@ -215,27 +208,6 @@ class GradientMatcher:
             self._note_plain_modes()
             self._set_up_plain_layout()
         self._set_up_closed_form()
-
-    def _set_up_closed_form(self) -> None:
-        """The method's closed-form stage (``attacks.inversion.closed_form``): its exact facts become extra
-        matching terms after the targets (``extra_weights``), and with a head-free last linear layer
-        the dummy's update is computed with the layer's known error signal instead of a stand-in head."""
-        self.notes += self.closed.notes
-        self.extra_weights: list[float] = []
-        last = self.closed.last_linear
-        if last is not None and last.head_free and self.mode == "method" and self.aux_names:
-            last.head_free = False  # the statistics need the method's replay
-        if last is not None:
-            self.target = list(self.target) + [last.input]
-            self.extra_weights.append(last.term_weight)
-        for means in self.closed.feature_means:
-            self.target = list(self.target) + [means.means]
-            self.extra_weights.append(STATISTICS_WEIGHT)
-        self.extra_values = len(self.extra_weights)  # the terms from here on are values, not (dummy, target) pairs
-        if self.closed.row_space_rank:
-            weight = self.target[self.names.index(CLASSIFIER_WEIGHT)]
-            self.target = list(self.target) + [closed_row_space(weight, self.closed.row_space_rank)]
-            self.extra_weights.append(ROW_SPACE_WEIGHT)
 
     def _note_plain_modes(self) -> None:
         hp, obs = self.hyperparameters, self.observation
@@ -370,72 +342,6 @@ class GradientMatcher:
             out.append(self._linear_input(self.update.before, x)[0])
         return out + self._feature_means(x, y, target, before_features) + self._row_space_share(x, target, z, copies)
 
-    def _features_before(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The dummy originals' features under the extractor before training, where the closed form
-        matches them (the method's replay then reuses them); else None."""
-        if not any(m.source == "before" for m in self.closed.feature_means):
-            return None
-        return replay_features(self.model, self.update.before, x[:self.originals] if self.originals is not None else x)
-
-    def _row_space_share(self, x: torch.Tensor, target: list[torch.Tensor], z: torch.Tensor | None = None,
-                         copies: list | None = None) -> list[torch.Tensor]:
-        """The mean share of the squared feature norms of the dummy images the classifier phase trained on
-        (under the client's kept extractor, which that phase ran on) outside the classifier update's row
-        space (``target[-1]``)."""
-        if not self.closed.row_space_rank:
-            return []
-        basis = target[-1]
-        copies = self._copies(x, z) if copies is None else copies
-        trained = [torch.cat([x[:self.originals][list(step.members)]] + ([] if c is None else [c]))
-                   for step, c in zip(self.context.steps, copies) if step.phase == "classifier"]
-        feats = replay_features(self.model, self.context.kept, torch.cat(trained))
-        outside = feats - (feats @ basis) @ basis.T
-        return [(outside.pow(2).sum(dim=1) / feats.pow(2).sum(dim=1).clamp_min(1e-12)).mean()]
-
-    def _feature_means(self, x: torch.Tensor, y: torch.Tensor, target: list[torch.Tensor],
-                       before_features: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """The dummy's class-mean features under the extractors the closed form names (the uploaded one
-        is before + Δ, read from ``target``), on the rows of the classes the target holds
-        (``before_features``: the originals' features before training, when already computed)."""
-        if not self.closed.feature_means:
-            return []
-        originals = x[:self.originals] if self.originals is not None else x
-        probs = one_hot(y, self.observation.num_classes) if y.ndim == 1 else y
-        before = self.update.before
-        uploaded = {n: before[n] + target[i] for i, n in enumerate(self.names) if n.startswith("extractor.")}
-        out, first = [], len(target) - len(self.closed.feature_means)
-        for j, means in enumerate(self.closed.feature_means):
-            params = {**before, **uploaded} if means.source == "upload" else before
-            reuse = means.source == "before" and before_features is not None
-            feats = before_features if reuse else replay_features(self.model, params, originals)
-            sums, counts = (probs[:len(originals)].transpose(0, 1) @ feats), probs[:len(originals)].sum(dim=0)
-            held = (target[first + j].abs().sum(dim=1, keepdim=True) > 0).to(feats.dtype)
-            out.append(held * sums / counts.clamp_min(1e-6).unsqueeze(1))
-        return out
-
-    def _linear_input(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """The input of the extractor's last linear layer for ``x`` under ``params`` (B, in_features)."""
-        last = self.closed.last_linear
-        below = self.model.extractor[:last.position]
-        return functional_call(below, {n[len("extractor."):]: params[n] for n in last.below},
-                               (self.model.normalize(x),))
-
-    def _head_free(self, x: torch.Tensor, target: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The extractor's update for one image in one step, with the last linear layer's error signal
-        read from the observed bias update (any positive multiple of δ: the target's scale): below the
-        layer the gradient of ⟨a(x), Wᵀδ⟩, at the layer δ·a(x)ᵀ and δ; then a(x) itself."""
-        last, before = self.closed.last_linear, self.update.before
-        signal = target[self.names.index(last.bias)]
-        upstream = signal @ before[last.weight]
-
-        def inner(params: dict[str, torch.Tensor]) -> torch.Tensor:
-            return (self._linear_input({**before, **params}, x) * upstream).sum()
-
-        below = grad(inner)({n: before[n] for n in last.below})
-        a = self._linear_input(before, x)[0]
-        update = {**below, last.weight: signal.unsqueeze(1) * a.unsqueeze(0), last.bias: signal}
-        return [update[n] for n in self.names] + [a]
-
     def _copies(self, x: torch.Tensor, z: torch.Tensor | None) -> list:
         """Each step's augmented copies under the copy model (None for an unaugmented step)."""
         originals = x[:self.originals]
@@ -485,40 +391,6 @@ class GradientMatcher:
         factor = -1.0 / (hp.lr * max(hp.steps, 1))
         return [factor * (current[n] - start[n]) for n in self.names], states
 
-    # -- comparing the two sides -----------------------------------------------------------------
-    def l2_objective(self, dummy: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
-        """DLG's distance: Σ‖a − b‖² (with an unknown scale, min over s ≥ 0 of Σ‖a − s·b‖²); in the
-        method mode the sum over groups of ‖a_g − b_g‖²/‖b_g‖² (scale-free per group, ``_relative_error``);
-        plus the closed-form terms."""
-        (dummy, target), extra = self._split(dummy, target)
-        if self.mode != "method":
-            return gradient_distance(dummy, target, self.scale_known) + extra
-        total = 0.0
-        for g in self.groups:
-            total = total + _relative_error(flat([dummy[i] for i in g]), flat([target[i] for i in g]))
-        return total + extra
-
-    def _split(self, dummy: list[torch.Tensor], target: list[torch.Tensor]):
-        """((the method's part of dummy, of target), the weighted closed-form terms: Σ w·‖a − b‖²/‖b‖²)."""
-        k = len(self.extra_weights)
-        n = len(dummy) - k
-        extra = sum(w * (_nearest_relative_error(d, t) if j < self.extra_values else d)
-                    for j, (w, d, t) in enumerate(zip(self.extra_weights, dummy[n:], target[n:])))
-        return (dummy[:n], target[:n]), extra
-
-    def cosine_objective(self, dummy: list[torch.Tensor], target: list[torch.Tensor]) -> torch.Tensor:
-        """IG's data term: 1 − cos over all attacked weights at once (the paper's equal weights); in the
-        method mode plus the relative squared error of each uploaded statistic. (One cosine per weight
-        group instead was 1.6 dB worse on FedeCouple on the tuning federation.)"""
-        (dummy, target), extra = self._split(dummy, target)
-        if self.mode != "method":
-            return one_minus_cosine(flat(dummy), flat(target)) + extra
-        weights = [i for g in self.groups[:self.weight_groups] for i in g]
-        total = one_minus_cosine(flat([dummy[i] for i in weights]), flat([target[i] for i in weights]))
-        for g in self.groups[self.weight_groups:]:
-            total = total + _relative_error(flat([dummy[i] for i in g]), flat([target[i] for i in g]))
-        return total + extra
-
     @functools.cached_property
     def model_key(self) -> tuple:
         """Everything ``shares_model_with`` compares except tensor values, hashable (for bucketing)."""
@@ -552,38 +424,6 @@ class GradientMatcher:
                     and _same_tensors(self.context.kept, other.context.kept))
         return True
 
-    @property
-    def has_closed_form_start(self) -> bool:
-        """Whether ``closed_form_start`` rebuilds an image: the closed form fixed the last linear layer's input
-        and the attack rebuilds one image."""
-        return self.closed.last_linear is not None and (self.originals or 1) == 1
-
-    @property
-    def closed_form_start(self) -> torch.Tensor | None:
-        """(1, C, H, W): the image rebuilt from the input of the extractor's last linear layer that the closed
-        form fixed (its best candidate; ``attacks.layer_inversion`` through the layers below it, as the
-        client downloaded them, from the grey image), where the attack rebuilds one image; else None.
-        DLG's first start. Computed once per observation (``Observation.memo``)."""
-        if not self.has_closed_form_start:
-            return None
-        last = self.closed.last_linear
-        key = ("closed-form-start", START_ITERATIONS)
-        memo = self.observation.memo
-        if key not in memo:
-            a = last.input if last.input.dim() == 1 else last.input[0]
-            grey = torch.full(tuple(self.observation.image_shape), 0.5, device=a.device)
-            with torch.enable_grad():
-                memo[key] = invert_layer_inputs(lambda x: self._linear_input(self.update.before, x),
-                                                a.unsqueeze(0), grey, START_ITERATIONS)
-        return memo[key]
-
-    # -- labels ---------------------------------------------------------------------------------
-    @property
-    def labels_unused(self) -> bool:
-        """Whether the dummy's update does not depend on the labels (a head-free closed form)."""
-        last = self.closed.last_linear
-        return last is not None and last.head_free
-
     def classifier_weight_target(self) -> torch.Tensor | None:
         """The classifier weight's observed update as a positive multiple of a gradient (−Δ up to a
         positive scale; None if not attacked): what iDLG's sign rule reads."""
@@ -591,25 +431,6 @@ class GradientMatcher:
             return None
         target = self.target[self.names.index(CLASSIFIER_WEIGHT)]
         return -target if self.mode == "method" else target
-
-
-# per element, the squared size below which an observed value counts as zero: a statistic that is zero
-# by construction (FedPAC's V of a one-image client) must not turn float rounding into a huge error
-ZERO_FLOOR = 1e-8
-
-
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """‖a − b‖² / ‖b‖², with ‖b‖² floored at ZERO_FLOOR per element."""
-    return ((a - b) ** 2).sum() / ((b * b).sum() + ZERO_FLOOR * b.numel())
-
-
-def _nearest_relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``_relative_error`` of ``a`` against ``b``, or, where ``b`` holds one more dimension (candidates
-    for ``a``, e.g. a layer input the closed form solved up to which of two images it belongs to),
-    against its nearest candidate."""
-    if b.dim() == a.dim() + 1:
-        return torch.stack([_relative_error(a, candidate) for candidate in b.unbind(0)]).min()
-    return _relative_error(a, b)
 
 
 def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -622,23 +443,3 @@ def batch_augmenter(image_size: int):
     from fedecouple.data.augment import BatchAugmenter
 
     return BatchAugmenter(image_size)
-
-
-def gradient_distance(dummy: list[torch.Tensor], target: list[torch.Tensor], scale_known: bool) -> torch.Tensor:
-    """Σ_layers ‖a − b‖², or with an unknown scale min_s≥0 Σ ‖a − s·b‖² (s in closed form)."""
-    if scale_known:
-        return sum(((a - b) ** 2).sum() for a, b in zip(dummy, target))
-    dot = sum((a * b).sum() for a, b in zip(dummy, target))
-    bb = sum((b * b).sum() for b in target)
-    s = dot.clamp_min(0.0) / bb.clamp_min(1e-30)
-    return sum(((a - s * b) ** 2).sum() for a, b in zip(dummy, target))
-
-
-def one_minus_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """1 − cos(a, b) as ½‖a/‖a‖ − b/‖b‖‖²: the same value and gradient, but without the cancellation of
-    1 − (a float32 cosine near 1), so that a match to float rounding reads ≈ 0, not ±1e-5."""
-    return 0.5 * (a / a.norm().clamp_min(1e-20) - b / b.norm().clamp_min(1e-20)).pow(2).sum()
-
-
-def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])

@@ -18,7 +18,7 @@ gradient, learning rate ×0.1 at 3/8, 5/8 and 7/8 of ``budget.iterations``, pixe
 the others (all stacked in one pass) only for the targets whose data term the first left above
 ``SOLVED_DATA_TERM``; the start with the lowest final objective kept.
 
-Final stage (``attacks.inversion.final_stage``), for every target whose kept data term is above the
+Final stage (``attacks.inversion.optimise.polish``), for every target whose kept data term is above the
 forward check's floor and at most ``FINAL_STAGE_CEILING`` (near the truth): the data term alone (no
 TV), from the kept start's images, by L-BFGS-B within [0, 1] through the model with its LeakyReLU
 and max-pool kinks smoothed at decreasing temperatures and then exact, ``budget.iterations /
@@ -28,25 +28,25 @@ batch are one L-BFGS-B problem there (the sum of their data terms, each scaled t
 so unlike the first stage this stage's steps depend on the batch: batched and one-by-one runs can
 end differently (neither ever raises a target's data term).
 
-TV weight α = ``TV_WEIGHT`` = 0.01. Published configurations of the authors' code range from 1e-6
-to 1e-1 (on normalised images) and the weight is data-dependent. Because the cosine is almost
-blind to the image's contrast (the models are nearly positively homogeneous), a strong TV prior
-lowers the contrast of the result: at 0.1 the digits come out recognisable but grey, ≈21 dB. The
-weight was chosen among {0.1, 0.01, 0.001} on a *tuning* federation (mnist5k, seed 1, 4 clients,
-round 0, one image, one step, 1000 iterations: 21.8 / 33.9 / 30.1 dB) and is reported on seed 0
-(docs/attacks.md).
+TV weight α = ``TV_WEIGHT`` = 0.01 (``attacks.inversion.optimise.IG_PRIOR``, where the choice is
+explained): chosen on a *tuning* federation and reported on seed 0 (docs/attacks.md).
+
+The optimisation is the template's (``attacks.inversion.optimise``): IG declares its objective, its
+signed Adam and its prior (``RECIPE``); the Adam loop, the starts, the best-keeping and the final
+stage's L-BFGS-B are the template's.
 
 Many targets: ``plan`` groups the targets that share a model
 (``attacks.inversion.batching``) as one stacked batch; Adam and the sign step are element-wise, so each target
 gets the same optimisation as alone. One target is simply a batch of one.
 
-Labels: for one image with a classifier update, iDLG's rule (``attacks.inversion.dlg.idlg_labels``) where
+Labels: for one image with a classifier update, iDLG's rule (``attacks.inversion.idlg_rule.idlg_labels``) where
 the update has one image's cross-entropy signature (``idlg_applies``);
 otherwise label logits are optimised jointly with the images (same optimiser), as in the authors'
 code for batches.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -59,17 +59,21 @@ from torch.func import grad_and_value, vmap
 from ..base import AttackResult, Budget, Observation
 from .batching import Batch, plan_by_model, stack_targets
 from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
-from .dlg import IDLG_NOT_APPLICABLE, counted_labels, idlg_applies, idlg_labels, idlg_share, mix_seed
-from .final_stage import ITERATION_SHARE, TEMPERATURES, polish
 from .forward_check import OBJECTIVE_FLOOR
 from .forward_model import FAMILY_PARAMETERS, GradientMatcher, family_start
-from .restarts import BestOfStarts, result_from_best
+from .idlg_rule import IDLG_NOT_APPLICABLE, counted_labels, idlg_applies, idlg_labels, idlg_share
+from .optimise import (IG_ADAM, IG_PRIOR, ITERATION_SHARE, TEMPERATURES, BestOfStarts, Recipe, TotalVariation,
+                       generator, mix_seed, normal, polish, result_from_best, run_adam, uniform)
 
-LR = 0.1
-TV_WEIGHT = 0.01
-# in the last learning-rate phase, a target whose objective improved by less than this (relative)
-# over a window of max(10, iterations/20) steps has stopped moving: it stops there
-STALL_TOLERANCE = 1e-3
+# in the last learning-rate phase, a target whose objective improved by less than 1e-3 (relative) over a
+# window of max(10, iterations/20) steps has stopped moving: it stops there
+RECIPE = Recipe("1 - cos(dummy update, observed update) over all attacked weights + TV",
+                dataclasses.replace(IG_ADAM, stall_tolerance=1e-3), IG_PRIOR, iterations=1000,
+                # three starts: on the tuning federation (seed 1) they took the method-aware IG from
+                # 14.3 to 16.8 dB on FedeCouple and 26.5 to 28.3 dB on FedPAC
+                restarts=3)
+LR = RECIPE.optimiser.lr
+TV_WEIGHT = RECIPE.prior.weight
 # a target whose kept data term (the matching term, no prior) is at or below this needs no further
 # start (tuning federation, seed 1, FedPAC round 0: the 4 of 8 reconstructions with a data term below
 # 3e-3 were all above 44 dB, the 4 above it 18-44 dB)
@@ -79,14 +83,6 @@ SOLVED_DATA_TERM = 3e-3
 # targets (DA on, 6e-3 to 4e-2) fell by a third or less with their PSNR unchanged (19.16 dB both ways),
 # for 30 % more time on FedeCouple
 FINAL_STAGE_CEILING = SOLVED_DATA_TERM
-
-
-def total_variation(x: torch.Tensor) -> torch.Tensor:
-    return (x[..., :, 1:] - x[..., :, :-1]).abs().mean() + (x[..., 1:, :] - x[..., :-1, :]).abs().mean()
-
-
-def milestones(iterations: int) -> list[int]:
-    return sorted({max(1, int(iterations * f)) for f in (3 / 8, 5 / 8, 7 / 8)})
 
 
 @dataclass
@@ -129,21 +125,27 @@ def _setup(observation: Observation, budget: Budget, mode: str, tv_weight: float
     return _Setup(matcher, [t.detach() for t in matcher.target], labels, notes, trace)
 
 
+def _recipe(tv_weight: float, lr: float) -> Recipe:
+    """IG's recipe with the prior's weight and the learning rate given."""
+    return dataclasses.replace(RECIPE, optimiser=dataclasses.replace(RECIPE.optimiser, lr=lr),
+                               prior=dataclasses.replace(RECIPE.prior, weight=tv_weight))
+
+
 def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int], tv_weight: float,
               lr: float) -> list[AttackResult]:
     """IG on targets that share a model (``setups[0]``'s), as one Adam over their stacked images.
 
     Adam and the sign step act element-wise and the targets' objectives are independent, so this is
     the same optimisation per target as running each alone (a batch of one)."""
-    return _StackedIG(setups, budget, seeds, tv_weight, lr).run()
+    return _StackedIG(setups, budget, seeds, _recipe(tv_weight, lr)).run()
 
 
 class _StackedIG:
     """The targets' images (and label logits) stacked into one variable; their objectives evaluated
-    in one vmapped call; one signed Adam over the stack."""
+    in one vmapped call; the template's signed Adam over the stack."""
 
-    def __init__(self, setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int], tv_weight: float, lr: float):
-        self.setups, self.seeds, self.lr = list(setups), list(seeds), lr
+    def __init__(self, setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int], recipe: Recipe):
+        self.setups, self.seeds, self.recipe = list(setups), list(seeds), recipe
         lead = setups[0]
         self.n, self.fixed = len(setups), lead.labels is not None
         self.originals = lead.matcher.originals or max(1, int(budget.batch))
@@ -154,25 +156,7 @@ class _StackedIG:
         self.targets = stack_targets([s.target for s in setups])
         self.labels = torch.stack([s.labels for s in setups]) if self.fixed else None
         self.copies = lead.matcher.copy_parameters // FAMILY_PARAMETERS  # family-modelled augmented copies
-        fixed = self.fixed
-
-        def objective(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, target: list[torch.Tensor]) -> torch.Tensor:
-            soft = y if fixed else torch.softmax(y, dim=-1)
-            return (lead.matcher.cosine_objective(lead.matcher.dummy(x, soft, z, target=target), target)
-                    + tv_weight * total_variation(x))
-
-        def data_term(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, target: list[torch.Tensor]) -> torch.Tensor:
-            soft = y if fixed else torch.softmax(y, dim=-1)
-            return lead.matcher.cosine_objective(lead.matcher.dummy(x, soft, z, target=target), target)
-
-        def data_term_of_probabilities(x: torch.Tensor, probs: torch.Tensor, z: torch.Tensor,
-                                       target: list[torch.Tensor]) -> torch.Tensor:
-            return lead.matcher.cosine_objective(lead.matcher.dummy(x, probs, z, target=target), target)
-
-        self.transform = vmap(grad_and_value(objective, argnums=(0, 2) if fixed else (0, 1, 2)))
-        self.data_term = vmap(data_term)
-        self.data_gradient = vmap(grad_and_value(data_term_of_probabilities))  # for the final stage
-        self.tv_weight = tv_weight
+        self.transform, self.data_term, self.data_gradient = _transforms(lead.matcher, self.fixed, recipe.prior)
         self.final: list[dict | None] = [None] * self.n
         self.steps: list[list[int]] = [[] for _ in setups]
         self.notes = [list(s.notes) for s in setups]
@@ -184,10 +168,10 @@ class _StackedIG:
         identity)."""
         xs, ys = [], []
         for i, restart in zip(active, restarts):
-            gen = torch.Generator().manual_seed(mix_seed(self.seeds[i], restart, 0x16))
-            xs.append(torch.rand(self.shape, generator=gen))  # drawn on the CPU: the same starts on every device
+            gen = generator(mix_seed(self.seeds[i], restart, 0x16))
+            xs.append(uniform(self.shape, gen))  # drawn on the CPU: the same starts on every device
             if not self.fixed:
-                ys.append(torch.randn((self.originals, self.num_classes), generator=gen))
+                ys.append(normal((self.originals, self.num_classes), gen))
         variables = [torch.stack(xs).to(self.device)] + ([] if self.fixed else [torch.stack(ys).to(self.device)])
         if self.copies:
             variables.append(family_start(self.copies, self.device).repeat(len(active), 1, 1))
@@ -208,47 +192,17 @@ class _StackedIG:
 
     def _start(self, restarts: list[int], active: list[int]) -> None:
         """Start ``restarts[j]`` of target ``active[j]``, for every j at once (a target may appear more
-        than once, with different starts). A target stops when its objective is non-finite, or, once
-        the learning rate is at its last value, when it improved by less than STALL_TOLERANCE over the
-        last ``window`` steps (the objective stopped moving); the start ends when every target stopped."""
+        than once, with different starts), by the template's signed Adam (``run_adam``: a target stops
+        at a non-finite objective or once it stopped moving in the last phase)."""
         variables = self._variables(restarts, active)
-        x, m = variables[0], len(active)
-        opt = torch.optim.Adam(variables, lr=self.lr)
-        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones(self.iterations), gamma=0.1)
-        stopped = torch.zeros(m, dtype=torch.bool, device=self.device)
-        history: list[list[float]] = [[] for _ in active]
-        window, last_phase = max(10, self.iterations // 20), milestones(self.iterations)[-1]
-        best = torch.full((m,), float("inf"), device=self.device)
-        checkpoint, steps = best.clone(), 0
-        for it in range(self.iterations):
-            values, grads = self._evaluate(variables, active)
-            newly = ~torch.isfinite(values) & ~stopped
-            for j in torch.nonzero(newly).flatten().tolist():
-                self.notes[active[j]].append(f"restart {restarts[j]}: the objective became non-finite at step {it}; "
-                                             f"stopped there")
-            stopped |= newly
-            best = torch.minimum(best, torch.where(torch.isfinite(values), values, best))
-            if it >= last_phase and (it - last_phase) % window == 0:
-                stopped |= best > (1 - STALL_TOLERANCE) * checkpoint  # no longer moving
-                checkpoint = best.clone()
-            if bool(stopped.all()):
-                break
-            steps = it + 1
-            kept = [v.detach().clone() for v in variables] if bool(stopped.any()) else None
-            for v, g in zip(variables, grads):
-                v.grad = g.sign()
-            opt.step()
-            sched.step()
-            with torch.no_grad():
-                x.clamp_(0.0, 1.0)
-                if kept is not None:  # a stopped target keeps the iterate it stopped at
-                    for v, old in zip(variables, kept):
-                        v[stopped] = old[stopped]
-            if it % max(1, self.iterations // 50) == 0:
-                for j, value in enumerate(values.tolist()):
-                    if not stopped[j]:
-                        history[j].append(value)
-        self._keep_best(variables, history, active, steps)
+
+        def nonfinite(j: int, it: int) -> None:
+            self.notes[active[j]].append(f"restart {restarts[j]}: the objective became non-finite at step {it}; "
+                                         f"stopped there")
+
+        run = run_adam(self.recipe.optimiser, variables, lambda: self._evaluate(variables, active), self.iterations,
+                       on_nonfinite=nonfinite)
+        self._keep_best(variables, run.history, active, run.steps)
 
     def _keep_best(self, variables: list[torch.Tensor], history: list[list[float]], active: list[int],
                    steps: int) -> None:
@@ -272,10 +226,10 @@ class _StackedIG:
         return [i for i in range(self.n) if best[i] is None or not best[i]["data_term"] <= SOLVED_DATA_TERM]
 
     def _final_stage(self) -> None:
-        """The final stage (``attacks.inversion.final_stage``) on every target whose kept data term is
-        above the forward check's floor and at most FINAL_STAGE_CEILING: the data term alone, from the
-        kept start's images, with its labels (probability rows) and copy parameters held; the kept
-        images change only where the data term fell."""
+        """The final stage (the template's ``polish``) on every target whose kept data term is above the
+        forward check's floor and at most FINAL_STAGE_CEILING: the data term alone, from the kept start's
+        images, with its labels (probability rows) and copy parameters held; the kept images change only
+        where the data term fell."""
         rows = [i for i, b in enumerate(self.starts.best)
                 if b is not None and OBJECTIVE_FLOOR < b["data_term"] <= FINAL_STAGE_CEILING]
         iterations = self.iterations // ITERATION_SHARE
@@ -300,8 +254,7 @@ class _StackedIG:
                              "evaluations": stage.evaluations, "data_term_before": before, "data_term_after": after}
             if after < before:
                 images = stage.images[j].detach().clone()
-                best.update(images=images, data_term=after,
-                            objective=after + self.tv_weight * float(total_variation(images)))
+                best.update(images=images, data_term=after, objective=after + self.recipe.prior.at(images))
 
     def run(self) -> list[AttackResult]:
         start_time = time.perf_counter()
@@ -329,6 +282,26 @@ class _StackedIG:
         return results
 
 
+def _transforms(matcher: GradientMatcher, fixed: bool, prior: TotalVariation):
+    """The vmapped functions of one target's (x, y, z, target): the objective's gradient (in x[, y], z)
+    and value, the data term alone (no prior), and the data term's gradient and value at label
+    probability rows (for the final stage)."""
+
+    def data_term(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, target: list[torch.Tensor]) -> torch.Tensor:
+        soft = y if fixed else torch.softmax(y, dim=-1)
+        return matcher.cosine_objective(matcher.dummy(x, soft, z, target=target), target)
+
+    def objective(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, target: list[torch.Tensor]) -> torch.Tensor:
+        return data_term(x, y, z, target) + prior(x)
+
+    def data_term_of_probabilities(x: torch.Tensor, probs: torch.Tensor, z: torch.Tensor,
+                                   target: list[torch.Tensor]) -> torch.Tensor:
+        return matcher.cosine_objective(matcher.dummy(x, probs, z, target=target), target)
+
+    return (vmap(grad_and_value(objective, argnums=(0, 2) if fixed else (0, 1, 2))), vmap(data_term),
+            vmap(grad_and_value(data_term_of_probabilities)))
+
+
 def inverting_gradients(observation: Observation, budget: Budget, seed: int, mode: str = "auto",
                         tv_weight: float = TV_WEIGHT, lr: float = LR) -> AttackResult:
     """IG on one target (see the module docstring)."""
@@ -351,8 +324,6 @@ def plan(observations: Sequence[Observation], budget: Budget, mode: str = "auto"
 
 
 register(AttackSpec("ig", "gradient", "Inverting Gradients: cosine gradient matching with a TV prior, signed Adam",
-                    inverting_gradients, plan, default_iterations=1000, default_victim_batch=1,
+                    inverting_gradients, plan, default_iterations=RECIPE.iterations, default_victim_batch=1,
                     applies_to=WEIGHT_KINDS, scoring="images", needs="model weights", hint=GRADIENT_HINT,
-                    # three starts: on the tuning federation (seed 1) they took the method-aware IG from
-                    # 14.3 to 16.8 dB on FedeCouple and 26.5 to 28.3 dB on FedPAC
-                    matching="cosine", default_restarts=3))
+                    matching="cosine", default_restarts=RECIPE.restarts))

@@ -29,7 +29,9 @@ extractor, and a box constraint to [0, 1]. z starts at the per-channel pixel mea
 (std 0.1). Optimiser: L-BFGS (strong-Wolfe line search, history 20), at most
 ``budget.iterations`` iterations; on this problem it reached 12.8 dB where Adam (IG's schedule,
 300 steps, lr 0.05 / 0.01) reached 11.7 / 11.9 dB (mnist5k, trained extractor, 10 classes).
-``budget.restarts`` independent sets per prototype; the set with the lowest objective is kept.
+``budget.restarts`` independent sets per prototype; the set with the lowest objective is kept. The
+objective, the prior and the reading of the upload live in ``attacks.inversion.prototypes``; the starts,
+the L-BFGS run and the best-keeping are the template's (``attacks.inversion.optimise``; ``RECIPE``).
 
 Contrast. Averaging M images lowers contrast, which PSNR punishes; the returned mean image is
 rescaled per channel to the pixel mean and ``CONTRAST`` × the pixel std that the model's
@@ -37,7 +39,8 @@ rescaled per channel to the pixel mean and ``CONTRAST`` × the pixel std that th
 because an average of one class's images has 0.66 (mnist5k) to 0.84 (digits) of the spread of
 single images.
 
-Which extractor f (the threat model; in ``notes`` and ``trace["extractor_source"]``):
+Which extractor f (``prototypes.choose_extractor``; the threat model; in ``notes`` and
+``trace["extractor_source"]``):
 
 * the client's *uploaded* extractor when the upload carries the full extractor (FedPAC): FedPAC
   computes its prototypes with the client's trained local base, after local training, which is
@@ -54,146 +57,33 @@ One image per uploaded prototype is returned, labelled with the prototype's clas
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 
 import torch
 import torch.nn.functional as F
 
-from fedecouple.methods.base import FieldSpec
-from fedecouple.models import SplitModel, set_params
+from fedecouple.models import SplitModel
 
 from ..base import AttackResult, Budget, NotApplicable, Observation
 from ..registry import AttackSpec, register
+from .optimise import LBFGS, BestOfStarts, Recipe, around, generator, run_lbfgs
+from .prototypes import COSINE_WEIGHT, PRIOR, TV_WEIGHT, choose_extractor, set_objective, uploaded_prototypes
 
 ENSEMBLE = 16  # images per prototype whose mean feature is matched
-COSINE_WEIGHT = 1.0
-TV_WEIGHT = 0.005
-TV_EPS = 0.01
 CONTRAST = 0.7
 INIT_NOISE = 0.1
 LBFGS_HISTORY = 20
+# L-BFGS with a strong-Wolfe line search, its inner iterations the budget's (one step per start)
+RECIPE = Recipe("relative squared error and 1 - cos of a set's mean feature against the prototype + TV",
+                LBFGS(lr=1.0, history_size=LBFGS_HISTORY, line_search="strong_wolfe"), PRIOR, iterations=300)
 
 GRADIENT_ATTACKS_HINT = ("its upload carries model weights, not prototypes: use the gradient attacks "
                          "(`fedsec attack dlg|idlg|ig`) and `labels` instead")
 
 
 # ------------------------------------------------------------------------------------------------
-# reading an upload through a method's manifest
-
-
-def per_class_values(tensors: dict[str, torch.Tensor], specs: list[FieldSpec]) -> dict[int, torch.Tensor]:
-    """{class id: tensor} for the per-class fields ``specs`` found in ``tensors``."""
-    found: dict[int, torch.Tensor] = {}
-    for spec in specs:
-        pattern = spec.pattern
-        for key, value in tensors.items():
-            m = pattern.match(key)
-            if m:
-                found[int(m.group(1))] = value
-    return found
-
-
-def uploaded_prototypes(observation: Observation, manifest: list[FieldSpec] | None = None) -> dict[int, torch.Tensor]:
-    """The prototypes in the upload, by class (per-class fields, or one (C, D) matrix whose
-    all-zero rows are classes the client does not hold)."""
-    manifest = observation.manifest() if manifest is None else manifest
-    specs = [s for s in manifest if s.kind == "prototype"]
-    protos = per_class_values(observation.upload, [s for s in specs if s.per_class])
-    for spec in specs:
-        if not spec.per_class and spec.name in observation.upload:
-            matrix = observation.upload[spec.name]
-            if matrix.ndim == 2:
-                for k, row in enumerate(matrix):
-                    if bool(row.abs().sum() > 0):
-                        protos.setdefault(k, row)
-    return {k: v.detach().float().flatten() for k, v in sorted(protos.items())}
-
-
-def _full_group(tensors: dict[str, torch.Tensor], model: SplitModel, group: str) -> dict[str, torch.Tensor] | None:
-    names = [n for n, _ in model.named_parameters() if n.startswith(group + ".")]
-    if names and all(n in tensors for n in names):
-        return {n: tensors[n] for n in names}
-    return None
-
-
-SURROGATE_STEPS = 300
-SURROGATE_BATCH = 128
-SURROGATE_LR = 1e-3
-
-
-def fit_surrogate(model: SplitModel, images: torch.Tensor, labels: torch.Tensor, prototypes: dict[int, torch.Tensor],
-                  steps: int = SURROGATE_STEPS, seed: int = 0) -> SplitModel:
-    """A surrogate extractor: ``model``'s, trained on the server's public data the way a FedProto client
-    trains its extractor towards the published prototypes: each image's features pulled to its class's
-    prototype (squared distance relative to the prototypes' mean squared norm; Adam, mini-batches).
-    Only classes with a prototype take part. Returns the trained copy."""
-    surrogate = copy.deepcopy(model).train()
-    keep = torch.tensor([int(y) in prototypes for y in labels.tolist()], dtype=torch.bool)
-    x, y = images[keep], labels[keep]
-    if len(y) == 0:
-        return surrogate.eval()
-    table = torch.zeros(int(y.max()) + 1, model.feature_dim)
-    for k, proto in prototypes.items():
-        if k < len(table):
-            table[k] = proto.float()
-    scale = torch.stack([p.float() for p in prototypes.values()]).pow(2).sum(dim=1).mean().clamp_min(1e-12)
-    params = list(surrogate.extractor.parameters())
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=SURROGATE_LR)
-    gen = torch.Generator().manual_seed(int(seed))
-    for _ in range(max(0, int(steps))):
-        pick = torch.randint(0, len(y), (min(SURROGATE_BATCH, len(y)),), generator=gen)
-        loss = (surrogate.features(x[pick]) - table[y[pick]]).pow(2).sum(dim=1).mean() / scale
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    return surrogate.eval()
-
-
-def choose_extractor(observation: Observation) -> tuple[SplitModel, str, str]:
-    """The extractor to invert (see the module docstring): (model, source, sentence for the user)."""
-    model = observation.make_model()
-    if observation.auxiliary is not None and observation.round_prototypes:
-        downloaded = _full_group(observation.download, model, "extractor")
-        if downloaded is not None:
-            set_params(model, downloaded)
-        images, labels = observation.auxiliary
-        surrogate = fit_surrogate(model, images, labels, observation.round_prototypes,
-                                  seed=observation.round * 7919 + observation.client_id)
-        return surrogate, "surrogate", (
-            f"Inverted with a surrogate extractor the server trained on its {len(labels)} public images so that "
-            f"their features match the prototypes it aggregated this round ({len(observation.round_prototypes)} "
-            f"classes), the way a {observation.method.name} client trains towards them (auxiliary-data threat model).")
-    uploaded = _full_group(observation.upload, model, "extractor")
-    if uploaded is not None:
-        set_params(model, uploaded)
-        return model, "upload", ("Inverted with the client's uploaded extractor, the one that computed its "
-                                 "prototypes (the server sees it in the same upload).")
-    downloaded = _full_group(observation.download, model, "extractor")
-    if downloaded is not None:
-        set_params(model, downloaded)
-        return model, "download", ("Inverted with the extractor the server sent this round; the client computed "
-                                   "its prototypes with its own trained copy, so the match is approximate.")
-    return model, "initial", (
-        f"{observation.method.name} uploads no model weights, so the server inverts the prototypes with the model it "
-        "initialised the federation with; the client's prototypes come from its locally trained extractor, "
-        "which the server never sees (a weaker threat model: results are a lower bound on what leaks).")
-
-
-# ------------------------------------------------------------------------------------------------
-# the optimisation
-
-
-def total_variation(x: torch.Tensor, eps: float = TV_EPS) -> torch.Tensor:
-    """Per-image smoothed anisotropic TV, shape (B,): mean of sqrt(d² + ε²) − ε over horizontal
-    neighbour differences plus the same over vertical ones."""
-    dx = x[..., :, 1:] - x[..., :, :-1]
-    dy = x[..., 1:, :] - x[..., :-1, :]
-    smooth = lambda d: ((d.pow(2) + eps * eps).sqrt() - eps).flatten(1).mean(1)  # noqa: E731
-    return smooth(dx) + smooth(dy)
+# the image model
 
 
 def blur_sigma(image_shape: tuple[int, int, int]) -> float:
@@ -210,19 +100,6 @@ def gaussian_blur(sigma: float, channels: int):
     k1 = k1 / k1.sum()
     kernel = (k1[:, None] * k1[None, :]).expand(channels, 1, 2 * radius + 1, 2 * radius + 1).contiguous()
     return lambda z: F.conv2d(F.pad(z, (radius,) * 4, mode="replicate"), kernel, groups=channels)
-
-
-def set_objective(model: SplitModel, x: torch.Tensor, target: torch.Tensor,
-                  tv_weight: float = TV_WEIGHT, cosine_weight: float = COSINE_WEIGHT,
-                  match_norm: bool = True) -> torch.Tensor:
-    """L of the module docstring for one set of images x (M, C, H, W) and one prototype (D,); with
-    ``match_norm`` False only its direction is matched (a target known up to scale)."""
-    mean_feature = model.features(x).mean(0)
-    cos = F.cosine_similarity(mean_feature, target, dim=0, eps=1e-12)
-    value = cosine_weight * (1.0 - cos) + tv_weight * total_variation(x).mean()
-    if match_norm:
-        value = value + (mean_feature - target).pow(2).sum() / target.pow(2).sum().clamp_min(1e-12)
-    return value
 
 
 def _pixel_stats(model: SplitModel, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,32 +127,25 @@ def invert_prototype(model: SplitModel, target: torch.Tensor, image_shape: tuple
     blur = gaussian_blur(blur_sigma(image_shape), channels)
     mean, std = _pixel_stats(model, channels)
     target = target.detach().float().flatten()
-    gen = torch.Generator().manual_seed(int(seed))
-    best: tuple[float, torch.Tensor, list[float]] | None = None
+    gen = generator(seed)
+    starts = BestOfStarts(1)
     for _ in range(max(1, int(restarts))):
-        z0 = mean.expand(ensemble, *image_shape) + INIT_NOISE * torch.randn((ensemble, *image_shape), generator=gen)
-        z = z0.clone().requires_grad_(True)
-        opt = torch.optim.LBFGS([z], lr=1.0, max_iter=max(1, int(iterations)), history_size=LBFGS_HISTORY,
-                                line_search_fn="strong_wolfe")
+        z = around(mean, (ensemble, *image_shape), INIT_NOISE, gen).clone().requires_grad_(True)
         history: list[float] = []
 
-        def closure():
-            opt.zero_grad(set_to_none=True)
+        def evaluate() -> torch.Tensor:
             loss = set_objective(model, blur(z).clamp(0, 1), target, tv_weight, cosine_weight, match_norm)
-            loss.backward()
             history.append(float(loss.detach()))
             return loss
 
-        if iterations > 0:
-            opt.step(closure)
+        run_lbfgs(RECIPE.optimiser, [z], evaluate, max_iter=max(1, int(iterations)), steps=1 if iterations > 0 else 0)
         with torch.no_grad():
             x = blur(z).clamp(0, 1)
             final = float(set_objective(model, x, target, tv_weight, cosine_weight, match_norm))
         if not math.isfinite(final):
             final = float("inf")
-        if best is None or final < best[0]:
-            best = (final, x.detach().clone(), history)
-    final, x, history = best
+        starts.offer(0, final, history, {"objective": final, "images": x.detach().clone(), "history": history})
+    final, x, history = (starts.best[0][key] for key in ("objective", "images", "history"))
     if details is not None:
         with torch.no_grad():
             details["data_term"] = float(set_objective(model, x, target, 0.0, cosine_weight, match_norm))
@@ -334,7 +204,7 @@ def prototype_inversion(observation: Observation, budget: Budget, seed: int) -> 
 
 
 register(AttackSpec("proto", "image", "prototype inversion: a class-typical image from each uploaded class prototype",
-                    prototype_inversion, None, default_iterations=300, default_victim_batch=0,
+                    prototype_inversion, None, default_iterations=RECIPE.iterations, default_victim_batch=0,
                     applies_to=frozenset({"prototype"}), scoring="class-images", needs="prototypes",
                     hint="prototype inversion has nothing to invert; use the gradient attacks (`fedsec attack "
                          "dlg|idlg|ig --method {method}`) or `labels` instead"))

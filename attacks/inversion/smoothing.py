@@ -1,5 +1,5 @@
 """Smoothed stand-ins for a model's kinks, for the final stage of the gradient attacks
-(``attacks.inversion.final_stage``).
+(the inversion template's polish, ``attacks.inversion.optimise.polish``).
 
 A replayed update is piecewise smooth in the images and jumps where an activation's slope or a
 max-pool's winner changes: LeakyReLU's slope is 1 or 0.01, so the weight gradients below a unit

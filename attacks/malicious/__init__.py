@@ -17,6 +17,11 @@ Registered attacks (``fedsec attack trap|binning|fish``):
 
 What the crafted download reaches is the method's declaration (``Method.download_reaches``): a
 method that trains nothing it downloads (FedProto) is refused before training.
+
+Each attack declares the server's side in its ``AttackSpec``: the craft (``craft_download``, which
+the harness's interceptor calls for every attacked client), what it cannot reach (``unreachable``),
+how its read-back is scored and summed up (``score_target``, ``statistics``: ``scoring``, or
+``fishing``'s own) and its time per step; nothing outside its file names it.
 """
 from __future__ import annotations
 
@@ -24,39 +29,22 @@ import torch
 
 from ..base import AttackResult, Budget, NotApplicable, Observation
 from ..registry import AttackSpec, register
-from .craft import CRAFTS, CraftRecord, craft, first_linear
+from .craft import CRAFTS, CraftRecord, craft, craft_request, first_linear, not_reachable
 from .fishing import CRAFT as FISHING
 from .fishing import COLUMNS as FISHING_COLUMNS
 from .fishing import INVERSION_STEPS as FISHING_STEPS
-from .fishing import FishingRecord, fish_attack, fishing_download
+from .fishing import (FishingRecord, fish_attack, fishing_craft, fishing_download, fishing_lines, fishing_statistics,
+                      fishing_unreachable, score_fished)
 from .readout import match_inputs, rebuild_images, recover_inputs, relative_errors, true_inputs
+from .scoring import EXACT, input_statistics, score_recovered
 
-# a recovered input counts as exact at or below this relative error
-EXACT = 1e-3
 INVERSION_STEPS = 300
-
-
-def not_reachable(method, model, craft: str = "binning") -> str | None:
-    """Why a crafted download cannot reach ``method``'s update (None: it can), from the method's
-    declaration: the trap crafts' layer lies in the extractor, which the client must train from as
-    sent; fishing needs the extractor trained from the download against the downloaded classifier."""
-    reached = set(getattr(method, "download_reaches", ()) or ())
-    if not reached:
-        return (f"{method.name} trains nothing the server sends (its download holds no weights it trains from or "
-                f"against): a crafted download cannot reach its update")
-    if craft == FISHING:
-        missing = sorted({"extractor", "classifier"} - reached)
-        if not missing:
-            return None
-        return (f"{method.name} trains only {', '.join(sorted(reached))} as sent, not the downloaded "
-                f"{' and '.join(missing)}: classifier fishing needs the client to train its extractor against the "
-                f"classifier the server sends" + (" (it trains under its own head)" if missing == ["classifier"]
-                                                  else ""))
-    layer = first_linear(model)
-    if layer.split(".", 1)[0] in reached:
-        return None
-    return (f"{method.name} trains only {', '.join(sorted(reached))} as sent, not {layer}: a crafted download "
-            f"cannot reach that layer")
+# seconds per L-BFGS step of the image rebuild and per image the client trained on: FedAvg, clients of
+# 50 images, 150 s for 4 targets x 300 steps (10 s at 10 images), on the reference machine
+TRAP_STEP_SECONDS = 0.0025
+# seconds per inversion step of one target (its one or two fished images): 9 s per 1000 steps on the
+# shared 2-core machine, FedAvg, seed 1
+FISH_STEP_SECONDS = 0.009
 
 
 def attack_one(observation: Observation, budget: Budget, seed: int) -> AttackResult:
@@ -79,7 +67,10 @@ _COMMON = dict(kind="malicious", attack_one=attack_one, plan=None, default_itera
                default_victim_batch=0, applies_to=frozenset({"extractor"}), scoring="images",
                needs="model weights",
                hint="a crafted download is read back from the uploaded weights; try "
-                    "`fedsec attack proto --method {method}`")
+                    "`fedsec attack proto --method {method}`",
+               craft_download=craft_request, unreachable=not_reachable, score_target=score_recovered,
+               statistics=input_statistics, estimate_rate=TRAP_STEP_SECONDS, estimate_per="image")
+
 
 register(AttackSpec(name="trap", summary="malicious server: trap weights in the first linear layer (--craft "
                                          "binning: Fowl et al.'s bins, exact; plain: Boenisch et al.'s random rows)",
@@ -89,7 +80,10 @@ register(AttackSpec(name="binning", summary="malicious server: binning rows in t
 register(AttackSpec(name="fish", summary="malicious server: classifier fishing (Wen et al.): the classifier sent "
                                          "isolates one image of the client's rarest class, rebuilt from the update",
                     crafts=(FISHING,), extra_columns=FISHING_COLUMNS, first_round=1,
-                    **{**_COMMON, "attack_one": fish_attack, "default_iterations": FISHING_STEPS}))
+                    **{**_COMMON, "attack_one": fish_attack, "default_iterations": FISHING_STEPS,
+                       "craft_download": fishing_craft, "unreachable": fishing_unreachable,
+                       "score_target": score_fished, "statistics": fishing_statistics,
+                       "summary_lines": fishing_lines, "estimate_rate": FISH_STEP_SECONDS, "estimate_per": "target"}))
 
 __all__ = ["CRAFTS", "EXACT", "FISHING", "CraftRecord", "FishingRecord", "attack_one", "craft", "first_linear",
            "fishing_download", "match_inputs", "not_reachable", "recover_inputs", "relative_errors", "true_inputs"]

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..registry import CraftRequest
+
 CRAFTS = ("binning", "plain")
 # the plain trap: each row fires for this share of the public inputs
 PLAIN_FIRING = 1.0 / 32
@@ -76,6 +78,32 @@ def first_linear(model: nn.Module) -> str:
         if isinstance(module, nn.Linear):
             return f"extractor.{name}"
     raise ValueError("the extractor has no linear layer to craft")
+
+
+def reached_groups(method) -> set[str]:
+    """The parameter groups ``method``'s client trains from or against as sent (``Method.download_reaches``)."""
+    return set(getattr(method, "download_reaches", ()) or ())
+
+
+def nothing_reached(method) -> str | None:
+    """Why no crafted download reaches ``method``'s update at all (None: some group is reached)."""
+    if reached_groups(method):
+        return None
+    return (f"{method.name} trains nothing the server sends (its download holds no weights it trains from or "
+            f"against): a crafted download cannot reach its update")
+
+
+def not_reachable(method, model: nn.Module) -> str | None:
+    """Why a crafted first linear layer cannot reach ``method``'s update (None: it can): the layer lies
+    in the extractor, which the client must train from as sent."""
+    reason = nothing_reached(method)
+    if reason is not None:
+        return reason
+    layer, reached = first_linear(model), reached_groups(method)
+    if layer.split(".", 1)[0] in reached:
+        return None
+    return (f"{method.name} trains only {', '.join(sorted(reached))} as sent, not {layer}: a crafted download "
+            f"cannot reach that layer")
 
 
 def next_linear(model: nn.Module, layer: str) -> str:
@@ -142,6 +170,12 @@ def craft(kind: str, download: dict[str, torch.Tensor], model: nn.Module, public
         record.notes.append(f"the client trains against its own {following}: the rows' upstream gradients differ, "
                             f"so the leak of the inputs outside a bin does not cancel exactly")
     return {k: v.clone() for k, v in sent.items()}, record
+
+
+def craft_request(request: CraftRequest) -> tuple[dict[str, torch.Tensor], CraftRecord]:
+    """The server's craft (``AttackSpec.craft_download``): ``craft`` of the craft ``request`` names."""
+    return craft(request.craft, dict(request.download), request.make_model(), request.public, request.reached,
+                 seed=request.seed)
 
 
 def _shrink_inputs(model: nn.Module, layer: str, public: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -28,8 +28,9 @@ public labelled images and the client's label counts the server read from its ea
 Attack (``fish_attack``): k̂ from row t's bias update (rounded Δb_t·B/(lr·passes), where the client
 trains against the downloaded classifier and uploads it; else the server's own estimate k), the
 fished images' mean feature ΔW_t/Δb_t, then the k̂ images rebuilt jointly, all labelled t, from the
-public class-t mean image: Inverting Gradients' objective (``attacks.inversion.ig``: 1 − cosine,
-total variation ``TV_WEIGHT``, signed Adam, lr ``LR``, learning-rate drops at its milestones) on
+public class-t mean image: Inverting Gradients' objective and optimiser, from the inversion template
+(``attacks.inversion.optimise``: 1 − cosine, IG's total variation prior ``IG_PRIOR``, IG's signed Adam
+``IG_ADAM`` with its learning-rate drops, every step of the budget) on
 the crafted model's gradient of the k̂ images over what fished images move (the extractor and row
 t), plus the relative squared error of their mean feature against the closed-form one
 (``FEATURE_WEIGHT``, as ``attacks.inversion.closed_form``'s last-linear term).
@@ -54,9 +55,11 @@ from torch.func import functional_call
 
 from ..base import AttackResult, Budget, NotApplicable, Observation
 from ..inversion.forward_model import one_minus_cosine
-from ..inversion.ig import LR, TV_WEIGHT, milestones, total_variation
+from ..inversion.optimise import IG_ADAM, IG_PRIOR, around, generator, run_adam
 from ..metrics import PSNR_CAP_DB, SUCCESS_MARGIN_DB, mean_interval, psnr, rate_interval, ssim
-from .craft import load
+from ..registry import CraftRequest
+from .craft import load, nothing_reached, reached_groups
+from .earlier_labels import label_counts
 
 CRAFT = "fishing"
 # the bias of every other class in class fishing: exp(z_t − FISH_BIAS) underflows to 0 in float32
@@ -144,6 +147,29 @@ def fishing_download(download: dict[str, torch.Tensor], model, public: torch.Ten
         record.direction, record.threshold, record.sharpness, record.chance = v.float(), tau, s, chance
     sent["classifier.weight"], sent["classifier.bias"] = weight, bias
     return {k2: v2.clone() for k2, v2 in sent.items()}, record
+
+
+def fishing_craft(request: CraftRequest) -> tuple[dict[str, torch.Tensor], FishingRecord]:
+    """The server's craft (``AttackSpec.craft_download``): ``fishing_download`` for the label counts and
+    steps it reads from the client's earlier exchange (``attacks.malicious.earlier_labels``)."""
+    counts, steps = label_counts(request)
+    return fishing_download(dict(request.download), request.make_model(), request.public, request.public_labels,
+                            counts, steps)
+
+
+def fishing_unreachable(method, model) -> str | None:
+    """Why a fishing download cannot reach ``method``'s update (None: it can): the client must train
+    its extractor from the download against the classifier the server sends."""
+    reason = nothing_reached(method)
+    if reason is not None:
+        return reason
+    reached = reached_groups(method)
+    missing = sorted({"extractor", "classifier"} - reached)
+    if not missing:
+        return None
+    return (f"{method.name} trains only {', '.join(sorted(reached))} as sent, not the downloaded "
+            f"{' and '.join(missing)}: classifier fishing needs the client to train its extractor against the "
+            f"classifier the server sends" + (" (it trains under its own head)" if missing == ["classifier"] else ""))
 
 
 def feature_threshold(features: torch.Tensor, labels: torch.Tensor, t: int, k: int,
@@ -248,34 +274,27 @@ def invert_fished(observation: Observation, record: FishingRecord, k: int, featu
         names += [n for n in ("classifier.weight", "classifier.bias") if n in observation.upload]
     target = flat_list(_fished_update(observation, record, names))
     labels = torch.full((k,), record.target, dtype=torch.long)
-    generator = torch.Generator().manual_seed(int(seed))
     start = record.class_mean if record.class_mean is not None else torch.full(observation.image_shape, 0.5)
-    x = (start.expand(k, *observation.image_shape) + 0.05 * torch.randn(k, *observation.image_shape,
-                                                                        generator=generator)).clamp(0, 1)
+    x = around(start, (k, *observation.image_shape), 0.05, generator(seed)).clamp(0, 1)
     x = x.clone().requires_grad_(True)
-    opt = torch.optim.Adam([x], lr=LR)
-    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones(iterations), gamma=0.1)
     live = {n: p.clone().requires_grad_(n in names) for n, p in params.items()}
 
     def objective() -> torch.Tensor:
         loss = F.cross_entropy(functional_call(model, live, (x,)), labels, reduction="sum")
         grads = torch.autograd.grad(loss, [live[n] for n in names], create_graph=True)
         rows = [g[record.target] if n.startswith("classifier.") else g for n, g in zip(names, grads)]
-        value = one_minus_cosine(flat_list(rows), target) + TV_WEIGHT * total_variation(x)
+        value = one_minus_cosine(flat_list(rows), target) + IG_PRIOR(x)
         if feature is not None:
             got = model_features(model, live, x).mean(0)
             value = value + FEATURE_WEIGHT * (got - feature).pow(2).sum() / feature.pow(2).sum().clamp_min(1e-20)
         return value
 
-    value = torch.tensor(float("nan"))
-    for _ in range(iterations):
+    def evaluate() -> tuple[torch.Tensor, list[torch.Tensor]]:
         value = objective()
-        x.grad = torch.autograd.grad(value, [x])[0].sign()
-        opt.step()
-        sched.step()
-        with torch.no_grad():
-            x.clamp_(0.0, 1.0)
-    return x.detach().clone(), float(value.detach())
+        return value.detach().reshape(1), [torch.autograd.grad(value, [x])[0]]
+
+    run = run_adam(IG_ADAM, [x], evaluate, iterations)
+    return x.detach().clone(), float("nan") if run.values is None else float(run.values[0])
 
 
 def model_features(model, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -297,7 +316,8 @@ def score_fished(make_model, record: FishingRecord, result: AttackResult, truths
     weights = fished_weights(make_model(), record, truths) if record.target >= 0 else torch.zeros(len(truths))
     isolated = [j for j in range(len(truths)) if int(truth_labels[j]) == record.target and float(weights[j]) > 0.5]
     rebuilt, k_hat = result.images, int(result.trace.get("k_inferred", len(result.images)))
-    common = {"target_class": record.target, "k_true": len(isolated), "k_inferred": k_hat}
+    # every rebuilt image is labelled with the target class
+    common = {"target_class": record.target, "k_true": len(isolated), "k_inferred": k_hat, "label_pred": record.target}
     score = np.array([[psnr(rebuilt[i], truths[j]) for j in range(len(truths))] for i in range(len(rebuilt))])
     rows = []
     if isolated:
@@ -350,3 +370,14 @@ def fishing_statistics(rows: list[dict], seed: int) -> dict:
             "fishing_best_psnr": best,
             "fishing_one_isolated_share": float(np.mean([int(g[0]["k_true"]) == 1 for g in targets.values()])),
             "fishing_k_correct_share": float(np.mean(exact_k))}
+
+
+def fishing_lines(summary: dict) -> list[str]:
+    """The terminal's line for ``fishing_statistics`` in an attack's summary (none without targets)."""
+    if not summary.get("fishing_targets"):
+        return []
+    low, high = summary["fishing_success_share_ci"]
+    return [f"  fishing: an isolated image rebuilt at >= prior + 6 dB in {summary['fishing_success_share']:.0%} "
+            f"[{low:.0%}, {high:.0%}] of {summary['fishing_targets']} attacked client-rounds; exactly one image "
+            f"isolated in {summary['fishing_one_isolated_share']:.0%}; fished count read right in "
+            f"{summary['fishing_k_correct_share']:.0%}"]

@@ -6,22 +6,27 @@ import numpy as np
 import torch
 
 from ..metrics import psnr, rate_interval, ssim
-from . import EXACT
 from .readout import match_inputs, true_inputs
 
+# a recovered input counts as exact at or below this relative error
+EXACT = 1e-3
 
-def score_recovered(make_model, record, result, truths: torch.Tensor, prior: torch.Tensor) -> list[dict]:
-    """One row per image the client trained on: its crafted-layer input matched one-to-one to a
-    recovered one (relative error, inf where none was left), and the image rebuilt from that input
-    scored against it (PSNR, SSIM, the prior's PSNR; an unmatched image is scored as the prior)."""
+
+def score_recovered(make_model, record, result, truths: torch.Tensor, truth_labels: torch.Tensor,
+                    prior: torch.Tensor) -> list[dict]:
+    """One row per image the client trained on (``AttackSpec.score_target``): its crafted-layer input
+    (under ``record.sent``, at ``record.layer``) matched one-to-one to a recovered one
+    (``result.variables["inputs"]``; relative error, inf where none was left), and the image rebuilt
+    from that input scored against it (PSNR, SSIM, the prior's PSNR; an unmatched image is scored as
+    the prior); no label is predicted."""
     truth_inputs = true_inputs(make_model(), record, truths)
     chosen, errors = match_inputs(result.variables["inputs"], truth_inputs)
     rows = []
     for j in range(len(truths)):
         rebuilt = result.images[chosen[j]] if chosen[j] >= 0 else prior
-        rows.append({"image": j, "truth_index": j, "reconstruction": int(chosen[j]), "input_error": float(errors[j]),
+        rows.append({"truth_index": j, "reconstruction": int(chosen[j]), "input_error": float(errors[j]),
                      "psnr": psnr(rebuilt, truths[j]), "ssim": ssim(rebuilt, truths[j]),
-                     "prior_psnr": psnr(prior, truths[j])})
+                     "prior_psnr": psnr(prior, truths[j]), "label_true": int(truth_labels[j])})
     return rows
 
 

@@ -136,7 +136,7 @@ class ClientContext:
         The one way a method reads a whole-data statistic of the client's features (class means,
         prototypes, anchors, FedPAC's h and V are formed from it). ``features`` must act on each
         image on its own (one row out per image in). A DP context overrides this with a Gaussian
-        mechanism (``fedsec.defenses.dp_statistics``); here the numbers are exact."""
+        mechanism (``defenses.dp_statistics``); here the numbers are exact."""
         return ClassFeatureSums.of(features(self.images), self.labels, self.num_classes, squared_norms)
 
     def class_means(self, model: SplitModel) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,7 +188,7 @@ class ClientContext:
 
 
 # Optional wrapper around every optimizer a method builds with ``sgd`` (e.g. DP-SGD: per-sample
-# clipping and noise, see fedsec.defenses.dp). Set only for the duration of one client update.
+# clipping and noise, see defenses.dp). Set only for the duration of one client update.
 _OPTIMIZER_HOOK: ContextVar[Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None] = \
     ContextVar("fedecouple_optimizer_hook", default=None)
 

@@ -8,7 +8,7 @@ it does. In each training round:
   values also in plain form in the metadata) and the messages go out unchanged;
 * ``aggregate_train``: each reply is recorded as an ``Upload`` (``convert.content_to_tensors``: arrays
   under their own names, the weighting metric as ``sample_count``, other metrics and config values
-  under ``metric.``/``config.``) after passing the interceptors (e.g. ``fedsec.defenses.FilterChain``,
+  under ``metric.``/``config.``) after passing the interceptors (e.g. ``defenses.FilterChain``,
   which sees the node's download first and so acts on its update); the wrapped strategy aggregates the
   replies as the interceptors left them (a reply an interceptor drops never reaches it). Replies that
   carry an error are passed on unrecorded (their download stays without an upload) and listed in

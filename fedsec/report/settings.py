@@ -19,7 +19,7 @@ VICTIM_SETTINGS = ("textbook", "real")
 # a real-training cell on clients of N training images: ``ig@real-n10``
 SIZED_REAL = re.compile(r"real-n([1-9][0-9]*)")
 # the malicious-server section: clients of these many training images, each with and without the
-# client-side download check (fedsec.defenses.download_check)
+# client-side download check (defenses.download_check)
 DEFAULT_MALICIOUS_SIZES = (10, 50)
 CHECK_SETTINGS = (False, True)
 

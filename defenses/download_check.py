@@ -30,6 +30,8 @@ from attacks.malicious import first_linear
 from attacks.malicious.craft import layer_inputs, load
 from fedecouple.channel import Download, Interceptor
 
+from .registry import DefenseSpec, register
+
 SAME_DIRECTION = 0.99
 MAX_PARALLEL_SHARE = 0.05
 MIN_ACTIVE_SHARE = 0.1
@@ -123,3 +125,17 @@ def detection_summary(decisions: list[Decision], attacked: set[tuple[int, int]])
             "honest_downloads": len(honest), "false_alarms": int(sum(honest)),
             "false_alarm_rate": sum(honest) / len(honest) if honest else None,
             "refusals": [{"round": d.round, "client": d.client, "reasons": d.reasons} for d in decisions if d.refused]}
+
+
+def _on(item: str) -> str:
+    if item != "on":
+        raise ValueError(f"is 'on' (the check has no knob), got {item}")
+    return item
+
+
+# the sweep's defense: its training (an honest server) gives the false alarms, a malicious server's attack the
+# detections (the attack installs its own check after the crafting server)
+register(DefenseSpec(
+    "download-check", "on: every client tests each download before training and refuses one that looks crafted",
+    acts="download", formal=False, parse=_on, build=lambda value, run: DownloadCheck(run.images_of, run.model),
+    report=lambda check, clients: {"kind": "download-check", **check.summary(set())}))

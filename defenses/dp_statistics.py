@@ -1,6 +1,6 @@
 """A Gaussian mechanism for the whole-data statistics a method reads through
 ``ClientContext.class_feature_sums`` (FedeCouple's anchors, FedPAC's class means, h, V and
-prototypes, FedProto's prototypes and counts), used by ``fedsec.defenses.dp``'s private context.
+prototypes, FedProto's prototypes and counts), used by ``defenses.dp``'s private context.
 
 One release, for features f_i = features(x_i) of the client's un-augmented training images
 (one person = one sample) with labels y_i, clip bound C and noise multiplier σ:

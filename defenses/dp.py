@@ -19,7 +19,7 @@ same idea as Flower adding DP as a mod around a client). During the session:
 * the client's data can be read only through ``ctx.batches`` (DP-SGD) and
   ``ctx.class_feature_sums`` (whole-data statistics: FedeCouple's anchors, FedPAC's class means,
   h, V, prototypes and counts, FedProto's prototypes and counts), which here runs the Gaussian
-  mechanism of ``fedsec.defenses.dp_statistics`` (features clipped per sample to C_stat, noise
+  mechanism of ``defenses.dp_statistics`` (features clipped per sample to C_stat, noise
   σ_stat·C_stat on class sums, σ_stat on counts); reading ``ctx.images``, ``ctx.labels`` or
   ``ctx.class_counts()`` raises ``UserError``, because neither mechanism would cover it;
 * on the first batch of every phase (every ``ctx.batches`` call) a **per-sample probe** takes the
@@ -82,6 +82,7 @@ from fedecouple.methods.base import BatchRecord, ClassFeatureSums, ClientContext
 
 from .dp_statistics import (COUNTS_CHOICES, RELEASES_KEY, StatisticsMechanism, count_specs, unit_counts,
                             withhold_counts)
+from .registry import DefendedRun, DefenseSpec, non_negative, register
 
 ACCOUNT_KEY = "dp.accountant"
 ACCOUNTANTS = ("rdp", "prv")
@@ -656,3 +657,22 @@ class DPMethod(Method):
         """The inner method's, plus the DP settings as flat ``dp.*`` entries (flat values stay
         hashable: attacks key batched targets by them)."""
         return {**self.inner.hyperparameters(), **{f"dp.{k}": v for k, v in asdict(self.dp).items()}}
+
+
+# ---------------------------------------------------------------------------------------------
+# the sweep's defense
+
+
+def build_dp(value, run: DefendedRun) -> DPConfig:
+    """DP-SGD at noise multiplier ``value`` with the run's other DP settings; refuses a configuration or a
+    method it cannot cover."""
+    config = DPConfig(noise_multiplier=float(value), **run.dp)
+    config.validate()
+    check_supported(run.method)
+    return config
+
+
+register(DefenseSpec(
+    "dp", "noise multiplier σ of DP-SGD (and of the statistics mechanism unless --stat-noise-multiplier is set)",
+    acts="local training", formal=True, parse=non_negative, build=build_dp,
+    report=lambda config, clients: {"kind": "dp", **privacy_report(clients, config)}))

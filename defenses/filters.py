@@ -28,13 +28,16 @@ Filters act on floating-point fields of the kinds they select (default: the mode
 L2 norm of the selected Δ before/after, fraction of entries that are zero after, σ used, levels.
 ``FilterChain.log`` holds them in order. Noise is drawn from a generator seeded by
 (chain seed, round, client, filter position), so runs are reproducible.
+
+The end of the module registers the filters ``fedsec defend`` sweeps (``noise``, ``clip``, ``prune``,
+``quantize``, ``exclude``: one filter at the swept value, ``defenses.registry``).
 """
 from __future__ import annotations
 
 import fnmatch
 import math
 from dataclasses import replace
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -42,6 +45,8 @@ from fedecouple.channel import Download, Interceptor, Upload
 from fedecouple.engine import derive_seed
 from fedecouple.errors import UserError
 from fedecouple.methods.base import KINDS
+
+from .registry import DefendedRun, DefenseSpec, non_negative, number, register
 
 WEIGHT_KINDS = ("extractor", "classifier")
 
@@ -378,3 +383,77 @@ class FilterChain(Interceptor):
                 row["excluded"] = excluded
             out.append(row)
         return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the sweep's defenses: one filter at the swept value
+
+
+def _chain(flt: UploadFilter, run: DefendedRun) -> tuple[FilterChain, list]:
+    """(``flt`` as the run's upload filter, the method's manifest): the manifest gives the field kinds,
+    the persistent groups the reference of Δ (``FilterChain.for_method``)."""
+    manifest = run.method.manifest(run.model())
+    return FilterChain([flt], run.method.persistent_groups, manifest, seed=run.seed), manifest
+
+
+def weight_filter(make: Callable[[object, DefendedRun], UploadFilter]):
+    """The build of a filter on the update Δ of the model weights; refuses a method that uploads none."""
+    def build(value, run: DefendedRun) -> FilterChain:
+        flt = make(value, run)
+        chain, manifest = _chain(flt, run)
+        if not any(spec.kind in WEIGHT_KINDS for spec in manifest):
+            raise UserError(f"{run.method.name} uploads no model weights: the {flt.name} filter (on the update Δ of "
+                            f"the weights) has nothing to act on; use --defense exclude")
+        return chain
+
+    return build
+
+
+def build_exclude(value: str, run: DefendedRun) -> FilterChain:
+    """``value`` a field kind or an fnmatch pattern of field names; refuses one the method never uploads."""
+    chain, manifest = _chain(Exclude(kinds=[value]) if value in KINDS else Exclude(fields=[value]), run)
+    names = [spec.name.format(k=0) if spec.per_class else spec.name for spec in manifest]
+    if value in KINDS:
+        if not any(spec.kind == value for spec in manifest):
+            raise UserError(f"{run.method.name} uploads no field of kind {value!r}; its kinds: "
+                            f"{', '.join(sorted({s.kind for s in manifest}))}")
+    elif not any(fnmatch.fnmatchcase(n, value) for n in names):
+        raise UserError(f"--values {value!r} matches no field {run.method.name} uploads (fields: "
+                        f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''}; or a kind: {', '.join(KINDS)})")
+    return chain
+
+
+def _bounded(check: Callable[[float], bool], rule: str, integer: bool = False) -> Callable[[str], float | int]:
+    """A ``--values`` parser: a number that ``check`` accepts (``rule``: the reason when it does not)."""
+    def parse(item: str):
+        value = number(item, integer)
+        if not check(value):
+            raise ValueError(f"{rule}, got {item}")
+        return value
+
+    return parse
+
+
+def _filtered(chain: FilterChain, clients) -> dict:
+    return {"kind": "filter", "filters": chain.summary()}
+
+
+def _noise(value, run: DefendedRun) -> GaussianNoise:
+    """The value is the variance v of the noise on the gradient the server reads, g = −Δ/lr (the DLG
+    paper's unit): σ on Δ is lr·√v."""
+    return GaussianNoise(sigma=run.lr * math.sqrt(float(value)))
+
+
+register(DefenseSpec("noise", "variance v of the noise on the gradient −Δ/lr (σ on Δ = lr·√v)", acts="upload",
+                     formal=False, parse=non_negative, build=weight_filter(_noise), report=_filtered))
+register(DefenseSpec("clip", "bound on the L2 norm of Δ", acts="upload", formal=False,
+                     parse=_bounded(lambda v: v > 0, "(a norm bound) must be positive"),
+                     build=weight_filter(lambda value, run: NormClip(float(value))), report=_filtered))
+register(DefenseSpec("prune", "percent of the entries of Δ zeroed (smallest |Δ| first)", acts="upload", formal=False,
+                     parse=_bounded(lambda v: 0 <= v <= 100, "are percentages in [0, 100]"),
+                     build=weight_filter(lambda value, run: Prune(float(value))), report=_filtered))
+register(DefenseSpec("quantize", "bits per entry of Δ (2^k levels per tensor)", acts="upload", formal=False,
+                     parse=_bounded(lambda v: 1 <= v <= 32, "are bits in 1..32", integer=True),
+                     build=weight_filter(lambda value, run: Quantize(int(value))), report=_filtered))
+register(DefenseSpec("exclude", "field kind or name pattern dropped from every upload", acts="upload", formal=False,
+                     parse=str, build=build_exclude, report=_filtered))

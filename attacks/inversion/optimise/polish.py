@@ -1,5 +1,6 @@
-"""The final stage of IG (``attacks.inversion.ig``): the data term alone, from each target's kept
-start, with a bounded quasi-Newton method and a continuation over the model's kinks.
+"""The polish of the inversion attacks (IG's final stage, ``attacks.inversion.ig``; fedavg-leak's): the
+data term alone, from each target's kept start, with scipy's bounded quasi-Newton method (L-BFGS-B) and
+a continuation over the model's kinks.
 
 Why: the first stage (signed Adam with a TV prior) ends near the truth but not at it. The TV prior
 pulls away from the truth along the directions the cosine barely sees (the image's contrast), and
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 from scipy.optimize import minimize
 
-from .smoothing import smoothed
+from ..smoothing import smoothed
 
 # the continuation, chosen on the tuning federation (seed 1, FedPAC round 0, 8
 # targets): with 25 iterations each, (0.003, 0.001, exact) took 1 of 8 data terms to ≤ 1e-6 and
