@@ -46,7 +46,6 @@ class StageWork:
     targets: int = 0  # attacked clients over all attacked rounds
     steps: int = 0  # optimiser steps x starts per target
     images: float = 0.0  # images per target the step cost scales with
-    attack: str | None = None
     # the attack's own seconds per step (``AttackSpec.estimate_rate``; None: the rates of its kind),
     # times the images per target (``per_image``) or once per target
     step_seconds: float | None = None
@@ -84,7 +83,7 @@ def attack_work(method: str, clients: int, images_per_client: float, settings, t
     return StageWork(method, clients, train_rounds, images_per_client, attack_kind=spec.kind,
                      setting="real" if real else "textbook", targets=settings.targets * len(settings.rounds),
                      steps=0 if refused else settings.iterations * settings.restarts,
-                     images=images_per_client if real else settings.victim_batch, attack=settings.attack,
+                     images=images_per_client if real else settings.victim_batch,
                      step_seconds=spec.estimate_rate, per_image=spec.estimate_per == "image",
                      step_factor=spec.estimate_step_factor)
 
