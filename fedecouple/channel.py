@@ -8,6 +8,13 @@ reach client state or the server's model behind the channel's back.
 The built-in ``Recorder`` sits at the server's end: it stores each download as the server sent it
 and each upload as the server received it (after all interceptors), paired per (round, client).
 That pair is exactly what an honest-but-curious server can see.
+
+Under secure aggregation (``ServerChannel(secure=SecureAggregation(...))``) the channel gains a
+round-level stage: uploads still pass the interceptors one by one (client-side hooks, e.g. a
+defense), but what leaves each client is its masked vector (``fedecouple.secure_aggregation``). The
+recorder then holds what such a server holds: the downloads, each client's masked upload (one
+``"masked"`` integer tensor, uniform over the modulus) and the round's ``AggregateRecord`` (the
+decoded sum, who took part, who dropped out); the method aggregates the decoded sum.
 """
 from __future__ import annotations
 
@@ -15,8 +22,10 @@ import copy
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator, Mapping
 
+import numpy as np
 import torch
 
+from .secure_aggregation import AggregateRecord, SecureAggregation, secure_round
 
 def _clone_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in tensors.items()}
@@ -90,6 +99,9 @@ class Recorder(Interceptor):
         self.rounds = None if rounds is None else set(rounds)
         self.remember_latest = bool(remember_latest)
         self.exchanges: dict[tuple[int, int], Exchange] = {}
+        # under secure aggregation: the protocol, and each round's record of the sum the server decoded
+        self.secure: SecureAggregation | None = None
+        self.aggregates: dict[int, AggregateRecord] = {}
         self._pending: set[tuple[int, int]] = set()  # downloads not recorded, awaiting their upload
         self._latest: dict[int, list[tuple[int, Upload]]] = {}
 
@@ -118,6 +130,10 @@ class Recorder(Interceptor):
             history.append((message.round, stored))
             del history[:-2]
         return message
+
+    def on_aggregate(self, record: AggregateRecord) -> None:
+        """Store a secure-aggregation round's record (every round: it is what the server aggregates)."""
+        self.aggregates[record.round] = record
 
     def get(self, round: int, client_id: int) -> Exchange | None:
         return self.exchanges.get((round, client_id))
@@ -160,9 +176,12 @@ class Recorder(Interceptor):
 class ServerChannel:
     """Carries downloads and uploads through the interceptor chain, in registration order."""
 
-    def __init__(self, interceptors: Iterable[Interceptor] = (), recorder: Recorder | None = None):
+    def __init__(self, interceptors: Iterable[Interceptor] = (), recorder: Recorder | None = None,
+                 secure: SecureAggregation | None = None):
         self.interceptors: list[Interceptor] = list(interceptors)
         self.recorder = recorder if recorder is not None else Recorder(rounds=(), remember_latest=False)
+        self.secure = secure
+        self.recorder.secure = secure
         self.bytes_down = 0
         self.bytes_up = 0
 
@@ -191,6 +210,25 @@ class ServerChannel:
         out = self._pass(message, "on_upload", Upload)
         if out is None:
             return None
+        if self.secure is not None:
+            return out  # still on the client's side: only its masked vector leaves (``aggregate_securely``)
         self.bytes_up += out.nbytes
         self.recorder.on_upload(out)
         return out.copy()
+
+    def aggregate_securely(self, round: int, participants: list[int], uploads: list[Upload],
+                           summands) -> AggregateRecord:
+        """The round-level stage of secure aggregation: each upload (as the interceptors left it) becomes
+        ``summands(upload)``, is masked and sent; the recorder stores the masked uploads and the round's
+        record of the decoded sum. ``participants``: the clients that got this round's download."""
+        if self.secure is None:
+            raise RuntimeError("aggregate_securely needs a channel built with secure=SecureAggregation(...)")
+        by_id = {u.client_id: u for u in uploads}
+        record, masked = secure_round(self.secure, round, participants, {c: summands(u) for c, u in by_id.items()})
+        for client, vector in masked.items():
+            sent = Upload(round, client, {"masked": torch.from_numpy(vector.astype(np.int64))},
+                          {"secure_aggregation": True})
+            self.bytes_up += sent.nbytes
+            self.recorder.on_upload(sent)
+        self.recorder.on_aggregate(record)
+        return record

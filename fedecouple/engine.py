@@ -40,6 +40,9 @@ class FederationConfig:
     model: str | None = None  # ``package.module:factory`` returning the user's SplitModel (wins over arch)
     device: str = "cpu"  # where models and client data live while computing (``fedecouple.devices``)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # each round, each client that got the download drops out before its upload with this probability
+    # (seeded per round); its upload never arrives (under secure aggregation the protocol unmasks without it)
+    dropout: float = 0.0
 
     def validate(self, num_clients: int) -> None:
         if self.rounds < 0:
@@ -52,6 +55,8 @@ class FederationConfig:
             raise UserError(f"--batch-size must be >= 1, got {self.train.batch_size}")
         if not self.train.lr > 0:
             raise UserError(f"--lr must be positive, got {self.train.lr}")
+        if not 0 <= self.dropout < 1:
+            raise UserError(f"--dropout must be in [0, 1), got {self.dropout}")
 
 
 class GroundTruth:
@@ -123,6 +128,8 @@ class Federation:
         self.ground_truth = ground_truth if ground_truth is not None else GroundTruth(rounds=())
         self.victim = victim
         self.backend: Backend = backend if backend is not None else SequentialBackend()
+        if self.channel.secure is not None and (refusal := method.secure_refusal()):
+            raise UserError(refusal)
         torch.manual_seed(derive_seed(config.seed, 0xC0DE))
         self.model_spec = ModelSpec.for_data(dataset, config.arch, config.model, config.device)
         self.model: SplitModel = self.model_spec.build()  # on the device; states and messages stay on the CPU
@@ -131,6 +138,9 @@ class Federation:
         self.clients: dict[int, State] = {}
         self.completed_rounds = 0
         self.metrics: list[dict] = []
+        # per round under secure aggregation or dropout: who took part, who dropped, clipped values
+        self.round_log: list[dict] = []
+        self._participants: list[int] = []
 
     # -- client plumbing -------------------------------------------------------------------
     @property
@@ -181,37 +191,65 @@ class Federation:
         """Each sampled client's download through the channel (client order), as a job. Lazy, so a
         backend that runs one update at a time never holds every client's download at once; the
         channel still sees every download of the round before any upload."""
+        self._participants = []
         for cid in self.sample_clients(t):
             if communicates:
                 down = self.channel.download(Download(t, cid, self.method.download(self.server, cid, t)))
                 if down is None:
                     continue  # dropped: the client sits this round out
+                self._participants.append(cid)
             else:
                 down = Download(t, cid, {})  # nothing is sent: the channel never sees this client
             yield self.client_job(cid, t, down)
 
+    def dropouts(self, round: int, participants: list[int]) -> set[int]:
+        """The participants that drop out before uploading in ``round`` (seeded, ``config.dropout``)."""
+        if not self.config.dropout:
+            return set()
+        draws = np.random.default_rng(derive_seed(self.config.seed, round, 0xD20)).random(self.num_clients)
+        return {c for c in participants if draws[c] < self.config.dropout}
+
     def run_round(self) -> list[dict]:
         """Downloads through the channel (client order) → the backend runs the updates → ground-truth
-        hook → uploads through the channel (client order) → aggregate → evaluate."""
+        hook → uploads through the channel (client order; a dropped-out client's never arrives) →
+        aggregate (under secure aggregation: the channel's round stage, then the decoded sum) → evaluate."""
         t = self.completed_rounds
         communicates = self.method.communicates  # False: the channel never sees this method
         results = self.backend.run_updates(self.method, self.dataset, self.model_spec, self.model,
                                            self._round_jobs(t, communicates))
-        uploads = []
+        uploads, dropped = [], None
         for i, result in enumerate(results):
             results[i] = None  # drop each result once handled (1,000 clients: one round's traffic, not two)
             cid = result.client_id
             self.clients[cid] = {k: v.detach().clone() for k, v in result.state.items()}
             self.ground_truth.record(t, cid, result.batch_log, result.private, result.indices)
-            received = self.channel.upload(result.upload) if communicates else None
+            if dropped is None:  # the downloads are all out once the first result is back
+                dropped = self.dropouts(t, self._participants)
+            received = self.channel.upload(result.upload) if communicates and cid not in dropped else None
             if received is not None:
                 uploads.append(received)
-        if uploads:
+        if communicates and self.channel.secure is not None:
+            self._aggregate_securely(t, uploads)
+        elif uploads:
             self.server = self.method.aggregate(self.server, uploads, t)
+        if communicates and self.config.dropout and self.channel.secure is None:
+            self.round_log.append({"round": t, "participants": len(self._participants),
+                                   "survivors": len(uploads), "clipped": 0, "aborted": ""})
         rows = self.evaluate(t)
         self.metrics.extend(rows)
         self.completed_rounds += 1
         return rows
+
+    def _aggregate_securely(self, t: int, uploads: list) -> None:
+        protocol = self.channel.secure
+        record = self.channel.aggregate_securely(
+            t, self._participants, uploads,
+            lambda u: self.method.secure_summands(u, protocol.max_weight, self.dataset.num_classes))
+        if record.aborted is None:
+            self.server = self.method.secure_aggregate(self.server, record.total, t, protocol.max_weight)
+        self.round_log.append({"round": t, "participants": len(record.participants),
+                               "survivors": len(record.survivors), "clipped": record.clipped,
+                               "aborted": record.aborted or ""})
 
     @torch.no_grad()
     def _test(self, ctx: ClientContext) -> tuple[float, float]:
@@ -250,13 +288,14 @@ class Federation:
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"completed_rounds": self.completed_rounds, "server": self.server, "clients": self.clients,
-                "metrics": self.metrics}
+                "metrics": self.metrics, "round_log": self.round_log}
 
     def load_state_dict(self, state: dict) -> None:
         self.completed_rounds = int(state["completed_rounds"])
         self.server = dict(state["server"])
         self.clients = {int(k): dict(v) for k, v in state["clients"].items()}
         self.metrics = list(state["metrics"])
+        self.round_log = list(state.get("round_log", []))
 
 
 def round_half_up(x: float) -> int:

@@ -47,7 +47,12 @@ NEUTRAL = ("out", "force", "config", "data_dir", "download", "threads", "backend
            "flower_log", "show_partition", "resume", "reuse", "jobs")
 TRAIN_KEYS = ("method", "dataset", "data_dir", "download", "partition", "classes_per_client", "train_images",
               "samples_per_client", "beta", "clients", "rounds", "local_epochs", "join_ratio", "lr", "batch_size",
-              "seed", "arch", "model", "device", "threads", "backend", "ray_address")
+              "seed", "arch", "model", "device", "threads", "backend", "ray_address", "dropout", "secure_aggregation",
+              "sa_clipping_range", "sa_quantization_range", "sa_modulus", "sa_neighbours", "sa_threshold",
+              "sa_max_weight")
+# protocol settings left out of a folder's identity at their defaults (folders written before they existed)
+QUIET_AT_DEFAULT = {"dropout": 0.0, "secure_aggregation": False, "sa_clipping_range": 8.0,
+                    "sa_quantization_range": 2 ** 22, "sa_modulus": 2 ** 32, "sa_threshold": 0.5, "sa_max_weight": 1000.0}
 HYPERPARAMETER_FLAGS = ("lam", "mu", "tau", "teacher", "center_reduction")
 ABLATION_FLAGS = ("no_glf", "no_gfa", "no_gpc", "no_da")
 DEFAULT_ROUNDS = 3
@@ -258,11 +263,18 @@ def federation(ctx: click.Context, params: dict):
         deprecated("--samples-per-client", "--train-images (exactly N training images per client, any partition)")
     presets.merge_federation(params.get("preset"), flat, hp, lambda name: explicit(ctx, name))
     flat["rounds"] = flat["rounds"] or DEFAULT_ROUNDS
+    for key, default in QUIET_AT_DEFAULT.items():
+        if flat.get(key) is None:
+            flat[key] = default
+    if not flat["secure_aggregation"] and any(flat[k] != QUIET_AT_DEFAULT[k] for k in QUIET_AT_DEFAULT
+                                              if k.startswith("sa_")) | (flat.get("sa_neighbours") is not None):
+        raise UserError("the --sa-* options set the secure-aggregation protocol; add --secure-aggregation")
     config = RunConfig.of(**flat, hyperparameters=hp)
     resolved = {**params, **{k: flat[k] for k in TRAIN_KEYS}, "uniform_share": flat["s"], "s": None,
                 **{k: hp.get(k) for k in HYPERPARAMETER_FLAGS},
                 "hp": tuple(f"{k}={v}" for k, v in hp.items() if k not in HYPERPARAMETER_FLAGS
                             and f"no_{k}" not in ABLATION_FLAGS) or None}
+    resolved.update({k: None for k, default in QUIET_AT_DEFAULT.items() if resolved.get(k) == default})
     return config, resolved
 
 

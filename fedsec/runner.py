@@ -27,6 +27,7 @@ from fedecouple.engine import Federation, FederationConfig, GroundTruth, VictimS
 from fedecouple.errors import UserError
 from fedecouple.methods import make_method, method_class
 from fedecouple.methods.base import Method, TrainConfig
+from fedecouple.secure_aggregation import SecureAggregation
 from fedecouple.devices import deterministic, device_record, resolve_device
 
 from . import io
@@ -68,11 +69,32 @@ class ExecutionConfig:
     ray_address: str | None = None
 
 
+@dataclass
+class SecureConfig:
+    """``--secure-aggregation`` and the protocol's parameters (``fedecouple.secure_aggregation``;
+    defaults: Flower's ``SecAggPlusWorkflow``'s). Off: the server sees every upload."""
+
+    secure_aggregation: bool = False
+    sa_clipping_range: float = 8.0
+    sa_quantization_range: int = 2 ** 22
+    sa_modulus: int = 2 ** 32
+    sa_neighbours: int | None = None
+    sa_threshold: float = 0.5
+    sa_max_weight: float = 1000.0
+
+    def protocol(self, seed: int) -> SecureAggregation | None:
+        if not self.secure_aggregation:
+            return None
+        return SecureAggregation(self.sa_clipping_range, self.sa_quantization_range, self.sa_modulus,
+                                 self.sa_neighbours, self.sa_threshold, self.sa_max_weight, seed)
+
+
 # the settings that never change a result: where the data lives and how (where) it is computed
 RESULT_NEUTRAL = ("data_dir", "download", "threads", "backend", "ray_address")
 # settings left out of a result's key at these values, so results written before they existed
 # (CPU runs of the built-in architectures) keep the keys they had
-OMITTED_AT_DEFAULT = {"device": "cpu", "model": None, "train_images": None}
+OMITTED_AT_DEFAULT = {"device": "cpu", "model": None, "train_images": None, "dropout": 0.0,
+                      **{f.name: f.default for f in fields(SecureConfig)}}
 
 
 @dataclass
@@ -86,6 +108,7 @@ class RunConfig:
     federation: FederationConfig = field(default_factory=FederationConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     hyperparameters: dict = field(default_factory=dict)
+    secure: SecureConfig = field(default_factory=SecureConfig)
 
     @classmethod
     def from_dict(cls, data: dict) -> "RunConfig":
@@ -106,13 +129,13 @@ class RunConfig:
         return cls(method=flat.get("method", "fedecouple"), data=DataConfig(**parts["data"]),
                    federation=replace(federation, train=train, **parts["federation"]),
                    execution=ExecutionConfig(**parts["execution"]),
-                   hyperparameters=dict(flat.get("hyperparameters") or {}))
+                   hyperparameters=dict(flat.get("hyperparameters") or {}), secure=SecureConfig(**parts["secure"]))
 
     def to_dict(self) -> dict:
         federation = asdict(self.federation)
         train = federation.pop("train")
         return {"method": self.method, **asdict(self.data), **federation, **train, **asdict(self.execution),
-                "hyperparameters": dict(self.hyperparameters)}
+                "hyperparameters": dict(self.hyperparameters), **asdict(self.secure)}
 
     def updated(self, **flat) -> "RunConfig":
         """A copy with some flat settings changed (``config.updated(rounds=5, method="fedper")``)."""
@@ -125,9 +148,10 @@ class RunConfig:
                 if k not in RESULT_NEUTRAL and not (k in OMITTED_AT_DEFAULT and v == OMITTED_AT_DEFAULT[k])}
 
 
-_PARTS = ("data", "federation", "train", "execution")
+_PARTS = ("data", "federation", "train", "execution", "secure")
 _FLAT = {"method": None, "hyperparameters": None,
          **{f.name: "data" for f in fields(DataConfig)}, **{f.name: "execution" for f in fields(ExecutionConfig)},
+         **{f.name: "secure" for f in fields(SecureConfig)},
          **{f.name: "federation" for f in fields(FederationConfig) if f.name != "train"},
          **{f.name: "train" for f in fields(TrainConfig)}}
 
@@ -196,6 +220,8 @@ def prepare(config: RunConfig) -> Prepared:
     if data.clients < 1:
         raise UserError(f"--clients must be at least 1, got {data.clients}")
     config.federation.validate(data.clients)
+    if config.secure.protocol(config.federation.seed) is not None and (refusal := method.secure_refusal()):
+        raise UserError(refusal)  # before any data is loaded (the protocol's parameters are checked above)
     if data.train_images is not None and data.samples_per_client is not None and data.partition != "weak":
         raise UserError(f"give --train-images or --samples-per-client, not both: outside the weak partition "
                         f"--samples-per-client caps the training set (at most N), --train-images fixes it (exactly N)")
@@ -229,6 +255,10 @@ def build_federation(prep: Prepared, channel: ServerChannel | None = None, groun
         torch.set_num_threads(execution.threads)
     deterministic(prep.config.federation.device)
     backend = make_backend(execution.backend, execution.ray_address, execution.threads, prep.config.federation.device)
+    protocol = prep.config.secure.protocol(prep.config.federation.seed)
+    if protocol is not None:
+        channel = channel if channel is not None else ServerChannel()
+        channel.secure = channel.recorder.secure = protocol
     return Federation(prep.method, prep.dataset, prep.partition, prep.config.federation, channel=channel,
                       ground_truth=ground_truth, victim=victim, backend=backend)
 

@@ -276,6 +276,23 @@ def sample_weighted_average(uploads: list[Upload], names) -> State:
     return {n: sum(w * u.tensors[n] for w, u in zip(weights, uploads)) for n in names}
 
 
+def weighted_summands(upload: Upload, names, max_weight: float) -> dict[str, torch.Tensor]:
+    """FedAvg's rule as a sum: w·tensor for each name and w itself under ``sample_count``, with
+    w = n / max_weight (as Flower's SecAgg+ weights parameters by num_examples / max_weight)."""
+    w = float(upload.tensors["sample_count"]) / max_weight
+    return {**{n: w * upload.tensors[n].to(torch.float64) for n in names},
+            "sample_count": torch.tensor(w, dtype=torch.float64)}
+
+
+def weighted_mean(total: dict[str, torch.Tensor], like: State, prefix: str = "global.") -> State:
+    """Σ w·tensor / Σ w for every summed name but ``sample_count``, under ``prefix``, in the dtype of
+    the server's ``like`` entry of the same name (the sum is decoded in float64)."""
+    weight = total["sample_count"]
+    if not float(weight) > 0:
+        raise UserError("the secure sum's total weight is not positive: every survivor reported 0 samples")
+    return {prefix + n: (v / weight).to(like[prefix + n].dtype) for n, v in total.items() if n != "sample_count"}
+
+
 def by_client(uploads: list[Upload]) -> list[Upload]:
     """Uploads in client-id order, so an aggregate never depends on the order they arrived in."""
     return sorted(uploads, key=lambda u: u.client_id)
@@ -370,6 +387,12 @@ class Method:
     # "extractor-linear-input" (with those features, the input of the extractor's last linear layer, whose
     # update spans the inputs of the images the extractor phase trained on)
     closed_form: ClassVar[tuple[str, ...]] = ()
+    # secure aggregation (``fedecouple.secure_aggregation``): the upload fields its server must read one
+    # client at a time, and why; a method that declares ``secure_summands`` instead runs on the sum
+    per_client_fields: ClassVar[tuple[str, ...]] = ()
+    per_client_reason: ClassVar[str] = ""
+    # how its secure variant differs from the method as published, in words (None: it does not)
+    secure_variant_note: ClassVar[str | None] = None
 
     def dp_uncovered(self) -> str | None:
         """What neither DP-SGD nor the statistics mechanism covers in this configuration (a clause
@@ -410,6 +433,29 @@ class Method:
     def upload_kinds(self, model: SplitModel) -> set[str]:
         """The field kinds this method declares it uploads (empty when it never communicates)."""
         return {spec.kind for spec in self.manifest(model)} if self.communicates else set()
+
+    def secure_summands(self, upload: Upload, max_weight: float, num_classes: int) -> dict[str, torch.Tensor]:
+        """What a client adds to the round's secure sum, from its upload: every value scaled to fit the
+        protocol's clipping range (``max_weight``: the largest sample count the protocol is set for)."""
+        raise NotImplementedError(f"{self.name} has no secure-aggregation variant")
+
+    def secure_aggregate(self, server: State, total: dict[str, torch.Tensor], round: int, max_weight: float) -> State:
+        """The new server state from the decoded sum of the survivors' ``secure_summands``."""
+        raise NotImplementedError(f"{self.name} has no secure-aggregation variant")
+
+    @classmethod
+    def aggregates_securely(cls) -> bool:
+        """Whether it runs under secure aggregation: it sends nothing, or declares a secure variant."""
+        return not cls.communicates or cls.secure_summands is not Method.secure_summands
+
+    def secure_refusal(self) -> str | None:
+        """Why it cannot run under ``--secure-aggregation`` (one line naming the fields), or None."""
+        if self.aggregates_securely():
+            return None
+        fields = ", ".join(self.per_client_fields) or "every upload field"
+        return (f"{self.name} cannot run under --secure-aggregation: its server reads {fields} of each client on "
+                f"its own ({self.per_client_reason}), which the protocol never reveals; drop --secure-aggregation, "
+                f"or pick a method that aggregates a sum (fedavg, ft-fedavg, fedper, fedrep, fedproto)")
 
     def init_server(self, model: SplitModel) -> State:
         return {"global." + k: v for k, v in get_params(model).items()}

@@ -20,7 +20,8 @@ from ..channel import Download, Upload
 from ..errors import UserError
 from ..models import SplitModel, get_params, set_params
 from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, by_client, cross_entropy_loss,
-                   make_upload, model_fields, sample_weighted_average, strip_prefix, train_supervised)
+                   make_upload, model_fields, sample_weighted_average, strip_prefix, train_supervised,
+                   weighted_mean, weighted_summands)
 from .replay import plain_replay
 
 
@@ -52,6 +53,13 @@ class FedAvg(Method):
         uploads = by_client(uploads)
         names = [k for k in uploads[0].tensors if k != "sample_count"]
         return {**server, **add_prefix(sample_weighted_average(uploads, names), "global.")}
+
+    # secure aggregation: the same sample-weighted average, formed from the sum of n_i·ω_i and n_i
+    def secure_summands(self, upload: Upload, max_weight: float, num_classes: int):
+        return weighted_summands(upload, [k for k in upload.tensors if k != "sample_count"], max_weight)
+
+    def secure_aggregate(self, server: State, total, round: int, max_weight: float) -> State:
+        return {**server, **weighted_mean(total, server)}
 
     def personalized(self, ctx: ClientContext, server: State, state: State):
         return strip_prefix(server, "global.")

@@ -119,6 +119,9 @@ class FedeCouple(Method):
                      "per-sample; the adapted teacher's CE is per-sample and is trained under DP-SGD on the same batch "
                      "(accounted as one mechanism, σ/√2); the centre loss is per-sample given the anchors, which are a "
                      "statistic released before the extractor phase; DA: original + augmented copy clipped together.")
+    per_client_fields = ("extractor.*", "classifier.*", "sample_count")
+    per_client_reason = ("its aggregation weights each client's upload by the cosine similarity of that client's "
+                         "parameters to the sample-weighted average (the paper's eq. 16)")
     dp_statistics = ("GFA anchors, once per round: class means of the frozen global extractor's features over the "
                      "client's un-augmented training images (kept on the client, never uploaded).")
 

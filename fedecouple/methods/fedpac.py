@@ -140,6 +140,9 @@ class FedPAC(Method):
     min_weight: float = 1e-3
 
     name = "fedpac"
+    per_client_fields = ("h", "V", "classifier.*")
+    per_client_reason = ("for each client its server solves a quadratic programme over every client's h and V and "
+                         "combines the uploaded heads with that client's weights")
     # the downloaded base, and the server's combined head where one is sent (it replaces the client's)
     download_reaches = ("extractor", "classifier")
     extractor_phases = ("extractor",)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from ..channel import Download, Upload
 from ..models import SplitModel, get_params, set_params
 from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, by_client, cross_entropy_loss,
-                   make_upload, model_fields, only_group, sample_weighted_average, strip_prefix, train_supervised)
+                   make_upload, model_fields, only_group, sample_weighted_average, strip_prefix, train_supervised,
+                   weighted_mean, weighted_summands)
 from .replay import plain_replay
 
 
@@ -64,6 +65,13 @@ class FedPer(Method):
         uploads = by_client(uploads)
         names = [k for k in uploads[0].tensors if k.startswith("extractor.")]
         return {**server, **add_prefix(sample_weighted_average(uploads, names), "global.")}
+
+    # secure aggregation: the same sample-weighted average of the bases, from the sum of n_i·θ_i and n_i
+    def secure_summands(self, upload: Upload, max_weight: float, num_classes: int):
+        return weighted_summands(upload, [k for k in upload.tensors if k.startswith("extractor.")], max_weight)
+
+    def secure_aggregate(self, server: State, total, round: int, max_weight: float) -> State:
+        return {**server, **weighted_mean(total, server)}
 
     def personalized(self, ctx: ClientContext, server: State, state: State):
         return {**strip_prefix(server, "global."), **only_group(state, "classifier")}

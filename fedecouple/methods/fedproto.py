@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..channel import Download, Upload
 from ..models import SplitModel, get_params, set_params
+from ..errors import UserError
 from .base import ClientContext, FieldSpec, Method, State, add_prefix, by_client, make_upload, train_supervised
 from .prototypes import (CLASS_COUNT, PROTOTYPE, local_prototypes, prototype_field, prototype_loss, prototype_table,
                          prototypes_in, weighted_prototypes)
@@ -82,5 +83,38 @@ class FedProto(Method):
         merged = weighted_prototypes(per_client)
         return add_prefix({PROTOTYPE.format(k=k): v for k, v in merged.items()}, "global.")
 
+    # secure aggregation: eq. 6 from sums. Every client sends n_k·C(k) and n_k for every class (zeros
+    # for the classes it lacks), scaled by 1/max_weight, so the sums have one layout and reveal only the
+    # round's per-class totals; the global prototype is Σ n_k·C(k) / Σ n_k, as in ``aggregate``.
+    secure_variant_note = ("each client sends count-weighted prototype sums and counts for every class (zeros for "
+                           "classes it lacks); the server divides the sums: the same eq. 6 average")
+
+    def secure_summands(self, upload: Upload, max_weight: float, num_classes: int):
+        protos = prototypes_in(upload.tensors)
+        if not protos:
+            raise UserError(f"client {upload.client_id} sent no prototype in round {upload.round}: a FedProto client "
+                            f"with no training images cannot take part in secure aggregation")
+        dim = next(iter(protos.values())).shape
+        out = {}
+        for k in range(num_classes):
+            count = float(upload.tensors.get(CLASS_COUNT.format(k=k), torch.tensor(0.0))) if k in protos else 0.0
+            proto = protos[k].to(torch.float64) if k in protos else torch.zeros(dim, dtype=torch.float64)
+            out[PROTOTYPE.format(k=k)] = proto * (count / max_weight)
+            out[CLASS_COUNT.format(k=k)] = torch.tensor(count / max_weight, dtype=torch.float64)
+        return out
+
+    def secure_aggregate(self, server: State, total, round: int, max_weight: float) -> State:
+        merged = {}
+        for k in prototypes_in(total):
+            count = round_count(float(total[CLASS_COUNT.format(k=k)]) * max_weight)
+            if count > 0:
+                merged[PROTOTYPE.format(k=k)] = (total[PROTOTYPE.format(k=k)] * max_weight / count).to(torch.float32)
+        return add_prefix(merged, "global.")
+
     def personalized(self, ctx: ClientContext, server: State, state: State):
         return state
+
+
+def round_count(value: float) -> int:
+    """A class count decoded from a secure sum (off by far less than 0.5 at any sane quantisation)."""
+    return int(value + 0.5) if value > 0 else 0
