@@ -645,6 +645,22 @@ class DPMethod(Method):
             uploads = [unit_counts(u, self._manifest) for u in uploads]
         return self.inner.aggregate(server, uploads, round)
 
+    # secure aggregation: the inner method's variant, on the upload DP left (distributed DP: noise added on
+    # each client, the server sees only the sum)
+    def aggregates_securely(self) -> bool:
+        return self.inner.aggregates_securely()
+
+    def secure_refusal(self) -> str | None:
+        return self.inner.secure_refusal()
+
+    def secure_summands(self, upload, max_weight, num_classes):
+        if self.dp.counts == "withheld" and count_specs(self._known_manifest())[0]:
+            upload = unit_counts(upload, self._manifest)
+        return self.inner.secure_summands(upload, max_weight, num_classes)
+
+    def secure_aggregate(self, server, total, round, max_weight):
+        return self.inner.secure_aggregate(server, total, round, max_weight)
+
     def _known_manifest(self) -> list:
         if self._manifest is None:
             raise RuntimeError("DPMethod with withheld counts aggregates before it saw a model (init_server)")

@@ -59,11 +59,13 @@ def classify_field(name: str, manifest: list[FieldSpec]) -> FieldSpec | None:
 
 
 def field_rows(method_name: str, upload, manifest: list[FieldSpec]) -> list[dict]:
+    masked = bool(upload.meta.get("secure_aggregation"))  # the protocol's vector, not a field of the manifest
     rows = []
     for name, tensor in upload.tensors.items():
         spec = classify_field(name, manifest)
         rows.append({"method": method_name, "round": upload.round, "client": upload.client_id, "field": name,
-                     "kind": spec.kind if spec else "other", "shape": "x".join(map(str, tensor.shape)) or "scalar",
+                     "kind": "masked" if masked else spec.kind if spec else "other",
+                     "shape": "x".join(map(str, tensor.shape)) or "scalar",
                      "dtype": str(tensor.dtype).replace("torch.", ""), "bytes": tensor.numel() * tensor.element_size()})
     return rows
 
@@ -217,11 +219,12 @@ def audit_recorded(run: RecordedRun, out: str | Path | None, rounds: int, eviden
     findings = (_protocol_findings(run, frame, kinds) + _label_findings(run, manifest, uploads, frame, kinds, evidence)
                 + _reconstruction_findings(kinds, evidence)
                 + _private_value_findings(run, uploads, kinds, inversion_iterations)
-                + _kept_parameter_findings(run, uploads))
+                + _kept_parameter_findings(run, uploads) + _secure_findings(run, kinds))
     traffic = _traffic(run, rounds)
     findings.append(_communication_finding(traffic, run.dataset.num_classes))
     findings.sort(key=lambda f: SEVERITIES.index(f["severity"]))
     summary = {"method": run.method.name, "run": run.label, "rounds": rounds, **traffic,
+               "secure_aggregation": secure_aggregation_status(run.method),
                "findings_by_severity": {s: sum(f["severity"] == s for f in findings) for s in SEVERITIES},
                "evidence": {kind: _brief(ev) for kind, ev in evidence.items()},
                **(context or {}), "seconds": round(time.perf_counter() - start, 2), **provenance()}
@@ -234,6 +237,17 @@ def audit_recorded(run: RecordedRun, out: str | Path | None, rounds: int, eviden
     return {"summary": summary, "findings": findings, "rows": frame}
 
 
+def secure_aggregation_status(method) -> str:
+    """How the method meets secure aggregation, from its declaration (``Method.aggregates_securely``,
+    ``secure_variant_note``, ``per_client_fields``): "runs on the sum", "secure variant: <how it differs>",
+    "refuses: <the fields its server reads one client at a time>", or "sends nothing"."""
+    if not method.communicates:
+        return "sends nothing"
+    if not method.aggregates_securely():
+        return "refuses: " + (", ".join(method.per_client_fields) or "every upload field")
+    return f"secure variant: {method.secure_variant_note}" if method.secure_variant_note else "runs on the sum"
+
+
 def _protocol_findings(run: RecordedRun, frame: pd.DataFrame, kinds: set[str]) -> list[dict]:
     findings = []
     if "other" in kinds:
@@ -244,6 +258,23 @@ def _protocol_findings(run: RecordedRun, frame: pd.DataFrame, kinds: set[str]) -
     if not run.method.communicates or len(frame) == 0:
         findings.append(_finding("info", "NOTHING_UPLOADED", f"{run.method.name} sent nothing to the server."))
     return findings
+
+
+def _secure_findings(run: RecordedRun, kinds: set[str]) -> list[dict]:
+    """Under secure aggregation: what the server held instead of uploads (each round's decoded sum)."""
+    if "masked" not in kinds:
+        return []
+    records = [run.recorder.aggregates[r] for r in sorted(run.recorder.aggregates)]
+    aborted = [r.round for r in records if r.aborted]
+    return [_finding("info", "SECURE_AGGREGATION",
+                     f"Every upload the server received is one masked integer vector, uniform over the modulus: no "
+                     f"field of one client is readable. The server decoded the sum of each round's arrived uploads "
+                     f"in {len(records) - len(aborted)} of {len(records)} round(s)"
+                     + (f" (round(s) {', '.join(map(str, aborted))} aborted)" if aborted else "")
+                     + ". What a round's sum reveals is not audited here.",
+                     rounds=[r.round for r in records], aborted_rounds=aborted,
+                     survivors=[len(r.survivors) for r in records], dropped=[len(r.dropped) for r in records],
+                     clipped=[r.clipped for r in records])]
 
 
 def _true_classes(run: RecordedRun, round: int, client: int) -> torch.Tensor:
@@ -312,6 +343,7 @@ def _private_value_findings(run: RecordedRun, uploads: list, kinds: set[str], in
 def _kept_parameter_findings(run: RecordedRun, uploads: list) -> list[dict]:
     """Verify which model parameters never left the clients: none of the recorded uploads carried them
     (e.g. FedPer's head). Checked against the model, not the method's manifest."""
+    uploads = [up for up in uploads if not up.meta.get("secure_aggregation")]  # masked: every value left, hidden
     if not uploads:
         return []
     names = [name for name, _ in run.make_model().named_parameters()]

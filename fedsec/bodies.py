@@ -42,7 +42,7 @@ def _finish(out: Path | None, command: str, resolved: dict, folder=None) -> None
 
 
 def train_body(ctx: click.Context, shell: Shell) -> TrainResult:
-    from . import console  # noqa: F401  (keeps the console's import cost with the run, not the help)
+    from . import console  # here, not at the top: keeps the console's import cost with the run, not the help
     from .resumable import TrainRun, differences, refuse
     from .runner import load_run_config, prepare, train as run_train
 
@@ -63,7 +63,8 @@ def train_body(ctx: click.Context, shell: Shell) -> TrainResult:
     if status == "done":
         summary = _read_summary(out)
         return TrainResult(summary, _csv(out / "metrics.csv"), out, [_train_line(config, summary, out) +
-                                                                     " (finished earlier: read back)"])
+                                                                     " (finished earlier: read back)",
+                                                                     *console.train_protocol_lines(summary, out)])
     prep = prepare(config)  # fail on bad input before writing anything
     if p["show_partition"]:
         click.echo(prep.partition.summary(prep.dataset.labels.numpy()))
@@ -75,7 +76,8 @@ def train_body(ctx: click.Context, shell: Shell) -> TrainResult:
     rows = pd.DataFrame(metrics, columns=["round", "client", "accuracy", "loss"])
     if resolved is not None:
         _finish(out, "train", resolved)
-    return TrainResult(summary, rows, out, [_train_line(config, summary, out)])
+    return TrainResult(summary, rows, out, [_train_line(config, summary, out),
+                                            *console.train_protocol_lines(summary, out)])
 
 
 def _read_summary(out: Path) -> dict:

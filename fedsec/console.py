@@ -52,13 +52,53 @@ def attack_lines(summary: dict, out, prefix: str = "") -> list[str]:
 
 
 def audit_lines(name: str, result: dict, out) -> list[str]:
-    """An audit's upload size and findings by severity, then one line per finding."""
+    """An audit's upload size and findings by severity, how the method meets secure aggregation, then
+    one line per finding."""
     summary = result["summary"]
+    secure = summary.get("secure_aggregation")  # absent from audits written before it was recorded
     return [f"{name}: {summary['upload_kib_per_client_round']:.1f} KiB up per client and round; "
             + ", ".join(f"{n} {s}" for s, n in summary["findings_by_severity"].items() if n) + f" findings → {out}",
+            *([f"  secure aggregation: {secure}"] if secure else []),
             *(f"  [{f['severity']}] {f['code']}: {f['finding']}" for f in result["findings"]),
             *(f"  evidence {ev.get('attack', kind)}: not applicable ({ev['not_applicable']})"
               for kind, ev in (summary.get("evidence") or {}).items() if ev and ev.get("not_applicable"))]
+
+
+def _power_of_two(n: int) -> str:
+    return f"2**{int(n).bit_length() - 1}" if n > 0 and int(n) & (int(n) - 1) == 0 else str(n)
+
+
+def train_protocol_lines(summary: dict, out) -> list[str]:
+    """A training run's secure aggregation and dropout (summary's ``secure_aggregation`` and ``round_log``):
+    what the server held, the protocol's parameters, what arrived, and a ``warning:`` line for every
+    round whose sum was biased by clipping or that was aborted (neither is ever silent)."""
+    log = summary.get("round_log")
+    if log is None:
+        return []
+    lines, secure = [], summary.get("secure_aggregation")
+    if secure is not None:
+        p = secure["protocol"]
+        graph = "every other client" if p["neighbours"] is None else f"{p['neighbours']} neighbours (SecAgg+)"
+        lines.append(f"  secure aggregation: the server held only each round's sum, never one client's upload "
+                     f"(masks with {graph}; clipping ±{p['clipping_range']:g}, "
+                     f"{_power_of_two(p['quantization_range'])} quantisation steps of {p['quantum']:.3g}, modulus "
+                     f"{_power_of_two(p['modulus'])}, unmasking needs {100 * p['reconstruction_threshold']:g} % of "
+                     f"a round's clients, weights n / {p['max_weight']:g})")
+    where = f"  → {out}/rounds.csv" if out is not None else ""
+    dropout = f"dropout {summary['dropout']:g}: " if summary.get("dropout") else ""
+    lines.append(f"  {dropout}{log['survivors']} of {log['participants']} uploads arrived over {log['rounds']} "
+                 f"rounds ({log['dropped']} dropped out), {log['clipped']} values clipped, "
+                 f"{len(log['aborted_rounds'])} round(s) aborted{where}")
+    if log["clipped"]:
+        clip = secure["protocol"]["clipping_range"] if secure else None
+        lines.append(f"warning: {log['clipped']} summed values were beyond ±{clip:g} and clipped before masking, "
+                     f"in round(s) {', '.join(map(str, log['clipped_rounds']))}: those sums are biased; raise "
+                     f"--sa-clipping-range or --sa-max-weight")
+    if log["aborted_rounds"]:
+        lines.append(f"warning: round(s) {', '.join(map(str, log['aborted_rounds']))} aborted: fewer clients "
+                     f"survived than --sa-threshold needs, so the server could not unmask and kept its model; lower "
+                     f"--dropout or --sa-threshold")
+    return lines
 
 
 def mia_lines(method: str, summary: dict, out) -> list[str]:

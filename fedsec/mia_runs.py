@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from defenses.dp import DPConfig, DPMethod, privacy_report
 from fedecouple.channel import Recorder, ServerChannel
+from fedecouple.errors import UserError
 from fedecouple.data.dataset import ImageDataset
 from fedecouple.devices import to_device
 from fedecouple.data.partition import Partition
@@ -104,7 +105,11 @@ def run_one(spec: RunSpec, dataset: ImageDataset) -> dict:
     last = spec.config.federation.rounds - 1
     recorder = Recorder(rounds={last}, remember_latest=False)
     fed_config = replace(spec.config.federation, seed=spec.federation_seed)
-    fed = Federation(method, dataset, spec.partition, fed_config, channel=ServerChannel(recorder=recorder))
+    protocol = spec.config.secure.protocol(spec.federation_seed)  # under it the uploads recorded are masked
+    if protocol is not None and (refusal := method.secure_refusal()):
+        raise UserError(refusal)
+    fed = Federation(method, dataset, spec.partition, fed_config,
+                     channel=ServerChannel(recorder=recorder, secure=protocol))
     fed.run()
     signals = collect_signals(fed, recorder, spec)
     io.save_torch(Path(spec.folder) / "signals.pt", signals)
@@ -257,7 +262,8 @@ def collect_signals(fed: Federation, recorder: Recorder, spec: RunSpec) -> dict:
     _fill(out, notes, "global", ctx, lambda cid: server,
           "the server holds no model weights (no global model)", shared=True)
     _fill(out, notes, "upload", ctx, lambda cid: _upload_tensors(recorder, last, cid),
-          "the uploads carry no model weights")
+          "the server holds only masked uploads and their sum (secure aggregation)" if recorder.secure is not None
+          else "the uploads carry no model weights")
     if spec.server_view:
         _update_losses(out, notes, ctx, recorder, last)
     out["_notes"] = notes

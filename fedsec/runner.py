@@ -270,12 +270,42 @@ def run_record(config: RunConfig, method: Method) -> dict:
             **provenance()}
 
 
+ROUND_COLUMNS = ["round", "participants", "survivors", "dropped", "clipped", "aborted"]
+
+
+def round_summary(fed: Federation, config: RunConfig) -> tuple[dict, pd.DataFrame | None]:
+    """Under secure aggregation or dropout: (summary.json's entries on what the server held and the
+    round log's totals, rounds.csv's rows); otherwise ({}, None)."""
+    protocol = config.secure.protocol(config.federation.seed)
+    if protocol is None and not config.federation.dropout:
+        return {}, None
+    frame = pd.DataFrame([{**r, "dropped": r["participants"] - r["survivors"]} for r in fed.round_log],
+                         columns=ROUND_COLUMNS)
+    entries = {"dropout": config.federation.dropout, "round_log": {
+        "rounds": len(frame), "participants": int(frame["participants"].sum()),
+        "survivors": int(frame["survivors"].sum()), "dropped": int(frame["dropped"].sum()),
+        "clipped": int(frame["clipped"].sum()),
+        "clipped_rounds": frame.loc[frame["clipped"] > 0, "round"].astype(int).tolist(),
+        "aborted_rounds": frame.loc[frame["aborted"].astype(bool), "round"].astype(int).tolist()}}
+    if protocol is not None:
+        entries["secure_aggregation"] = {
+            "server_held": "the sum of each round's arrived uploads, never one upload (masked uploads are uniform "
+                           "over the modulus)",
+            "protocol": {**protocol.describe(), "quantum": protocol.quantum},
+            "decoding_bound": "each summed value within (survivors x quantum) of the true sum"}
+    return entries, frame
+
+
 def write_metrics(out: Path, fed: Federation, config: RunConfig, seconds: float) -> dict:
     io.write_csv(out / "metrics.csv", pd.DataFrame(fed.metrics, columns=["round", "client", "accuracy", "loss"]))
     summary = {"method": config.method, "dataset": config.data.dataset, "partition": config.data.partition,
                "clients": config.data.clients, "rounds": fed.completed_rounds, "seed": config.federation.seed,
                "seconds": round(seconds, 2), **device_record(config.federation.device), **summarize(fed.metrics)}
     summary.pop("round", None)
+    entries, rounds = round_summary(fed, config)
+    summary.update(entries)
+    if rounds is not None:
+        io.write_csv(out / "rounds.csv", rounds)
     io.write_json(out / "summary.json", summary)
     return summary
 
@@ -329,7 +359,8 @@ def _train_checkpointed(fed: Federation, prep: Prepared, out: Path | None, resum
     seconds = spent + time.perf_counter() - start
     if out is not None:
         return write_metrics(out, fed, config, seconds)
-    return {"method": config.method, "rounds": fed.completed_rounds, **summarize(fed.metrics)}
+    return {"method": config.method, "rounds": fed.completed_rounds, **summarize(fed.metrics),
+            **round_summary(fed, config)[0]}
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:

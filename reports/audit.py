@@ -21,6 +21,7 @@ def audit_markdown(summary: dict, findings: list[dict]) -> str:
              f"* upload per round (all clients): {summary['upload_mb_per_round']:.3f} MB; total "
              f"{summary['total_upload_mb']:.3f} MB up, {summary['total_download_mb']:.3f} MB down",
              f"* paper's formula 2 × (415.6 + 0.504·C + 2.25·C) KB: {summary['paper_formula_kb_per_client_round']:.1f} KB",
+             *([f"* secure aggregation: {summary['secure_aggregation']}"] if summary.get("secure_aggregation") else []),
              "", "## Findings", "", "| severity | code | finding |", "| --- | --- | --- |"]
     for f in findings:
         lines.append(f"| {f['severity']} | {f['code']} | {f['finding'].replace('|', '/')} |")

@@ -13,7 +13,8 @@ Inputs
              (the reconstructions' predicted labels), ``a_class_presence_accuracy`` (label
              attacks), ``a_images``, ``a_lower_bound`` (the caller's LOWER BOUND verdict: at or below the
              prior while the optimiser stopped short); then ``findings_high, findings_medium, findings_low,
-             findings_info``.
+             findings_info``; optionally ``secure_aggregation`` (the audit's "runs on the sum", "secure
+             variant: ..." or "refuses: ...", a column of the headline table when present).
 ``results``  one row per scored image (and, for ``labels``, per class): at least ``method,
              attack, psnr, prior_psnr`` for image attacks.
 ``findings`` one row per finding: ``method, severity, code, finding, evidence, measured``.
@@ -133,6 +134,8 @@ def headline_rows(summary: pd.DataFrame, meta: Mapping) -> tuple[list[str], list
         header += [f"{a} PSNR dB mean [95 % CI] / median / max (prior; n images; recovered)", f"{a} SSIM"]
     header += [f"{a}: class-presence accuracy" for a in meta["label_attacks"]]
     header += ["findings high / medium / low / info"]
+    secure = "secure_aggregation" in summary.columns  # the audit's declaration; older tables lack it
+    header += ["secure aggregation"] if secure else []
     rows = []
     for _, r in summary.iterrows():
         row = [str(r["method"]), accuracy_cell(r.get("accuracy_mean"), r.get("accuracy_std")),
@@ -141,6 +144,7 @@ def headline_rows(summary: pd.DataFrame, meta: Mapping) -> tuple[list[str], list
             row += [psnr_cell(r, a), fmt(r.get(f"{a}_ssim"), 2) if status_of(r, a) == "done" else "n/a"]
         row += [fmt(r.get(f"{a}_class_presence_accuracy"), 2) for a in meta["label_attacks"]]
         row.append(findings_cell(r))
+        row += [str(r["secure_aggregation"]) if isinstance(r["secure_aggregation"], str) else "n/a"] if secure else []
         rows.append(row)
     return header, rows
 

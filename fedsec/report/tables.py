@@ -114,7 +114,8 @@ def _method_row(method: str, by: dict, attack_names: list[str], out: Path, colle
     audit = _read_json(by[(method, "audit")].path / "summary.json", {})
     row = {"method": method, "accuracy_mean": train.get("mean_accuracy"), "accuracy_std": train.get("std_accuracy"),
            "upload_mb_per_round": audit.get("upload_mb_per_round"),
-           "upload_kib_per_client_round": audit.get("upload_kib_per_client_round")}
+           "upload_kib_per_client_round": audit.get("upload_kib_per_client_round"),
+           "secure_aggregation": audit.get("secure_aggregation")}
     measured: dict[str, dict] = {}
     for a in attack_names:
         cells, summary, frame, grid = _attack_cells(by[(method, f"attack-{a}")], out)
