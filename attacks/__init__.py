@@ -10,9 +10,10 @@ register a ``MembershipSpec`` (``register_membership``) the same way.
 
 The families are folders: ``attacks.inversion`` (a curious server rebuilds images or labels from an
 upload), ``attacks.membership`` (membership inference and its scoring) and ``attacks.malicious`` (a
-server that crafts the download). Shared by all: ``base``, ``registry``, ``metrics``, ``statistics``,
-and the harness that attacks a recorded run (``recorded``: ``RecordedRun``, ``ThreatModel``;
-``harness``: ``attack_recorded``).
+server that crafts the download), and ``attacks.secure`` (round-level attacks on what a server under
+secure aggregation holds: each round's sum, run by ``attacks.secure.harness``). Shared by all: ``base``,
+``registry``, ``metrics``, ``statistics``, and the harness that attacks a recorded run (``recorded``:
+``RecordedRun``, ``ThreatModel``; ``harness``: ``attack_recorded``).
 
 Adding an attack: one file in its family's folder that defines its functions and calls
 ``register(AttackSpec(...))`` (or ``register_membership``), plus one import line here. An attack module
@@ -30,6 +31,7 @@ from .inversion import dlg, ig, proto, labels  # noqa: F401
 from . import malicious  # noqa: F401
 from .membership import lira, mia_threshold, rmia  # noqa: F401
 from .inversion import fedavg_leakage  # noqa: F401
+from .secure import sum_binning, inconsistency, sybil, sum_labels, sum_inversion, disaggregation  # noqa: F401  (secure aggregation)
 from .base import AttackResult, Budget, LocalHyperparameters, NotApplicable, Observation
 from .inversion.batching import Batch, plan_one_by_one, run_plan
 from .registry import ATTACKS, MEMBERSHIP, AttackSpec, MembershipSpec, get, names, register, unregister

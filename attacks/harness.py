@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from fedecouple.engine import VictimSetting, derive_seed
+from fedecouple.errors import UserError
 
 from . import plan
 from .base import AttackResult, Budget, NotApplicable
@@ -121,6 +122,9 @@ def attack_recorded(run: RecordedRun, attack: AttackSpec | str, targets: dict[in
     the victim setting the targets trained in (None: their real local training); ``threads`` the
     torch threads of each attack batch."""
     spec = get(attack) if isinstance(attack, str) else attack
+    if spec.round_level:  # its target is a round's secure sum: ``attacks.secure.harness.attack_rounds``
+        raise UserError(f"{spec.name} attacks the sum of a round under secure aggregation, not one client's upload; "
+                        f"run it with fedsec attack {spec.name} --secure-aggregation")
     notes: list[str] = []
     auxiliary = _auxiliary(run, threat, targets)
     # gradient attacks compute on the run's device; proto and labels (cheap, no vmap) on the CPU

@@ -78,6 +78,9 @@ class RecordedRun:
     # the clients' download check, when one ran (``defenses.download_check.DownloadCheck``):
     # ``summary(attacked)`` gives its detection statistics
     download_check: object | None = None
+    # under secure aggregation, the clients' download-consistency check when one ran
+    # (``defenses.consistency_check.ConsistencyCheck``): detections on the rounds whose downloads differed
+    consistency_check: object | None = None
     device: str = "cpu"  # where the gradient attacks compute (``fedecouple.devices``)
 
     def upload_kinds(self) -> set[str]:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 # what an attack rebuilds, and so how its result is scored (``attacks.metrics.score_images``, called by ``attacks.harness``)
-KINDS = ("gradient", "image", "labels", "malicious")
+# "aggregate": a round-level attack on what a server under secure aggregation holds (``attacks.secure``)
+KINDS = ("gradient", "image", "labels", "malicious", "aggregate")
 SCORINGS = ("images", "class-images", "labels")
 WEIGHT_KINDS = frozenset({"extractor", "classifier"})
 ESTIMATE_PER = ("image", "target")
@@ -30,15 +31,25 @@ class AttackSpec:
     ``plan(observations, budget, mode, batched)`` prepares many at once and returns
     ``(batches, failed)`` (``attacks.inversion.batching``: each ``Batch`` one optimisation, ``failed`` the
     targets with nothing to attack); ``None``: one by one. ``applies_to`` holds the upload field kinds (``fedecouple.methods.base.KINDS``) the attack
-    can use: it applies to a method that uploads any of them. ``default_victim_batch`` is the
+    can use: it applies to a method that uploads any of them (a round-level attack: that sums any of
+    them). ``default_victim_batch`` is the
     victim setting ``fedsec attack`` uses by default (1: one image, the textbook setting; 0: the
     method's real local training). ``needs`` and ``hint`` make the sentence shown where it does
-    not apply."""
+    not apply.
+
+    A round-level attack (kind ``"aggregate"``) attacks a whole round under secure aggregation instead
+    of one client's upload: ``attack_round(observation, budget, seed) -> AttackResult`` with an
+    ``attacks.secure.observation.RoundObservation`` (the decoded sum, who took part, the downloads, the
+    earlier rounds' sums); its ``attack_one`` and ``plan`` are None. ``attacks.secure.harness`` runs it
+    and scores it against the union of the round's survivors' training images. A malicious server's
+    round-level attack declares ``crafts``, ``craft_download`` and ``unreachable`` (its crafts reach
+    every participant of an attacked round); ``score_target`` is not needed (the round's scoring is the
+    harness's)."""
 
     name: str
     kind: str
     summary: str
-    attack_one: Callable
+    attack_one: Callable | None
     plan: Callable | None
     default_iterations: int
     default_victim_batch: int
@@ -79,13 +90,20 @@ class AttackSpec:
     # with the kind's rates: the cost of one of its optimiser steps in Adam steps (an L-BFGS step runs
     # several evaluations)
     estimate_step_factor: float = 1.0
+    # a round-level attack's function (kind "aggregate"): ``attack_round(RoundObservation, budget, seed)``
+    attack_round: Callable | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"attack {self.name}: unknown kind {self.kind!r}; one of {KINDS}")
+        if (self.kind == "aggregate") != (self.attack_round is not None) or \
+                (self.attack_round is None) == (self.attack_one is None):
+            raise ValueError(f"attack {self.name}: a round-level attack is of kind 'aggregate' and declares "
+                             f"attack_round instead of attack_one; every other declares attack_one")
         if self.scoring not in SCORINGS:
             raise ValueError(f"attack {self.name}: unknown scoring {self.scoring!r}; one of {SCORINGS}")
-        if self.crafts and None in (self.craft_download, self.unreachable, self.score_target):
+        needed = (self.craft_download, self.unreachable) + (() if self.round_level else (self.score_target,))
+        if self.crafts and None in needed:
             raise ValueError(f"attack {self.name}: a malicious server's attack declares craft_download, "
                              f"unreachable and score_target")
         if self.estimate_per not in ESTIMATE_PER:
@@ -94,6 +112,11 @@ class AttackSpec:
     @property
     def malicious(self) -> bool:
         return bool(self.crafts)
+
+    @property
+    def round_level(self) -> bool:
+        """Whether it attacks a round's secure sum (kind ``"aggregate"``) rather than one client's upload."""
+        return self.kind == "aggregate"
 
     @property
     def rebuilds_images(self) -> bool:
@@ -120,7 +143,10 @@ class CraftRequest:
     images it holds (in [0, 1]) and their labels, the parameter groups the client trains from or
     against as sent (``Method.download_reaches``), a seed of its own for this round and client, the
     client's latest exchange it saw before this one ((round, download as sent, upload or None); None:
-    none), and the federation's method and local training settings (None where unknown)."""
+    none), and the federation's method and local training settings (None where unknown). For a
+    round-level attack also the secure-aggregation protocol the server runs (``secure``; None: unknown)
+    and every client whose download it crafts in this round (``round_clients``: a craft that treats
+    one participant apart from the others, as model inconsistency does, chooses it from them)."""
 
     craft: str
     round: int
@@ -134,6 +160,8 @@ class CraftRequest:
     earlier: tuple | None = None
     method: object = None
     train: object = None
+    secure: object = None
+    round_clients: tuple = ()
 
 
 ATTACKS: dict[str, AttackSpec] = {}

@@ -227,6 +227,25 @@ def start_figures(out: Path, stdout: str) -> dict:
             "median_seconds": rows}
 
 
+# the lines of bench/secure_malicious.py that answer its questions: binning on one client of 100 images and
+# through the sum at the default quantisation, the inconsistency attack's images, the check's decisions
+MALICIOUS_PHRASES = ("sized      craft,  1 x 100", "secure, quantization_range 2**22 ", "target's images, n =",
+                     "isolate, SecAgg, 10 clients, check on", "honest server, SecAgg, 10 clients, check on")
+
+
+def printed_figures(*phrases: str) -> Callable[[Path, str], dict]:
+    """A bench that prints its figures: the whole print-out (shown under the cell's details) and, as the
+    headline, its lines that hold one of ``phrases``."""
+    def figures(out: Path, stdout: str) -> dict:
+        lines = [line.rstrip() for line in stdout.splitlines() if line.strip()]
+        picked = [line.strip() for line in lines if any(p in line for p in phrases)]
+        if not picked:
+            raise CellError(f"the bench printed none of: {', '.join(phrases)}")
+        return {"headline": "; ".join(picked), "line": "\n".join(lines)}
+
+    return figures
+
+
 # ---------------------------------------------------------------- the cells
 
 @dataclass(frozen=True)
@@ -259,6 +278,7 @@ GROUPS = {
     "mia": "Membership inference (LiRA)",
     "device": "Devices",
     "startup": "Start-up time of the command line",
+    "secure": "Secure aggregation",
 }
 
 
@@ -315,6 +335,20 @@ def _other_cells() -> list[Cell]:
                            "--seeds", "0,1,2", "--clients", "20", "--rounds", "5", "--local-epochs", "1", "--threads", "1",
                            *extra, "--out", f"runs/compare-{partition}"), compare_figures, "about 30 min",
                           depends=("fedecouple", "fedsec")))
+    cells.append(Cell("secure-curious", "secure", "a curious server under secure aggregation: FedAvg, 10 clients of one "
+                      "image; the round's label histogram, the sum inverted, disaggregation over 20 rounds",
+                      ("python", "bench/secure_curious.py"),
+                      printed_figures("round histogram exact", "PSNR - prior per image", "label counts exact",
+                                      "paired difference"), "about 10 min",
+                      depends=CODE + ("bench/secure_curious.py",)))
+    cells.append(Cell("secure-malicious", "secure", "a malicious server through secure aggregation: binning through "
+                      "the sum, model inconsistency, the consistency check",
+                      ("python", "bench/secure_malicious.py"), printed_figures(*MALICIOUS_PHRASES), "about 10 min",
+                      depends=CODE + ("defenses", "bench/secure_malicious.py")))
+    cells.append(Cell("flower-secagg", "secure", "Flower's SecAgg+ recorded and attacked: 10 nodes, 3 rounds",
+                      ("python", "bench/flower_secagg.py"),
+                      printed_figures("aggregate vs true", "uniformity", "sum-labels: histogram exact"),
+                      "about 2-4 min", depends=CODE + ("bench/flower_secagg.py", "examples/flower_secagg")))
     cells.append(Cell("cli-start", "startup", "fedsec --help and every command's --help, each a new process",
                       ("python", "bench/cli_start.py", "--runs", "5"), start_figures, "about 10 s",
                       depends=("fedsec", "bench/cli_start.py")))

@@ -9,13 +9,15 @@ crafted layer), never the command line.
   ``Exclude`` — act on each upload's Δ before it leaves the client;
 * ``download_check``: ``DownloadCheck`` — each client tests a download before training and refuses
   one that looks crafted;
+* ``consistency_check``: ``ConsistencyCheck`` — under secure aggregation each client compares its
+  download's digest with its masking-graph neighbours' and withholds its upload on a mismatch;
 * ``registry``: one ``DefenseSpec`` per choice of ``fedsec defend --defense`` (``DEFENSES``, ``get``).
 
 Adding a defense: one module that defines it and calls ``register(DefenseSpec(...))``, plus its import
 line here.
 """
 # each module registers its defenses on import; this order is the registry's (the CLI's choices)
-from . import dp, filters, download_check  # noqa: F401
+from . import dp, filters, download_check, consistency_check  # noqa: F401
 from .dp import DPConfig, DPMethod, epsilon, privacy_report
 from .filters import Exclude, FilterChain, GaussianNoise, NormClip, Prune, Quantize, UploadFilter
 from .registry import DEFENSES, DefendedRun, DefenseSpec, get, register

@@ -6,7 +6,8 @@ run (``DefendedRun``). Where it acts decides how the sweep installs what ``build
 
 * ``local training``: a ``DPConfig`` (the method is wrapped in ``DPMethod``);
 * ``upload``: a channel interceptor on what leaves the client (an upload filter's ``FilterChain``);
-* ``download``: a channel interceptor on what reaches the client (the ``DownloadCheck``).
+* ``download``: a channel interceptor on what reaches the client (the ``DownloadCheck``, the
+  ``ConsistencyCheck`` under secure aggregation).
 
 Each defense registers itself in its own module; ``defenses/__init__.py`` imports the modules, in the
 order of this registry (the CLI's choices).
@@ -32,6 +33,7 @@ class DefendedRun:
     seed: int  # the federation's seed: the filters' noise
     images_of: Callable[[int], Any]  # a client's own training images (the download check runs on them)
     dp: Mapping[str, Any] = field(default_factory=dict)  # ``DPConfig``'s fields other than the noise multiplier
+    secure: Any = None  # the run's ``SecureAggregation`` protocol (None: off); the consistency check needs its graph
 
 
 @dataclass(frozen=True)

@@ -155,10 +155,12 @@ class Recorder(Interceptor):
 
     def relabel(self, client_ids: Mapping[int, int]) -> None:
         """Rename clients: ``client_ids`` maps each recorded client id to a new one (one-to-one; ids
-        not in it stay). For a recording made under provisional ids, e.g. a Flower run whose nodes
-        are known by their partition ids only after the run."""
+        not in it stay), in the exchanges and in the secure-aggregation records. For a recording made
+        under provisional ids, e.g. a Flower run whose nodes are known by their partition ids only
+        after the run."""
         rename = {int(old): int(new) for old, new in client_ids.items()}
-        known = {cid for _, cid in self.exchanges} | {cid for _, cid in self._pending} | set(self._latest)
+        known = {cid for _, cid in self.exchanges} | {cid for _, cid in self._pending} | set(self._latest) | \
+            {cid for record in self.aggregates.values() for cid in record.participants}
         final = [rename.get(cid, cid) for cid in known]
         if len(set(final)) != len(final):
             raise ValueError(f"relabelling {rename} would merge clients")
@@ -172,6 +174,12 @@ class Recorder(Interceptor):
         self._pending = {(rnd, rename.get(cid, cid)) for rnd, cid in self._pending}
         self._latest = {rename.get(cid, cid): [(rnd, moved(up)) for rnd, up in history]
                         for cid, history in self._latest.items()}
+
+        def ids(clients) -> tuple[int, ...]:
+            return tuple(sorted(rename.get(cid, cid) for cid in clients))
+
+        self.aggregates = {rnd: replace(record, participants=ids(record.participants), survivors=ids(record.survivors),
+                                        dropped=ids(record.dropped)) for rnd, record in self.aggregates.items()}
 
 class ServerChannel:
     """Carries downloads and uploads through the interceptor chain, in registration order."""

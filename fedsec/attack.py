@@ -31,7 +31,9 @@ relative error against the image's true features; a malicious-server attack's ro
 image its craft isolated, with target_class, fished, k_true and k_inferred); for a label attack one row per
 class: method, attack, mode, round, client, class, true_count, true_proportion,
 predicted_proportion), ``summary.json`` and ``reconstructions.png`` (ground truth above
-reconstruction, PSNR under each; not for label attacks), all written atomically.
+reconstruction, PSNR under each; not for label attacks), all written atomically. A round-level attack
+(``--secure-aggregation``, ``fedsec.secure_attack``) writes its rows as ``attacks.secure.harness`` scores them,
+one attacked round per target, and an image attack's label counts as ``labels.csv``.
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ from reports.figures import reconstruction_grid
 
 from . import io
 from .runner import Prepared, RunConfig, build_federation, prepare
+from .secure_attack import attack_round_level, record_rounds, refusal, round_targets
 from .versions import provenance
 
 # training and attacks run small models at small batches: on a shared 2-core machine one thread was
@@ -100,6 +103,8 @@ class AttackSettings:
     threads: int | None = None  # default: the run's, else ATTACK_THREADS
     craft: str | None = None  # a malicious-server attack's crafted download (default: the attack's first)
     download_check: bool = False  # clients test every download and refuse a crafted one (defenses)
+    # under secure aggregation, clients compare their download's digest with their neighbours' (defenses)
+    consistency_check: bool = False
 
     @property
     def spec(self) -> AttackSpec:
@@ -237,16 +242,21 @@ def pick_targets(participants: list[int], k: int, seed: int, round: int) -> list
 
 def choose_targets(participants, settings: "AttackSettings") -> dict[int, list[int]]:
     """{round: the ``settings.targets`` clients attacked} for every attacked round, chosen (seeded) from
-    ``participants(round)``."""
+    ``participants(round)``; for a round-level attack every participant."""
+    if settings.spec.round_level:
+        return round_targets(participants, settings.rounds)
     return {r: pick_targets(participants(r), settings.targets, settings.seed, r) for r in settings.rounds}
 
 
 def check_applicable(spec: AttackSpec, prep: Prepared) -> None:
-    """A one-line UserError, before anything trains, when the method uploads nothing the attack uses."""
+    """A one-line UserError, before anything trains, when the method uploads nothing the attack uses, or
+    secure aggregation rules it out (a per-client attack with it on, a round-level one with it off)."""
     model, reason = model_for(prep), None
     if spec.malicious and prep.method.communicates:  # first what a crafted download can reach
         reason = spec.unreachable(prep.method, model)
     reason = reason or spec.not_applicable(prep.method.name, prep.method.upload_kinds(model))
+    # a per-client attack under secure aggregation, or a round-level one without it
+    reason = reason or refusal(spec, prep.method.name, prep.config.secure.secure_aggregation)
     if reason is not None:
         raise UserError(reason)
 
@@ -278,7 +288,7 @@ def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | No
     config = config.updated(rounds=settings.rounds_to_train, threads=settings.threads)
     previous_threads = torch.get_num_threads()
     key = (training_key(config, settings) if trainings is not None and dp is None and not interceptors
-           and not settings.spec.malicious else None)
+           and not settings.spec.malicious and not settings.spec.round_level else None)
     try:
         prep = prepare(config)
         if dp is not None:
@@ -313,8 +323,12 @@ def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | No
 
                 context["dp"] = io.finite(privacy_report(fed.clients, dp))
             args = settings.split()
-            outcome = attack_recorded(run, args.spec, targets, args.threat, args.budget, seed=args.seed,
-                                      batched=args.batched, victim=args.victim, threads=args.threads, progress=progress)
+            if args.spec.round_level:  # under secure aggregation: each round's sum, not one upload
+                outcome = attack_round_level(run, args, settings.rounds, progress)
+            else:
+                outcome = attack_recorded(run, args.spec, targets, args.threat, args.budget, seed=args.seed,
+                                          batched=args.batched, victim=args.victim, threads=args.threads,
+                                          progress=progress)
             return write_attack(out, settings, targets, outcome, context, start, notes)
         finally:
             if key is None:
@@ -402,7 +416,7 @@ def recording_federation(prep: Prepared, settings: AttackSettings | None = None,
     round) and the harness's ground truth, the chosen targets in the victim setting: (federation,
     its ``RecordedRun``, {round: targets}). Whoever trains it (``train_recorded``, or a report's
     train stage) fills the record."""
-    rounds = None if settings is None else settings.rounds
+    rounds = None if settings is None else record_rounds(settings.spec, settings.rounds)
     recorder, ground_truth = Recorder(rounds=rounds), GroundTruth(rounds=rounds)
     fed = build_federation(prep, channel=ServerChannel(interceptors, recorder=recorder), ground_truth=ground_truth)
     initial_model = copy.deepcopy(fed.model).cpu()  # the server built it (observations move it to the device)
@@ -421,6 +435,11 @@ def recording_federation(prep: Prepared, settings: AttackSettings | None = None,
         run.download_check = DownloadCheck(lambda c: prep.dataset.images[torch.from_numpy(prep.partition.train[c])],
                                            run.make_model)
         fed.channel.interceptors.append(run.download_check)  # last: it sees what reaches the client
+    if settings is not None and settings.consistency_check:
+        from defenses.consistency_check import ConsistencyCheck
+
+        run.consistency_check = ConsistencyCheck(fed.channel.secure)  # refuses without secure aggregation
+        fed.channel.interceptors.append(run.consistency_check)  # last: it digests what reaches the client
     return fed, run, targets
 
 
@@ -440,7 +459,8 @@ def _malicious_server(prep: Prepared, settings: AttackSettings, targets: dict, f
         rows = torch.from_numpy(public_rows(len(images), exclude, settings.seed))
     server = MaliciousServer(settings.spec, settings.craft, {(r, c) for r in targets for c in targets[r]},
                              run.make_model, images[rows], prep.method.download_reaches, settings.seed,
-                             public_labels=labels[rows], method=prep.method, train=prep.config.federation.train)
+                             public_labels=labels[rows], method=prep.method, train=prep.config.federation.train,
+                             secure=fed.channel.secure)
     fed.channel.interceptors.append(server)
     return server
 
@@ -467,7 +487,7 @@ def write_attack(out: str | Path | None, settings: AttackSettings, targets: dict
     run's start; ``notes`` before the attack's own), and, when ``out`` is given, ``attack.csv``, ``summary.json`` and
     ``reconstructions.png`` (not for a label attack) written there atomically; returns the summary."""
     short = [f"round {r}: only {len(cs)} clients take part, fewer than --targets {settings.targets}"
-             for r, cs in targets.items() if len(cs) < settings.targets]
+             for r, cs in targets.items() if len(cs) < settings.targets and not outcome.spec.round_level]
     summary = io.finite(outcome.summary.record(time.perf_counter() - start,
                                                {"settings": asdict(settings), **context, **provenance()},
                                                notes_before=list(notes) + short))
@@ -476,6 +496,8 @@ def write_attack(out: str | Path | None, settings: AttackSettings, targets: dict
     if out is not None:
         out = Path(out)
         io.write_csv(out / "attack.csv", pd.DataFrame(outcome.rows, columns=outcome.columns))
+        if getattr(outcome, "label_rows", None):  # a round-level image attack's label counts
+            io.write_csv(out / "labels.csv", pd.DataFrame(outcome.label_rows))
         if outcome.spec.rebuilds_images:
             io.write_bytes(out / "reconstructions.png",
                            reconstruction_grid(outcome.panels, f"{outcome.spec.name} on {outcome.summary.run}"))

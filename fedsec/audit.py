@@ -64,7 +64,8 @@ def field_rows(method_name: str, upload, manifest: list[FieldSpec]) -> list[dict
     for name, tensor in upload.tensors.items():
         spec = classify_field(name, manifest)
         rows.append({"method": method_name, "round": upload.round, "client": upload.client_id, "field": name,
-                     "kind": "masked" if masked else spec.kind if spec else "other",
+                     # under secure aggregation only the protocol's vector is masked (Flower leaves metrics clear)
+                     "kind": "masked" if masked and name == "masked" else spec.kind if spec else "other",
                      "shape": "x".join(map(str, tensor.shape)) or "scalar",
                      "dtype": str(tensor.dtype).replace("torch.", ""), "bytes": tensor.numel() * tensor.element_size()})
     return rows
@@ -229,12 +230,16 @@ def audit_recorded(run: RecordedRun, out: str | Path | None, rounds: int, eviden
                "evidence": {kind: _brief(ev) for kind, ev in evidence.items()},
                **(context or {}), "seconds": round(time.perf_counter() - start, 2), **provenance()}
     if out is not None:  # None: a Python caller keeps the audit in memory
-        out = Path(out)
-        io.write_csv(out / "audit.csv", frame)
-        io.write_json(out / "findings.json", findings)
-        io.write_text(out / "audit.md", audit_markdown(summary, findings))
-        io.write_json(out / "summary.json", summary)
+        write_audit(Path(out), frame, findings, summary)
     return {"summary": summary, "findings": findings, "rows": frame}
+
+
+def write_audit(out: Path, rows, findings: list[dict], summary: dict) -> None:
+    """An audit's files: audit.csv (one row per uploaded field), findings.json, audit.md, summary.json."""
+    io.write_csv(out / "audit.csv", rows)
+    io.write_json(out / "findings.json", findings)
+    io.write_text(out / "audit.md", audit_markdown(summary, findings))
+    io.write_json(out / "summary.json", summary)
 
 
 def secure_aggregation_status(method) -> str:
@@ -267,8 +272,8 @@ def _secure_findings(run: RecordedRun, kinds: set[str]) -> list[dict]:
     records = [run.recorder.aggregates[r] for r in sorted(run.recorder.aggregates)]
     aborted = [r.round for r in records if r.aborted]
     return [_finding("info", "SECURE_AGGREGATION",
-                     f"Every upload the server received is one masked integer vector, uniform over the modulus: no "
-                     f"field of one client is readable. The server decoded the sum of each round's arrived uploads "
+                     f"Every upload's parameters reached the server as one masked integer vector, uniform over the "
+                     f"modulus: no parameter of one client is readable. The server decoded the sum of each round's arrived uploads "
                      f"in {len(records) - len(aborted)} of {len(records)} round(s)"
                      + (f" (round(s) {', '.join(map(str, aborted))} aborted)" if aborted else "")
                      + ". What a round's sum reveals is not audited here.",

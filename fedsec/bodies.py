@@ -137,11 +137,13 @@ def attack_settings(ctx: click.Context, p: dict):
                               iterations=plan["iterations"], restarts=plan["restarts"], images=p["images"],
                               victim_batch=plan["victim_batch"], victim_steps=p["victim_steps"], seed=p["attack_seed"],
                               train_rounds=p["rounds"], craft=p["craft"], download_check=p["download_check"],
+                              consistency_check=p["consistency_check"],
                               **{k: p[k] for k in THREAT_MODEL})
     done = settings.resolved(config.federation.seed, config.execution.threads)  # every check, before anything runs
     resolved.update(rounds=p["rounds"], attack_rounds=",".join(map(str, done.rounds)), targets=done.targets,
                     iterations=done.iterations, restarts=done.restarts, victim_batch=done.victim_batch,
-                    attack_seed=done.seed, craft=done.craft, threads=done.threads)
+                    attack_seed=done.seed, craft=done.craft, threads=done.threads,
+                    consistency_check=p["consistency_check"] or None)  # off: folders written before it match
     return config, settings, resolved
 
 

@@ -45,6 +45,26 @@ ATTACKS: dict[str, AttackEntry] = {
                         "of the client's rarest class, rebuilt from the update", "malicious", 1000, 1, 1),
     "fedavg-leak": AttackEntry("Dimitrov et al. 2022: simulate the client's local epochs, label counts first, epoch "
                                "copies tied by an order-invariant term, every image rebuilt", "gradient", 3000, 2, 0),
+    "sum-binning": AttackEntry('malicious server under secure aggregation: the same binning rows '
+                               'for every client, sized to the protocol; a bin holding one image '
+                               'of the whole round reads it out of the sum (Robbing the Fed)',
+                               "aggregate", 300, 1, 0),
+    "inconsistency": AttackEntry('malicious server under secure aggregation: model inconsistency '
+                                 '(Eluding Secure Aggregation via Model Inconsistency) zeroes '
+                                 "every other client's first-layer update; binning reads the "
+                                 "target's from the sum",
+                                 "aggregate", 300, 1, 0),
+    "sybil": AttackEntry('malicious server under secure aggregation with sybils: every other '
+                         "participant is the server's, so it subtracts their updates from the sum"
+                         " and reads the target's binning (an upper bound)",
+                         "aggregate", 300, 1, 0),
+    "sum-labels": AttackEntry("secure aggregation: the round's label histogram from the sum (class counts, or the "
+                              "summed classifier-bias update)", "aggregate", 1, 1, 0),
+    "sum-inversion": AttackEntry("secure aggregation: the round's sum inverted as one batch of every survivor's images "
+                                 "(cosine gradient matching, TV prior)", "aggregate", 1000, 1, 0),
+    "sum-disaggregation": AttackEntry("secure aggregation: per-client label counts and updates by least squares over "
+                                      "many rounds' sums (gradient disaggregation), then iDLG and the closed form",
+                                      "aggregate", 300, 1, 0),
 }
 MEMBERSHIP_ATTACKS = ("lira", "loss", "entropy", "population", "rmia")  # attacks.MEMBERSHIP
 METHODS = ("fedecouple", "fedavg", "ft-fedavg", "fedper", "fedrep", "fedpac", "fedproto", "local")
@@ -52,7 +72,7 @@ DATASETS = ("mnist5k", "digits", "cifar10", "cifar100", "fmnist", "emnist", "cin
 EMBEDDED_DATASETS = ("mnist5k", "digits")  # fedecouple.data.registry.EMBEDDED
 PARTITIONS = ("iid", "pathological", "weak", "dirichlet")  # fedecouple.data.SCHEMES
 ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits", "mlp", "resnet18", "resnet18-bn", "resnet50")
-DEFENSES = ("dp", "noise", "clip", "prune", "quantize", "exclude", "download-check")  # defenses.DEFENSES
+DEFENSES = ("dp", "noise", "clip", "prune", "quantize", "exclude", "download-check", "consistency-check")  # defenses.DEFENSES
 MODES = ("auto", "method", "replay", "scaled")  # attacks.inversion.observation.MODES
 AUGMENTATION_MODELS = ("free", "family", "oracle")
 STARTS = ("noise", "mean")  # attacks.base.STARTS

@@ -239,6 +239,10 @@ def compare(ctx, **_):
               help="Every client tests each download before training and refuses one that looks crafted "
                    "(defenses.download_check); summary.json's download_check gives detections on the attacked "
                    "downloads and false alarms on all others.")
+@click.option("--consistency-check", is_flag=True, default=False,
+              help="With --secure-aggregation: every client compares a digest of its download with its protocol "
+                   "neighbours' and withholds its upload on a mismatch (defenses.consistency_check, against model "
+                   "inconsistency); summary.json's consistency_check gives detections and false alarms per round.")
 @threat_model_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder [runs/attack-<attack>-<method>]: attack.csv, summary.json, reconstructions.png, "
@@ -286,10 +290,12 @@ def audit(ctx, **_):
 @train_options
 @click.option("--methods", default="fedecouple,fedper,fedpac,fedproto", show_default=True,
               help="Comma-separated methods to compare (replaces --method).")
-@click.option("--attacks", default="dlg,ig,proto,labels", show_default=True, cls=Listed, listed=catalog.attack_names,
+@click.option("--attacks", default="dlg,ig,proto,labels,sum-labels", show_default=True, cls=Listed, listed=catalog.attack_names,
               help="Comma-separated attacks. Where one does not apply to a method (e.g. dlg on fedproto) it is "
                    "recorded as not applicable. A malicious server's attacks (trap, binning) fill the report's "
-                   "\"Malicious server\" section (see --malicious-sizes).")
+                   "\"Malicious server\" section (see --malicious-sizes). An attack on the sum (sum-labels, "
+                   "sum-inversion, ...) runs on each method's federation under secure aggregation: the report's "
+                   "\"with secure aggregation\" columns (a method that cannot run under it shows why).")
 @ATTACK_ROUNDS
 @TARGETS
 @ITERATIONS

@@ -33,7 +33,12 @@ Defense values:
 * ``download-check``: the value ``on``. Every client tests each download before training and
   refuses one that looks crafted (``defenses.download_check``); the row's training (an
   honest server) gives the false alarms (honest downloads refused), each malicious-server attack
-  (``trap``, ``binning``) the detection rate on the downloads it crafted.
+  (``trap``, ``binning``) the detection rate on the downloads it crafted;
+* ``consistency-check``: the value ``on``, under ``--secure-aggregation`` only. Every client compares
+  a digest of its download with its masking-graph neighbours' and withholds its masked upload on a
+  mismatch (``defenses.consistency_check``); the row's training gives the false alarms (rounds an
+  honest server's round was flagged). Its detection of model inconsistency is measured by
+  ``bench/secure_malicious.py``: the sweep's interceptors sit before a crafting server's.
 
 Filters act on model weights (kinds extractor/classifier); Δ as defined in
 ``defenses.filters``. A filter gives no formal guarantee: its ε column is empty.
@@ -67,6 +72,7 @@ from .resumable import ResumableStage
 from .runner import Prepared, RunConfig
 
 LOCAL_TRAINING = "local training"  # where DP-SGD acts (``DefenseSpec.acts``): it wraps the method, no interceptor
+CONSISTENCY_CHECK = "consistency-check"  # installed as the sweep's interceptor: before a crafting server's
 # the DP statistics mechanism's settings and their defaults (they apply to --defense dp only)
 STAT_DEFAULTS = {"stat_noise_multiplier": None, "stat_clip": None, "counts": "noised"}
 # settings left out of a sweep's key at these values, so sweeps stored before they existed still resume
@@ -161,7 +167,7 @@ def defended_run(prep: Prepared, settings: DefendSettings) -> DefendedRun:
     return DefendedRun(method=prep.method, model=lambda: model_for(prep), lr=prep.config.federation.train.lr,
                        seed=prep.config.federation.seed,
                        images_of=lambda c: prep.dataset.images[torch.from_numpy(prep.partition.train[c])],
-                       dp=_dp_settings(settings))
+                       dp=_dp_settings(settings), secure=prep.config.secure.protocol(prep.config.federation.seed))
 
 
 def validate(config: RunConfig, settings: DefendSettings) -> Prepared:
@@ -183,6 +189,10 @@ def validate(config: RunConfig, settings: DefendSettings) -> Prepared:
     for attack in settings.attacks:
         if attack != MIA:
             check_applicable(attacks.get(attack), prep)
+            if settings.defense == CONSISTENCY_CHECK and attacks.get(attack).malicious:
+                raise UserError(f"--defense {CONSISTENCY_CHECK} must digest the downloads the crafting server of "
+                                f"{attack} sends, but the attack harness installs the sweep's checks before that "
+                                f"server; measure it with bench/secure_malicious.py, or sweep an honest server's attack")
     changed = [f"--{k.replace('_', '-')}" for k, v in STAT_DEFAULTS.items() if getattr(settings, k) != v]
     if changed and spec.acts != LOCAL_TRAINING:
         raise UserError(f"{', '.join(changed)} set the DP statistics mechanism: they apply to --defense dp only")
@@ -242,7 +252,7 @@ def attack_defended(prep: Prepared, settings: DefendSettings, value, attack: str
         return io.read_json(out / "summary.json")
     chains, dp = _defenses(settings, value, prep)
     attack_settings = settings.for_attack(attack)
-    if defense_spec(settings.defense).acts == "download":  # the attack's own check sits after a malicious server
+    if settings.defense == "download-check":  # the attack's own check sits after a malicious server
         attack_settings, chains = replace(attack_settings, download_check=bool(chains)), []
     return run_attack(prep.config, attack_settings, out=out, progress=False, interceptors=chains, dp=dp)
 

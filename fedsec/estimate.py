@@ -81,9 +81,12 @@ def attack_work(method: str, clients: int, images_per_client: float, settings, t
     real, spec = settings.victim_batch == 0, settings.spec
     refused = spec.malicious and settings.download_check  # nothing uploaded, nothing rebuilt
     return StageWork(method, clients, train_rounds, images_per_client, attack_kind=spec.kind,
-                     setting="real" if real else "textbook", targets=settings.targets * len(settings.rounds),
+                     setting="real" if real else "textbook",
+                     # a round-level attack's target is a round (``attacks.secure``), not a client
+                     targets=(1 if spec.round_level else settings.targets) * len(settings.rounds),
                      steps=0 if refused else settings.iterations * settings.restarts,
-                     images=images_per_client if real else settings.victim_batch,
+                     # a round's sum holds every participant's images
+                     images=(images_per_client if real else settings.victim_batch) * (clients if spec.round_level else 1),
                      step_seconds=spec.estimate_rate, per_image=spec.estimate_per == "image",
                      step_factor=spec.estimate_step_factor)
 

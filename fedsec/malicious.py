@@ -9,7 +9,10 @@ it (the server knows what it sent). The public images it crafts from are data of
 server holds: the pooled data set without the attacked clients' training images (or ``--aux-data``).
 
 A craft may read the client's earlier exchange (classifier fishing reads its label counts there), so
-the interceptor keeps each attacked client's latest download and the upload it got back.
+the interceptor keeps each attacked client's latest download and the upload it got back. A round-level
+attack's craft also gets the secure-aggregation protocol and every client attacked in the same round
+(model inconsistency crafts the target apart from the others); a record that asks for its client's
+upload (``keeps_upload``: a sybil, which the server runs) gets it, as that client sends it.
 """
 from __future__ import annotations
 
@@ -28,16 +31,16 @@ class MaliciousServer(Interceptor):
     """Rewrites the download of ``targets`` ({(round, client)}) with ``spec``'s craft named ``craft``,
     built from ``public`` images (and their ``public_labels``); ``reached`` is the method's
     ``download_reaches``, ``method`` and ``train`` the federation's (what a craft may read of the
-    client's local training)."""
+    client's local training), ``secure`` its secure-aggregation protocol (None: off or unknown)."""
 
     name = "malicious-server"
 
     def __init__(self, spec: AttackSpec, craft: str, targets: set[tuple[int, int]], make_model, public: torch.Tensor,
                  reached: tuple[str, ...], seed: int = 0, public_labels: torch.Tensor | None = None,
-                 method=None, train=None) -> None:
+                 method=None, train=None, secure=None) -> None:
         self.spec, self.craft, self.targets, self.make_model = spec, craft, set(targets), make_model
         self.public, self.reached, self.seed = public, tuple(reached), int(seed)
-        self.public_labels, self.method, self.train = public_labels, method, train
+        self.public_labels, self.method, self.train, self.secure = public_labels, method, train, secure
         self.records: dict[tuple[int, int], object] = {}
         self._clients = {c for _, c in self.targets}
         # each attacked client's latest exchange seen so far ({client: (round, download, upload)})
@@ -52,7 +55,8 @@ class MaliciousServer(Interceptor):
         request = CraftRequest(self.craft, message.round, message.client_id, dict(message.tensors), self.make_model,
                                self.public, self.public_labels, self.reached,
                                derive_seed(self.seed, *key, 0x7A9) % 2**31, self._earlier.get(message.client_id),
-                               self.method, self.train)
+                               self.method, self.train, self.secure,
+                               tuple(sorted(c for r, c in self.targets if r == message.round)))
         tensors, record = self.spec.craft_download(request)
         self.records[key] = record
         # a later attacked round reads this exchange as the client's earlier one
@@ -60,6 +64,9 @@ class MaliciousServer(Interceptor):
         return Download(message.round, message.client_id, tensors, dict(message.meta))
 
     def on_upload(self, message: Upload) -> Upload:
+        record = self.records.get((message.round, message.client_id))
+        if getattr(record, "keeps_upload", False):
+            record.upload = {k: v.detach().clone() for k, v in message.tensors.items()}
         earlier = self._earlier.get(message.client_id)
         if earlier is not None and earlier[0] == message.round:
             self._earlier[message.client_id] = (earlier[0], earlier[1], dict(message.tensors))

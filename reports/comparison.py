@@ -132,7 +132,10 @@ def headline_rows(summary: pd.DataFrame, meta: Mapping) -> tuple[list[str], list
     header = ["method", "accuracy (%) mean ± std", "upload MB / round"]
     for a in meta["image_attacks"]:
         header += [f"{a} PSNR dB mean [95 % CI] / median / max (prior; n images; recovered)", f"{a} SSIM"]
-    header += [f"{a}: class-presence accuracy" for a in meta["label_attacks"]]
+    # an attack on a secure-aggregation round's sum reports the round's label histogram instead
+    histogram = {a for a in meta["label_attacks"] if f"{a}_histogram" in summary.columns}
+    header += [f"{a} (secure aggregation): round label histogram" if a in histogram else
+               f"{a}: class-presence accuracy" for a in meta["label_attacks"]]
     header += ["findings high / medium / low / info"]
     secure = "secure_aggregation" in summary.columns  # the audit's declaration; older tables lack it
     header += ["secure aggregation"] if secure else []
@@ -142,7 +145,8 @@ def headline_rows(summary: pd.DataFrame, meta: Mapping) -> tuple[list[str], list
                fmt(r.get("upload_mb_per_round"), 3)]
         for a in meta["image_attacks"]:
             row += [psnr_cell(r, a), fmt(r.get(f"{a}_ssim"), 2) if status_of(r, a) == "done" else "n/a"]
-        row += [fmt(r.get(f"{a}_class_presence_accuracy"), 2) for a in meta["label_attacks"]]
+        row += [(r[f"{a}_histogram"] if isinstance(r.get(f"{a}_histogram"), str) else "n/a")
+                if a in histogram else fmt(r.get(f"{a}_class_presence_accuracy"), 2) for a in meta["label_attacks"]]
         row.append(findings_cell(r))
         row += [str(r["secure_aggregation"]) if isinstance(r["secure_aggregation"], str) else "n/a"] if secure else []
         rows.append(row)

@@ -348,11 +348,12 @@ def test_every_defense_declares_itself_once_in_the_registry():
     import defenses
     from defenses.registry import PLACES, DefenseSpec
 
-    assert list(defenses.DEFENSES) == ["dp", "noise", "clip", "prune", "quantize", "exclude", "download-check"]
+    assert list(defenses.DEFENSES) == ["dp", "noise", "clip", "prune", "quantize", "exclude", "download-check",
+                                       "consistency-check"]
     assert all(spec.name == name and spec.acts in PLACES and spec.meaning for name, spec in defenses.DEFENSES.items())
     assert [n for n, s in defenses.DEFENSES.items() if s.formal] == ["dp"]  # only DP's value gives an ε
     assert {n: s.acts for n, s in defenses.DEFENSES.items() if s.acts != "upload"} == \
-        {"dp": "local training", "download-check": "download"}
+        {"dp": "local training", "download-check": "download", "consistency-check": "download"}
     with pytest.raises(KeyError, match="choose one of: dp, noise, clip"):
         defenses.get("nope")
     with pytest.raises(ValueError, match="acts on"):

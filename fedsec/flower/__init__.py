@@ -10,6 +10,10 @@ The only part of fedsec that imports Flower (``pip install 'fedsec[flower]'``). 
 * ``simulate`` (``simulation``): runs an app directory in Flower's simulation engine with both wrapped
   in, and returns a ``FlowerRun``; the app describes itself to fedsec in ``[tool.fedsec]``
   (``declaration``);
+* ``SecAggRecording`` (``secagg``): the recording point of a legacy app under Flower's own SecAgg+
+  (``SecAggPlusWorkflow``): the masked uploads and each round's unmasked sum, recorded as fedsec's
+  engine records ``--secure-aggregation``; ``audit_secure_app`` and ``attack_secure_app`` audit and
+  attack what such a server holds;
 * ``fedsec flower attack|audit`` (``cli``).
 
 Importing this package does not import Flower: the ground-truth hook (``log_batch``,
@@ -31,6 +35,9 @@ _LAZY = {
     "FlowerRun": "simulation",
     "read_app": "app",
     "load_declaration": "declaration",
+    "SecAggRecording": "secagg",
+    "audit_secure_app": "secagg",
+    "attack_secure_app": "secagg",
 }
 
 

@@ -90,6 +90,12 @@ def attack(ctx, **_):
 
     Example: fedsec flower attack ig examples/flower_mnist   (round 0, one image, one step)
     """
+    from . import require_flwr
+
+    require_flwr()
+    from .secagg import check_attack_command
+
+    check_attack_command(ctx)  # an app under SecAgg+: its server holds only sums (fedsec flower audit)
     _run(ctx)
 
 
@@ -109,5 +115,15 @@ def audit(ctx, **_):
     """Run APP_DIR in Flower's simulation engine and audit every upload its server received.
 
     Example: fedsec flower audit examples/flower_mnist
+
+    An app under Flower's secure aggregation (its ClientApp behind secaggplus_mod, its server running
+    SecAggPlusWorkflow) is audited for what that server holds: each round's sum, and the fields SecAgg+
+    leaves in the clear. Example: fedsec flower audit examples/flower_secagg
     """
-    _run(ctx)
+    from . import require_flwr
+
+    require_flwr()
+    from .secagg import audit_command
+
+    if not audit_command(ctx):
+        _run(ctx)

@@ -96,6 +96,11 @@ def attack_app(app_dir: str | Path, settings: AttackSettings, *, nodes: int | No
     """Run the app up to the last attacked round, attack ``settings.targets`` recorded clients per attacked
     round, score, write ``attack.csv``, ``summary.json``, ``reconstructions.png`` into ``out``; returns the
     summary. ``interceptors`` act on the replies before the app's strategy aggregates them."""
+    from .secagg import attack_secure_app, is_secure_app
+
+    if settings.spec.round_level and is_secure_app(app_dir):  # the server holds only sums: attack those
+        return attack_secure_app(app_dir, settings, nodes=nodes, run_config=run_config, out=out, ray_cpus=ray_cpus,
+                                 quiet=quiet, progress=progress, device=device)
     start = time.perf_counter()
     settings = settings.resolved(seed=0)
     overrides, declaration = plan(app_dir, run_config, rounds=settings.rounds_to_train,

@@ -17,9 +17,14 @@
   errors unless ``quiet=False``; Ray gets ``ray_cpus`` CPUs and each ClientApp one CPU and
   ``threads`` torch threads.
 
-What this cannot see: anything outside the strategy's messages. Secure aggregation (the server would
-see only the masked sum, not per-node replies; the recorder stores the replies the strategy is handed)
-and the real network transport (TLS, gRPC, message sizes on the wire, timing) are not simulated.
+Under Flower's secure aggregation (a legacy app whose ``DefaultWorkflow`` runs ``SecAggPlusWorkflow``)
+the recording point is the workflow's grid instead (``secagg.recording_secagg_workflows``): the
+recorder holds what that server holds, each node's masked vector and the round's unmasked sum
+(``recorder.secure`` and ``recorder.aggregates`` set as fedsec's engine sets them under
+``--secure-aggregation``).
+
+What this cannot see: anything outside the strategy's (or the SecAgg+ workflow's) messages, and the
+real network transport (TLS, gRPC, message sizes on the wire, timing), which is not simulated.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ from .app import FlowerApp, read_app
 from .declaration import Declaration, check_traffic, load_declaration
 from .groundtruth import GroundTruthMod, batches_of, read_records
 from .recording import RecordingStrategy, check_message_api, wrapping_started_strategies
+from .secagg import SecAggRecording, check_secure_traffic, recording_secagg_workflows
 
 
 @dataclass
@@ -186,7 +192,8 @@ def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict 
     """Run the app at ``app_dir`` in Flower's simulation engine with ``nodes`` nodes (default: the node
     count of its default federation) and ``run_config`` overrides; record rounds ``record_rounds``
     (fedsec numbering, default all) and the ground truth of the same rounds. ``interceptors`` act on
-    every reply before the app's strategy aggregates it."""
+    every reply before the app's strategy aggregates it (refused for an app under Flower's SecAgg+,
+    whose replies are masked)."""
     start = time.perf_counter()
     app = read_app(app_dir)
     config = app.run_config(run_config)
@@ -208,13 +215,19 @@ def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict 
     recorder = Recorder(rounds=rounds)
     with tempfile.TemporaryDirectory(prefix="fedsec-flower-") as ground_truth_dir:
         strategies, records = _run(app, config, server_app, client_app, nodes, recorder, interceptors,
-                                   ground_truth_dir, threads, ray_cpus, quiet)
+                                   ground_truth_dir, threads, ray_cpus, quiet, list(declaration.model_parameters()))
     if not strategies:
-        raise UserError(f"{app.serverapp} started no Message-API strategy (strategy.start(...)), or its strategy "
-                        f"overrides start(): fedsec records the rounds of flwr.serverapp.strategy.Strategy.start")
+        raise UserError(f"{app.serverapp} started no Message-API strategy (strategy.start(...)) and ran no "
+                        f"SecAggPlusWorkflow, or its strategy overrides start(): fedsec records the rounds of "
+                        f"flwr.serverapp.strategy.Strategy.start and of flwr.server.workflow.SecAggPlusWorkflow")
     if len(strategies) > 1:
         raise UserError(f"{app.serverapp} started {len(strategies)} strategies; fedsec records one federation per run")
     strategy = strategies[0]
+    if isinstance(strategy, SecAggRecording):
+        if interceptors:
+            raise UserError("under Flower's SecAgg+ the server receives masked vectors only: fedsec's interceptors "
+                            "(defenses, filters) cannot act on them; run without them")
+        check_secure_traffic(recorder, len(declaration.model_parameters()))
     if strategy.failures:
         first = strategy.failures[0]
         reason = " ".join(first["reason"].split())
@@ -262,7 +275,7 @@ def _name_clients_by_partition(recorder: Recorder, nodes: dict[int, int], record
 
 
 def _run(app: FlowerApp, config: dict, server_app, client_app, nodes: int, recorder: Recorder, interceptors: list,
-         ground_truth_dir: str, threads: int, ray_cpus: int | None, quiet: bool):
+         ground_truth_dir: str, threads: int, ray_cpus: int | None, quiet: bool, names: list[str]):
     from flwr.simulation import run_simulation
 
     def wrap(strategy) -> RecordingStrategy:
@@ -280,7 +293,8 @@ def _run(app: FlowerApp, config: dict, server_app, client_app, nodes: int, recor
     if str(app.directory) not in sys.path:
         sys.path.insert(0, str(app.directory))
     audit_client = AuditClientApp(client_app, GroundTruthMod(ground_truth_dir), config, threads)
-    with _offline_and_quiet(quiet), wrapping_started_strategies(wrap) as strategies:
+    with _offline_and_quiet(quiet), wrapping_started_strategies(wrap) as strategies, \
+            recording_secagg_workflows(lambda: SecAggRecording(recorder, names)) as secure:
         try:
             run_simulation(server_app=_audit_server_app(server_app, config, nodes), client_app=audit_client,
                            num_supernodes=nodes, backend_config=backend_config)
@@ -290,4 +304,4 @@ def _run(app: FlowerApp, config: dict, server_app, client_app, nodes: int, recor
             reason = " ".join(str(exc).split())[:300]
             raise UserError(f"the app's ServerApp failed in Flower's simulation: {type(exc).__name__}: {reason}; "
                             f"check the app and its run config (--flower-log shows Flower's log)") from exc
-    return strategies, read_records(ground_truth_dir)
+    return [*strategies, *secure], read_records(ground_truth_dir)

@@ -13,7 +13,7 @@ from ..attack import AttackSettings
 from ..compare import parse_list
 
 DEFAULT_METHODS = ("fedecouple", "fedper", "fedpac", "fedproto")
-DEFAULT_ATTACKS = ("dlg", "ig", "proto", "labels")
+DEFAULT_ATTACKS = ("dlg", "ig", "proto", "labels", "sum-labels")  # sum-labels: under secure aggregation
 DEFAULT_TARGETS = 2
 VICTIM_SETTINGS = ("textbook", "real")
 # a real-training cell on clients of N training images: ``ig@real-n10``
@@ -187,7 +187,7 @@ def _covers(given: str, key: str) -> bool:
 # the attack built for the clients' real local training (several steps, every image): the preset's
 # real-training cells, where IG keeps the textbook one
 REAL_TRAINING_ATTACK = "fedavg-leak"
-AUDIT_ATTACKS = ("ig", REAL_TRAINING_ATTACK, "proto", "labels", "trap")
+AUDIT_ATTACKS = ("ig", REAL_TRAINING_ATTACK, "proto", "labels", "trap", "sum-labels")
 AUDIT_MALICIOUS_TARGETS = 4
 AUDIT_ROUNDS = (0, 19)
 # ig@real: the federation's own clients (~180 images), as ``fedsec attack ig --preset audit`` runs it

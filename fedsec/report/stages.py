@@ -69,7 +69,9 @@ def plan(base: RunConfig, methods: list[str], cells: dict[str, AttackSettings], 
     """Every stage, method by method: train, audit, one per cell (``ReportSettings.attack_plan``; a
     sized real-training cell ``<attack>@real-n<N>`` on a federation of clients of N training images), one
     per malicious-server cell (``ReportSettings.malicious_cells``: its own federation of clients of
-    ``size`` training images), mia."""
+    ``size`` training images), mia. A round-level cell (an attack on the sum, ``AttackSpec.round_level``) runs
+    on the method's federation under secure aggregation (``secure_config``): the report's "with secure
+    aggregation" columns; a method that cannot run under it gets the refusal as the cell's reason."""
     stages = []
     for m in methods:
         cfg = method_config(base, m, base.federation.seed)
@@ -78,6 +80,8 @@ def plan(base: RunConfig, methods: list[str], cells: dict[str, AttackSettings], 
         for a, settings in cells.items():
             size = cell_setting(a)[1]  # a real-training cell on clients of ``size`` images: its own federation
             cell_cfg = cfg if size is None else sized_config(cfg, size)
+            if settings.spec.round_level:
+                cell_cfg = secure_config(cell_cfg)
             stages.append(Stage(m, f"attack-{a}", a, cell_cfg, stage_identity("attack", cell_cfg, settings),
                                 out / m / f"attack-{a}", attack_settings=settings))
         for cell in malicious:
@@ -87,6 +91,11 @@ def plan(base: RunConfig, methods: list[str], cells: dict[str, AttackSettings], 
         if mia is not None:
             stages.append(Stage(m, "mia", None, cfg, stage_identity("mia", cfg, mia), out / m / "mia", mia))
     return stages
+
+
+def secure_config(config: RunConfig) -> RunConfig:
+    """``config`` under secure aggregation (the protocol's parameters as the report was given them)."""
+    return config if config.secure.secure_aggregation else config.updated(secure_aggregation=True)
 
 
 def sized_config(config: RunConfig, size: int) -> RunConfig:

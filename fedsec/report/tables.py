@@ -86,6 +86,10 @@ def _attack_cells(stage: Stage, out: Path) -> tuple[dict, dict | None, pd.DataFr
     for key in ("mean_psnr_ci", "success_rate_ci"):  # intervals as two columns
         low, high = s.get(key) or (None, None)
         row[f"{a}_{key}_low"], row[f"{a}_{key}_high"] = low, high
+    histogram = s.get("histogram")  # an attack on a secure-aggregation round's sum: its label histogram
+    if histogram and histogram.get("rounds"):
+        row[f"{a}_histogram"] = (f"exact in {histogram['exact_rounds']} of {histogram['rounds']} rounds, mean count "
+                                 f"error {histogram['mean_count_error']:.1f}")
     if status != "done":
         return row, None, None, None
     try:

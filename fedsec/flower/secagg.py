@@ -1,0 +1,570 @@
+"""Flower's own SecAgg+ recorded: what the server of a ``SecAggPlusWorkflow`` app receives, in the form
+fedsec's engine records under ``--secure-aggregation``.
+
+Flower runs SecAgg+ (Bell et al. 2020, "Secure Single-Server Aggregation with (Poly)Logarithmic
+Overhead") as ``flwr.server.workflow.SecAggPlusWorkflow`` on the server and ``secaggplus_mod`` on the
+clients, inside the legacy ``DefaultWorkflow`` with a legacy strategy (``flwr.server.strategy``). Each
+round is four request/reply stages on the ``Grid``: setup (public keys back), share keys (encrypted
+key shares back), collect masked vectors (the FitIns out, the masked vector and the FitRes' unmasked
+fields back) and unmask (secret shares back); the workflow then hands the legacy strategy's
+``aggregate_fit`` one FitRes per surviving node whose parameters all are the unmasked weighted average.
+
+The recording point (``SecAggRecording``) wraps the ``Grid`` the workflow talks to (``RecordingGrid``:
+it sees every message that server sends and receives) and taps the strategy's ``aggregate_fit``; while
+``recording_secagg_workflows`` is active, every ``SecAggPlusWorkflow`` (and subclass, e.g.
+``SecAggWorkflow``) runs with them, so an unmodified app is recorded. Per round (Flower round r is
+fedsec round r - 1; client ids as ``fedsec.flower.recording`` documents them):
+
+* ``recorder.secure``: a ``fedecouple.secure_aggregation.SecureAggregation`` with the protocol values
+  the setup stage sends (clipping range, quantisation range, modulus, max weight; ``neighbours`` is
+  ``num_shares - 1``, or None when every pair masks; ``reconstruction_threshold`` is the share
+  threshold over ``num_shares``; its ``seed`` is 0 and unused: Flower's masks come from real key
+  agreement);
+* each node's download: the FitIns the masking stage carries, its unnamed legacy arrays named after
+  the declared model's ``named_parameters()`` in order (``array.<i>`` when they do not match in number),
+  its config values as ``config.<key>``;
+* each node's upload as ``Upload(round, client, {"masked": int64 vector, ...}, {"secure_aggregation":
+  True, ...})``: the masked vector is Flower's ``[weight factor, parameters...]`` flattened in that
+  order (the record's ``layout``), uniform modulo the modulus; beside it what SecAgg+ leaves in the
+  clear: ``sample_count`` (FitRes ``num_examples``) and every FitRes metric as ``metric.<key>``;
+* ``recorder.aggregates[round]``: an ``AggregateRecord`` whose ``participants`` are the nodes sent the
+  setup stage, ``survivors`` those whose masked vector arrived (the unmasked sum is over them),
+  ``dropped`` the others. Its ``total`` is in the engine's form, a SUM: ``total[name] = Σ w_i θ_i`` and
+  ``total["sample_count"] = Σ w_i`` over the survivors, with Flower's weights
+  ``w_i = round(num_examples_i / max_weight · quantization_range) / quantization_range`` (the engine's
+  ``n_i / max_weight``, quantised). What the strategy receives, the weighted average, is
+  ``total[name] / total["sample_count"]``: the record is that average (as ``aggregate_fit`` got it)
+  times ``Σ w_i``, which the server decodes as the sum's first entry and which equals the same sum of
+  the nodes' unmasked ``num_examples`` (the recording computes it from those). Each value of the
+  sum is within ``len(survivors) · quantum`` of the true one, with ``quantum`` (``flower_quantum``) the
+  rounding step ``2 · clipping_range / quantization_range`` plus ``clipping_range · 2**-22``: Flower's
+  clients quantise float32 parameters (a PyTorch model's) in float32 arithmetic, whose rounding near
+  the clipping range is that large, so a quantisation range beyond about 2**23 buys no precision; the
+  masked vector does not tell the server the dtype, so the bound always allows for it. ``clipped`` is
+  0 because Flower's clients do not report clipping (values beyond the clipping range are clipped
+  silently); ``aborted`` says which stage halted a round that never reached the strategy.
+
+What is not recorded: the public keys, encrypted shares and secret shares of the other stages (key
+material, not client data).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.common import bytes_to_ndarray, parameters_to_ndarrays
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.compat.common import recorddict_compat as compat
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
+
+from fedecouple.channel import Download, Recorder, Upload
+from fedecouple.errors import UserError
+from fedecouple.secure_aggregation import AggregateRecord, Layout, SecureAggregation
+
+from .convert import CONFIG_PREFIX, METRIC_PREFIX, SAMPLE_COUNT, content_to_tensors
+from .recording import ClientIds
+
+WEIGHT_FACTOR = SAMPLE_COUNT  # the masked vector's first entry: Flower's quantised weight, num_examples / max_weight
+
+
+def protocol_of(setup: dict) -> SecureAggregation:
+    """The ``SecureAggregation`` of a SecAgg+ setup stage's config (``Key`` names)."""
+    samples, shares = int(setup[Key.SAMPLE_NUMBER]), int(setup[Key.SHARE_NUMBER])
+    return SecureAggregation(clipping_range=float(setup[Key.CLIPPING_RANGE]),
+                             quantization_range=int(setup[Key.TARGET_RANGE]), modulus=int(setup[Key.MOD_RANGE]),
+                             neighbours=None if shares >= samples else shares - 1,
+                             reconstruction_threshold=min(1.0, int(setup[Key.THRESHOLD]) / shares),
+                             max_weight=float(setup[Key.MAX_WEIGHT]))
+
+
+def flower_weight(num_examples: int, protocol: SecureAggregation) -> int:
+    """A node's weight as its ``secaggplus_mod`` quantises it: round(num_examples / max_weight · range)."""
+    return round(num_examples / protocol.max_weight * protocol.quantization_range)
+
+
+def flower_quantum(protocol: SecureAggregation) -> float:
+    """A bound on one node's error per summed value: the stochastic rounding's step, plus the float32
+    rounding of ``(value + c) · range / 2c`` for float32 parameters (at most half an ulp of ``2c`` in the
+    sum, half an ulp of the range in the product, and half an ulp of the weighted value: ``c · 2**-22``
+    together)."""
+    return 2.0 * protocol.clipping_range / protocol.quantization_range + protocol.clipping_range * 2.0 ** -22
+
+
+def _stage(message: Message) -> str | None:
+    configs = message.content.config_records.get(RECORD_KEY_CONFIGS)
+    return None if configs is None or Key.STAGE not in configs else str(configs[Key.STAGE])
+
+
+def masked_vector(reply: Message) -> np.ndarray:
+    """A masking-stage reply's masked vector, its arrays flattened in order, as int64."""
+    arrays = [bytes_to_ndarray(b) for b in reply.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]]
+    return np.concatenate([np.asarray(a).reshape(-1).astype(np.int64) for a in arrays])
+
+
+def config_tensors(values: dict, prefix: str) -> dict[str, torch.Tensor]:
+    """Legacy config or metric values (any Flower scalar) as named tensors, as ``convert`` records them."""
+    tensors = content_to_tensors(RecordDict({"values": ConfigRecord(dict(values))}))
+    return {prefix + name[len(CONFIG_PREFIX):]: tensor for name, tensor in tensors.items()}
+
+
+def clear_fields(reply: Message) -> dict[str, torch.Tensor]:
+    """What a masking-stage reply carries unmasked: the FitRes' ``num_examples`` and metrics."""
+    content = reply.content
+    count = int(content.metric_records["fitres.num_examples"]["num_examples"])
+    return {SAMPLE_COUNT: torch.tensor(count), **config_tensors(content.config_records.get("fitres.metrics", {}),
+                                                                  METRIC_PREFIX)}
+
+
+class SecAggRecording:
+    """One SecAgg+ federation recorded into ``recorder`` (module docstring); ``names``: the declared
+    model's parameter names in ``named_parameters()`` order, for the legacy unnamed arrays."""
+
+    def __init__(self, recorder: Recorder, names: Iterable[str] | None = None) -> None:
+        self.recorder = recorder
+        self.names = None if names is None else list(names)
+        self.client_ids = ClientIds()
+        self.failures: list[dict] = []  # replies carrying an error: {"round", "client", "node_id", "reason"}
+        self.round: int | None = None
+        self.participants: list[int] = []  # node ids of this round, as the stages reach them
+        self.survivors: list[int] = []
+        self.halted: str | None = None  # the last stage that was sent this round
+
+    # -- the round, as the workflow runs it ----------------------------------------------------
+    def begin(self, flower_round: int, node_ids: Iterable[int]) -> None:
+        self.round, self.participants, self.survivors, self.halted = int(flower_round) - 1, [], [], None
+        self.client_ids.see(node_ids)
+
+    def end(self) -> None:
+        """After the workflow's round: a round that never reached the strategy is recorded as aborted."""
+        if self.round is None or self.round in self.recorder.aggregates:
+            return
+        cids, survivors = self._cids(self.participants), self._cids(self.survivors)
+        why = f"SecAgg+ halted in its {self.halted or 'setup'} stage: the server unmasked nothing"
+        quantum = 0.0 if self.recorder.secure is None else flower_quantum(self.recorder.secure)
+        self.recorder.on_aggregate(AggregateRecord(self.round, cids, survivors,
+                                                   tuple(c for c in cids if c not in survivors), {}, quantum, 0, why))
+
+    def sent(self, messages: list[Message]) -> str | None:
+        """Record the requests of one stage; returns the stage (None: not a SecAgg+ stage)."""
+        stages = {_stage(m) for m in messages}
+        if len(stages) != 1 or None in stages:
+            return None  # not a SecAgg+ stage: nothing of the protocol to record
+        stage = stages.pop()
+        self.halted = stage
+        if stage == Stage.SETUP:
+            configs = messages[0].content.config_records[RECORD_KEY_CONFIGS]
+            if self.recorder.secure is None:
+                self.recorder.secure = protocol_of(dict(configs))
+            self.participants = sorted(int(m.metadata.dst_node_id) for m in messages)
+        elif stage == Stage.COLLECT_MASKED_VECTORS:
+            for message in messages:
+                self._download(message)
+        return stage
+
+    def received(self, stage: str | None, replies: list[Message]) -> None:
+        """Record the replies to one stage's requests."""
+        for reply in replies:
+            if reply.has_error():
+                node = int(reply.metadata.src_node_id)
+                self.failures.append({"round": self.round, "client": self.client_ids[node], "node_id": node,
+                                      "reason": f"SecAgg+ {stage} stage: {reply.error.reason}"})
+        if stage == Stage.COLLECT_MASKED_VECTORS:
+            for reply in replies:
+                if not reply.has_error():
+                    self._upload(reply)
+
+    def aggregated(self, flower_round: int, results) -> None:
+        """The strategy's ``aggregate_fit`` input: the unmasked weighted average in every FitRes."""
+        protocol = self._protocol()
+        arrays = parameters_to_ndarrays(results[0][1].parameters) if results else []
+        weight = sum(flower_weight(int(fitres.num_examples), protocol) for _, fitres in results)
+        weight /= protocol.quantization_range
+        names = self._names(len(arrays))
+        total = {name: torch.from_numpy(np.asarray(a, dtype=np.float64)) * weight for name, a in zip(names, arrays)}
+        total[SAMPLE_COUNT] = torch.tensor(weight, dtype=torch.float64)
+        layout = Layout(((WEIGHT_FACTOR, (1,)),) + tuple((n, tuple(np.shape(a))) for n, a in zip(names, arrays)))
+        cids = self._cids(self.participants)
+        survivors = self._cids(int(proxy.node_id) for proxy, _ in results)
+        self.recorder.on_aggregate(AggregateRecord(int(flower_round) - 1, cids, survivors,
+                                                   tuple(c for c in cids if c not in survivors), total,
+                                                   flower_quantum(protocol), 0, None, layout))
+
+    # -- ids, names and messages ---------------------------------------------------------------
+    def _protocol(self) -> SecureAggregation:
+        if self.recorder.secure is None:
+            raise RuntimeError("SecAgg+ reached a later stage without a recorded setup stage")
+        return self.recorder.secure
+
+    def _cids(self, node_ids: Iterable[int]) -> tuple[int, ...]:
+        return tuple(sorted(self.client_ids[int(n)] for n in node_ids))
+
+    def _names(self, count: int) -> list[str]:
+        if self.names is not None and len(self.names) == count:
+            return list(self.names)
+        return [f"array.{i}" for i in range(count)]
+
+    def _download(self, message: Message) -> None:
+        node = int(message.metadata.dst_node_id)
+        fitins = compat.recorddict_to_fitins(message.content, keep_input=True)
+        arrays = parameters_to_ndarrays(fitins.parameters)
+        tensors = {name: torch.from_numpy(np.array(a, copy=True)) for name, a in zip(self._names(len(arrays)), arrays)}
+        tensors.update(config_tensors(fitins.config, CONFIG_PREFIX))
+        self.recorder.on_download(Download(self.round, self.client_ids[node], tensors, meta={
+            "flower_round": self.round + 1, "node_id": node, "config": dict(fitins.config),
+            "secure_aggregation": True}))
+
+    def _upload(self, reply: Message) -> None:
+        node = int(reply.metadata.src_node_id)
+        self.survivors.append(node)
+        tensors = {"masked": torch.from_numpy(masked_vector(reply)), **clear_fields(reply)}
+        self.recorder.on_upload(Upload(self.round, self.client_ids[node], tensors, meta={
+            "secure_aggregation": True, "flower_round": self.round + 1, "node_id": node,
+            "reply_to_message_id": reply.metadata.reply_to_message_id}))
+
+
+class RecordingGrid:
+    """The ``Grid`` a ``SecAggPlusWorkflow`` round talks to, with every request and reply shown to the
+    recording; everything else is the wrapped grid's."""
+
+    def __init__(self, grid, recording: SecAggRecording) -> None:
+        self.grid, self.recording = grid, recording
+
+    def __getattr__(self, name: str):
+        if name == "grid":
+            raise AttributeError(name)
+        return getattr(self.grid, name)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        messages = list(messages)
+        # the stage is read before sending: in-process, the client's mod pops it from the same record
+        stage = self.recording.sent(messages)
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        self.recording.received(stage, replies)
+        return replies
+
+
+class _AggregateTap:
+    """The legacy strategy, with ``aggregate_fit`` shown to the recording first; all else delegated."""
+
+    def __init__(self, strategy, recording: SecAggRecording) -> None:
+        self.strategy, self.recording = strategy, recording
+
+    def __getattr__(self, name: str):
+        if name == "strategy":
+            raise AttributeError(name)
+        return getattr(self.strategy, name)
+
+    def aggregate_fit(self, server_round, results, failures):
+        self.recording.aggregated(server_round, results)
+        return self.strategy.aggregate_fit(server_round, results, failures)
+
+
+_ORIGINAL_CALL = SecAggPlusWorkflow.__call__
+
+
+@contextmanager
+def recording_secagg_workflows(make: Callable[[], SecAggRecording]) -> Iterator[list[SecAggRecording]]:
+    """While active, every ``SecAggPlusWorkflow`` round runs on a ``RecordingGrid`` with its strategy's
+    ``aggregate_fit`` tapped, recording into ``make()`` (one recording per workflow object, i.e. per
+    federation). Yields the list of recordings made."""
+    made: dict[int, SecAggRecording] = {}
+    recordings: list[SecAggRecording] = []
+
+    def call(self, grid, context) -> None:
+        if id(self) not in made:
+            made[id(self)] = make()
+            recordings.append(made[id(self)])
+        recording = made[id(self)]
+        flower_round = int(context.state.config_records[MAIN_CONFIGS_RECORD][WorkflowKey.CURRENT_ROUND])
+        recording.begin(flower_round, grid.get_node_ids())
+        strategy = context.strategy
+        context.strategy = _AggregateTap(strategy, recording)
+        try:
+            _ORIGINAL_CALL(self, RecordingGrid(grid, recording), context)
+        finally:
+            context.strategy = strategy
+        recording.end()
+
+    SecAggPlusWorkflow.__call__ = call
+    try:
+        yield recordings
+    finally:
+        SecAggPlusWorkflow.__call__ = _ORIGINAL_CALL
+
+
+def check_secure_traffic(recorder: Recorder, parameter_count: int) -> None:
+    """A one-line UserError where the legacy arrays could not be named after the declared model (their
+    number differs), or a masked vector is not one weight factor plus every parameter value."""
+    names = [n for (_, _), ex in sorted(recorder.exchanges.items()) if ex.download is not None
+             for n in ex.download.tensors if n.startswith("array.")]
+    if names:
+        count = len({n for n in names})
+        raise UserError(f"the app sends {count} unnamed arrays, the declared model has {parameter_count} parameters; "
+                        f"fedsec names a legacy app's arrays in named_parameters() order: send every parameter of "
+                        f"the declared model, in that order")
+    for (round, client), exchange in sorted(recorder.exchanges.items()):
+        if exchange.upload is None or exchange.download is None:
+            continue
+        values = sum(math.prod(t.shape) for n, t in exchange.download.tensors.items() if not n.startswith("config."))
+        size = int(exchange.upload.tensors["masked"].numel())
+        if size != values + 1:
+            raise UserError(f"client {client}'s masked vector in round {round} holds {size} values, not its download's "
+                            f"{values} plus the weight factor: the app must return the parameters it was sent")
+
+
+# ------------------------------------------------------------------------------------------------
+# ``fedsec flower audit`` of a SecAgg+ app: what its server held, what it still reads
+
+SECURE_MODS = ("secaggplus_mod", "secagg_mod")  # Flower's client mods for SecAgg+ and SecAgg
+CLEAR = "clear"  # the audit's kind of a field a masked upload carries unmasked
+
+
+def is_secure_app(app_dir) -> bool:
+    """Whether the app's ClientApp runs behind one of Flower's secure-aggregation mods (its server must
+    then run ``SecAggPlusWorkflow``, or ``SecAggWorkflow``, for the clients to answer at all)."""
+    from flwr.client import mod
+
+    from .app import read_app
+
+    client = read_app(app_dir).load("clientapp")
+    secure = [getattr(mod, name) for name in SECURE_MODS]
+    return any(m in secure for m in getattr(client, "_mods", ()))
+
+
+def uniformity(recorder: Recorder, bins: int = 64) -> list[float]:
+    """Each masked upload's chi-square p-value against the uniform distribution over the modulus
+    (``bins`` equal bins): what a server that holds one masked vector can tell from it."""
+    from scipy.stats import chisquare
+
+    modulus = recorder.secure.modulus
+    values = []
+    for upload in recorder.uploads():
+        masked = upload.tensors["masked"].numpy()
+        observed = np.bincount((masked.astype(np.float64) * bins // modulus).astype(np.int64), minlength=bins)
+        values.append(float(chisquare(observed[:bins]).pvalue))
+    return values
+
+
+def secure_findings(recorder: Recorder) -> list[dict]:
+    """What the server held (each round's sum) and what SecAgg+ leaves in the clear, measured."""
+    records = [recorder.aggregates[r] for r in sorted(recorder.aggregates)]
+    aborted = [r.round for r in records if r.aborted]
+    p_values = uniformity(recorder)
+    uploads = list(recorder.uploads())
+    clear = sorted({n for up in uploads for n in up.tensors if n != "masked"})
+    counts = {str(r): {str(up.client_id): int(up.tensors[SAMPLE_COUNT]) for up in uploads if up.round == r}
+              for r in sorted({up.round for up in uploads}) if all(SAMPLE_COUNT in up.tensors for up in uploads)}
+    out = [{"severity": "info", "code": "SECURE_AGGREGATION",
+            "finding": f"Flower's SecAgg+: the server received each node's parameters only as a masked integer vector "
+                       f"(uniform over the modulus: smallest chi-square p-value {min(p_values, default=1.0):.2g} over "
+                       f"{len(p_values)} uploads) and decoded each round's sum of the surviving nodes alone, in "
+                       f"{len(records) - len(aborted)} of {len(records)} round(s)"
+                       + (f" (round(s) {', '.join(map(str, aborted))} aborted)" if aborted else "") + ".",
+            "evidence": {"rounds": [r.round for r in records], "aborted_rounds": aborted,
+                         "survivors": [len(r.survivors) for r in records], "dropped": [len(r.dropped) for r in records],
+                         "uniformity_min_p": min(p_values, default=None), "protocol": recorder.secure.describe()}}]
+    if clear:
+        out.append({"severity": "medium", "code": "FIELDS_IN_THE_CLEAR",
+                    "finding": f"SecAgg+ masks only the parameters: {', '.join(clear)} reach the server unmasked, one "
+                               f"node at a time (sample_count is the node's FitRes num_examples, its training-set "
+                               f"size; metric.* its FitRes metrics).",
+                    "evidence": {"fields": clear, "sample_counts": counts}})
+    return out
+
+
+def label_evidence(recorded, rounds: list[int], progress: bool) -> tuple[dict | None, dict]:
+    """The ``ROUND_LABELS_FROM_SUM`` finding (None: nothing scored) and the evidence brief of
+    ``sum-labels`` on every round of ``recorded``: the round's label histogram from its sum."""
+    import attacks
+    from attacks.base import Budget, NotApplicable
+    from attacks.recorded import ThreatModel
+
+    if "sum-labels" not in attacks.names("aggregate"):
+        return None, {"attack": "sum-labels", "not_applicable": "no round-level label attack is registered"}
+    from attacks.secure.harness import attack_rounds
+
+    try:
+        outcome = attack_rounds(recorded, "sum-labels", rounds, ThreatModel(), Budget(iterations=1), seed=0,
+                                progress=progress)
+    except NotApplicable as exc:
+        return None, {"attack": "sum-labels", "not_applicable": str(exc)}
+    hist = outcome.summary.statistics.get("histogram")
+    if not hist:
+        return None, {"attack": "sum-labels", "not_applicable": "; ".join(outcome.summary.notes) or "nothing scored"}
+    images = sum(row["true_count"] for row in outcome.rows) / max(hist["rounds"], 1)
+    brief = {"attack": "sum-labels", "class_presence_accuracy": outcome.summary.class_presence_accuracy,
+             "images_per_round": images, **{k: hist[k] for k in ("rounds", "exact_rounds", "mean_count_error",
+                                                                  "mean_count_error_ci", "count_errors")}}
+    measured = (f"exact in {hist['exact_rounds']} of {hist['rounds']} round(s), mean count error "
+                f"{hist['mean_count_error']:.1f} of {images:.0f} images per round (sum-labels)")
+    sentence = (f"The sum still gives away each round's label histogram over all surviving nodes, read from the "
+                f"summed classifier-bias update: {measured}." if hist["exact_rounds"] else
+                f"Reading each round's label histogram from the summed classifier-bias update did not succeed here: "
+                f"{measured}; the rule is exact for one local step, and these nodes took more.")
+    finding = {"severity": "medium" if hist["exact_rounds"] else "low", "code": "ROUND_LABELS_FROM_SUM",
+               "finding": sentence, "evidence": brief}
+    return finding, brief
+
+
+def protocol_line(protocol: SecureAggregation, nodes: int) -> str:
+    graph = "every other node" if protocol.neighbours is None else f"{protocol.neighbours} neighbours"
+    return (f"Flower SecAgg+ (masks with {graph} of {nodes}; clipping ±{protocol.clipping_range:g}, "
+            f"{protocol.quantization_range} quantisation steps, modulus {protocol.modulus}, max weight "
+            f"{protocol.max_weight:g}): the server held only each round's sum, never one node's parameters")
+
+
+def audit_secure_app(app_dir, *, nodes: int | None = None, run_config: dict | None = None, rounds: int | None = None,
+                     evidence: bool = True, out=None, ray_cpus: int | None = None, threads: int = 1,
+                     quiet: bool = True, progress: bool = True, device: str = "cpu") -> dict:
+    """Run an app under Flower's SecAgg+, recording every round, and audit what its server received:
+    ``fedsec.audit.audit_recorded``'s rows and traffic (the fields a masked upload carries unmasked of
+    kind ``clear``), the findings of ``secure_findings`` and, with ``evidence``, ``sum-labels`` on every
+    round. Writes audit.csv, findings.json, audit.md, summary.json into ``out`` (None: nothing written)."""
+    from reports.audit import SEVERITIES
+
+    from ..audit import audit_recorded, write_audit
+    from .harness import plan, recorded_run, run_facts
+    from .simulation import simulate
+    from fedecouple.devices import device_record
+
+    start = time.perf_counter()
+    overrides, declaration = plan(app_dir, run_config, rounds=rounds, rounds_required=rounds is not None)
+    run = simulate(app_dir, nodes=nodes, run_config=overrides, threads=threads, ray_cpus=ray_cpus, quiet=quiet)
+    if run.recorder.secure is None:
+        raise UserError(f"{app_dir}: the ClientApp runs Flower's secure-aggregation mod but the ServerApp ran no "
+                        f"SecAggPlusWorkflow; run the fit rounds with "
+                        f"DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))")
+    recorded = recorded_run(run, device)
+    context = {"dataset": declaration.dataset.name, "clients": run.nodes, **run_facts(run), **device_record(device)}
+    base = audit_recorded(recorded, None, len(run.rounds()), {}, context, start)
+    rows = base["rows"]
+    rows.loc[rows["field"] != "masked", "kind"] = CLEAR
+    label, brief = label_evidence(recorded, run.rounds(), progress) if evidence else (None, None)
+    findings = [f for f in base["findings"] if f["code"] != "SECURE_AGGREGATION"] + secure_findings(run.recorder)
+    findings = sorted(findings + ([label] if label else []), key=lambda f: SEVERITIES.index(f["severity"]))
+    summary = {**base["summary"], "secure_aggregation": protocol_line(run.recorder.secure, run.nodes),
+               "findings_by_severity": {s: sum(f["severity"] == s for f in findings) for s in SEVERITIES},
+               "evidence": {"labels": brief} if brief else {}, "seconds": round(time.perf_counter() - start, 2)}
+    if out is not None:
+        write_audit(Path(out), rows, findings, summary)
+    return {"summary": summary, "findings": findings, "rows": rows}
+
+
+def audit_command(ctx) -> bool:
+    """``fedsec flower audit`` when the app runs Flower's secure aggregation (``is_secure_app``): the
+    audit above, in the command's output folder (the same folder record and config.toml as every
+    command), its lines printed. False, doing nothing, for any other app."""
+    import click
+
+    from .. import console, io
+    from ..api import identity
+    from ..config_file import write_config
+    from ..resumable import RunFolder
+    from .app import parse_run_config
+    from .harness import default_out
+
+    p = dict(ctx.params)
+    if not is_secure_app(p["app_dir"]):
+        return False
+    out = Path(p["out"] or default_out("audit", p["app_dir"]))
+    folder = RunFolder(out, identity({**p, "app_dir": Path(p["app_dir"]).resolve().name}),
+                       required=("audit.csv", "summary.json", "findings.json"))
+    if folder.claim(p["force"]) == "done":
+        result = {"summary": io.read_json(out / "summary.json"), "findings": io.read_json(out / "findings.json")}
+    else:
+        result = audit_secure_app(p["app_dir"], nodes=p["nodes"], run_config=parse_run_config(p["run_config"]),
+                                  rounds=p["rounds"], evidence=p["evidence"], out=out, ray_cpus=p["ray_cpus"],
+                                  threads=p["threads"], quiet=not p["flower_log"], device=p["device"])
+        write_config(out, "flower audit", p)
+        folder.done()
+    name = f"{result['summary']['run']} ({result['summary']['method']})"
+    for line in console.audit_lines(name, result, out):
+        click.echo(line)
+    return True
+
+
+def attack_secure_app(app_dir, settings, *, nodes: int | None = None, run_config: dict | None = None, out=None,
+                      ray_cpus: int | None = None, quiet: bool = True, progress: bool = True,
+                      device: str = "cpu") -> dict:
+    """Run an app under Flower's SecAgg+ up to the last attacked round, recording every round, and run
+    the round-level attack of ``settings`` (a ``fedsec.attack.AttackSettings`` naming an attack of kind
+    ``"aggregate"``, e.g. sum-labels) on the attacked rounds' sums (``attacks.secure.harness``); writes
+    attack.csv and summary.json into ``out`` as ``fedsec.attack.write_attack`` does; returns the summary.
+    The library path of ``fedsec flower attack`` for such an app."""
+    from attacks.secure.harness import attack_rounds
+
+    from ..attack import write_attack
+    from .harness import plan, recorded_run, run_facts
+    from .simulation import simulate
+    from fedecouple.devices import device_record
+
+    start = time.perf_counter()
+    settings = settings.resolved(seed=0)
+    if not settings.spec.round_level:
+        raise UserError(refusal(app_dir, settings.spec.name))
+    overrides, _ = plan(app_dir, run_config, rounds=settings.rounds_to_train,
+                        rounds_required=settings.train_rounds is not None,
+                        victim=(settings.victim_batch, settings.victim_steps, settings.rounds))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(settings.threads)
+    try:
+        run = simulate(app_dir, nodes=nodes, run_config=overrides, threads=settings.threads, ray_cpus=ray_cpus,
+                       quiet=quiet)  # every round recorded: a multi-round attack reads the earlier sums
+        missing = [r for r in settings.rounds if r not in run.recorder.aggregates]
+        if missing:
+            raise UserError(f"round {missing[0]} (Flower round {missing[0] + 1}) was not run: the app ran "
+                            f"{len(run.recorder.aggregates)} round(s); raise its number of rounds or lower "
+                            f"--attack-rounds")
+        args = settings.split()
+        outcome = attack_rounds(recorded_run(run, device), args.spec, list(settings.rounds), args.threat, args.budget,
+                                seed=args.seed, victim=args.victim, threads=args.threads, progress=progress)
+    finally:
+        torch.set_num_threads(previous)
+    targets = {r: list(run.recorder.aggregates[r].survivors) for r in settings.rounds}
+    return write_attack(out, settings, targets, outcome, {**run_facts(run), **device_record(device)}, start,
+                        notes=run.notes)
+
+
+def refusal(app_dir, attack: str) -> str | None:
+    """Why ``fedsec flower attack ATTACK`` does not run on an app under Flower's SecAgg+ (one line), or
+    None for a round-level attack, which runs on the recorded sums."""
+    import attacks
+
+    spec = attacks.get(attack)
+    if spec.round_level:
+        return None  # runs on the sums (``attack_secure_app``)
+    return (f"{attack} attacks one node's upload, but {app_dir} runs Flower's SecAgg+: its server holds only each "
+            f"round's sum (every upload is a masked vector); audit what it holds with fedsec flower audit {app_dir}")
+
+
+def check_attack_command(ctx) -> None:
+    """``fedsec flower attack`` refuses a per-client attack on an app under Flower's SecAgg+, and a round-level
+    attack on an app without it, with one line; otherwise, or for a folder that is no app, it does nothing (the
+    command's own checks speak)."""
+    p = ctx.params
+    legacy = p.get("attack_option") is not None and p.get("app_dir") is None  # APP_DIR --attack ATTACK
+    app_dir, attack = (p["attack"], p["attack_option"]) if legacy else (p.get("app_dir"), p.get("attack"))
+    if app_dir is None or attack is None or not (Path(app_dir) / "pyproject.toml").is_file():
+        return
+    try:
+        secure = is_secure_app(app_dir)
+        import attacks
+
+        attacks.get(attack)
+    except (UserError, KeyError):
+        return
+    if secure and (reason := refusal(app_dir, attack)) is not None:
+        raise UserError(reason)
+    if not secure and attacks.get(attack).round_level:
+        raise UserError(f"{attack} attacks the sum a secure-aggregation server holds, but {app_dir}'s ClientApp runs "
+                        f"no secure-aggregation mod (secaggplus_mod); its server sees each upload: run a per-client "
+                        f"attack, e.g. fedsec flower attack ig {app_dir}")
