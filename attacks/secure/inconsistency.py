@@ -37,8 +37,8 @@ from fedecouple.secure_aggregation import neighbours
 
 from ..base import AttackResult, Budget, NotApplicable
 from ..registry import AttackSpec, CraftRequest, register
-from .sized_binning import (INVERSION_STEPS, ROLES, STEP_SECONDS, ClientPlan, RoundCraft, denoise, pick_target,
-                            rebuilt, request_plan, secure_binning, sum_upload, target_record)
+from .sized_binning import (ROLES, SPEC_COMMON, ClientPlan, RoundCraft, denoise, pick_target, rebuilt, request_plan,
+                            secure_binning, sum_upload, target_record)
 
 CRAFTS = ("isolate", "neighbourhood")
 def silence(download: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
@@ -142,14 +142,11 @@ def inconsistency(observation, budget: Budget, seed: int) -> AttackResult:
 
 
 SPEC = register(AttackSpec(
-    name="inconsistency", kind="aggregate", attack_one=None, plan=None,
+    name="inconsistency",
     summary="malicious server under secure aggregation: model inconsistency (Eluding Secure Aggregation via Model "
             "Inconsistency) zeroes every other client's first-layer update; binning reads the target's from the sum",
-    default_iterations=INVERSION_STEPS, default_victim_batch=0, applies_to=frozenset({"extractor"}),
-    scoring="images", needs="model weights in the sum",
-    hint="a crafted download is read back from the summed weights; try `fedsec attack sum-labels --method {method}`",
     crafts=CRAFTS, craft_download=inconsistency_craft, unreachable=unreachable, attack_round=inconsistency,
-    estimate_rate=STEP_SECONDS, estimate_per="image"))
+    **SPEC_COMMON))
 
 __all__ = ["CRAFTS", "ROLES", "SPEC", "RoundCraft", "inconsistency", "isolate", "isolated_weight", "pick_target",
            "read_isolated", "silence", "silence_unreachable", "target_record"]

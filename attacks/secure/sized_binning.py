@@ -60,6 +60,13 @@ INVERSION_STEPS = 300
 _LATEST: list = []
 # seconds per L-BFGS step and image rebuilt (``attacks.malicious``'s rate for the per-client binning)
 STEP_SECONDS = 0.0025
+# what the malicious server's round-level attacks declare alike in their ``AttackSpec`` (each adds its
+# name, summary, crafts, craft and attack)
+SPEC_COMMON = dict(kind="aggregate", attack_one=None, plan=None, default_iterations=INVERSION_STEPS,
+                   default_victim_batch=0, applies_to=frozenset({"extractor"}), scoring="images",
+                   needs="model weights in the sum",
+                   hint="a crafted download is read back from the summed weights; try `fedsec attack sum-labels "
+                        "--method {method}`", estimate_rate=STEP_SECONDS, estimate_per="image")
 
 
 @dataclass(frozen=True)

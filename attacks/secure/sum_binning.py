@@ -10,7 +10,7 @@ from attacks.malicious.craft import not_reachable
 
 from ..base import AttackResult, Budget, NotApplicable
 from ..registry import AttackSpec, register
-from .sized_binning import INVERSION_STEPS, STEP_SECONDS, read_sum, rebuilt, sum_binning_craft
+from .sized_binning import SPEC_COMMON, read_sum, rebuilt, sum_binning_craft
 
 
 def sum_binning(observation, budget: Budget, seed: int) -> AttackResult:
@@ -27,11 +27,8 @@ def sum_binning(observation, budget: Budget, seed: int) -> AttackResult:
 
 
 SPEC = register(AttackSpec(
-    name="sum-binning", kind="aggregate", attack_one=None, plan=None,
+    name="sum-binning",
     summary="malicious server under secure aggregation: the same binning rows for every client, sized to the "
             "protocol; a bin holding one image of the whole round reads it out of the sum (Robbing the Fed)",
-    default_iterations=INVERSION_STEPS, default_victim_batch=0, applies_to=frozenset({"extractor"}),
-    scoring="images", needs="model weights in the sum",
-    hint="a crafted download is read back from the summed weights; try `fedsec attack sum-labels --method {method}`",
     crafts=("binning",), craft_download=sum_binning_craft, unreachable=not_reachable, attack_round=sum_binning,
-    estimate_rate=STEP_SECONDS, estimate_per="image"))
+    **SPEC_COMMON))

@@ -25,8 +25,8 @@ from fedecouple.channel import Upload
 
 from ..base import AttackResult, Budget, NotApplicable
 from ..registry import AttackSpec, CraftRequest, register
-from .sized_binning import (INVERSION_STEPS, STEP_SECONDS, ClientPlan, RoundCraft, denoise, pick_target, rebuilt,
-                            request_plan, secure_binning, sum_upload, target_record)
+from .sized_binning import (SPEC_COMMON, ClientPlan, RoundCraft, denoise, pick_target, rebuilt, request_plan,
+                            secure_binning, sum_upload, target_record)
 
 CRAFTS = ("sybil",)
 
@@ -111,13 +111,9 @@ def sybil(observation, budget: Budget, seed: int) -> AttackResult:
 
 
 SPEC = register(AttackSpec(
-    name="sybil", kind="aggregate", attack_one=None, plan=None,
+    name="sybil",
     summary="malicious server under secure aggregation with sybils: every other participant is the server's, so it "
             "subtracts their updates from the sum and reads the target's binning (an upper bound)",
-    default_iterations=INVERSION_STEPS, default_victim_batch=0, applies_to=frozenset({"extractor"}),
-    scoring="images", needs="model weights in the sum",
-    hint="a crafted download is read back from the summed weights; try `fedsec attack sum-labels --method {method}`",
-    crafts=CRAFTS, craft_download=sybil_request, unreachable=not_reachable, attack_round=sybil,
-    estimate_rate=STEP_SECONDS, estimate_per="image"))
+    crafts=CRAFTS, craft_download=sybil_request, unreachable=not_reachable, attack_round=sybil, **SPEC_COMMON))
 
 __all__ = ["CRAFTS", "SPEC", "read_target", "sybil", "sybil_craft", "sybil_summands", "without_sybils"]
