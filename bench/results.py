@@ -338,7 +338,7 @@ def _other_cells() -> list[Cell]:
     cells.append(Cell("secure-curious", "secure", "a curious server under secure aggregation: FedAvg, 10 clients of one "
                       "image; the round's label histogram, the sum inverted, disaggregation over 20 rounds",
                       ("python", "bench/secure_curious.py"),
-                      printed_figures("round histogram exact", "PSNR - prior per image", "label counts exact",
+                      printed_figures("round histogram exact", "PSNR - prior per image", "label counts exact:",
                                       "paired difference"), "about 10 min",
                       depends=CODE + ("bench/secure_curious.py",)))
     cells.append(Cell("secure-malicious", "secure", "a malicious server through secure aggregation: binning through "
