@@ -337,7 +337,7 @@ def _other_cells() -> list[Cell]:
                           depends=("fedecouple", "fedsec")))
     cells.append(Cell("secure-curious", "secure", "a curious server under secure aggregation: FedAvg, 10 clients of one "
                       "image; the round's label histogram, the sum inverted, disaggregation over 20 rounds",
-                      ("python", "bench/secure_curious.py"),
+                      ("python", "bench/secure_curious.py", "--out", "runs/secure-curious"),
                       printed_figures("round histogram exact", "PSNR - prior per image", "label counts exact:",
                                       "paired difference"), "about 10 min",
                       depends=CODE + ("bench/secure_curious.py",)))
