@@ -180,12 +180,14 @@ def run_audit(config: RunConfig, out: str | Path | None, evidence: bool = True, 
     start = time.perf_counter()
     run = recorded if recorded is not None else _train_recording_everything(config, progress)
     uploaded = next(run.recorder.uploads(), None) is not None
+    secure = run.recorder.secure is not None  # the server held sums: per-client evidence attacks do not apply
     measured = _measure_evidence(config, run.upload_kinds(), None if out is None else Path(out), evidence_iterations) \
-        if evidence and uploaded else {}
+        if evidence and uploaded and not secure else {}
     context = {"dataset": config.data.dataset, "clients": config.data.clients, "partition": config.data.partition,
                "seed": config.federation.seed, "config": config.to_dict()}
     return audit_recorded(run, out, config.federation.rounds, measured, context, start,
-                          inversion_iterations=evidence_iterations if evidence else 0)
+                          inversion_iterations=evidence_iterations if evidence else 0,
+                          sum_evidence=evidence and secure and uploaded)
 
 
 def _train_recording_everything(config: RunConfig, progress: bool) -> RecordedRun:
@@ -206,10 +208,12 @@ def _train_recording_everything(config: RunConfig, progress: bool) -> RecordedRu
 
 
 def audit_recorded(run: RecordedRun, out: str | Path | None, rounds: int, evidence: dict[str, dict] | None = None,
-                   context: dict | None = None, start: float | None = None, inversion_iterations: int = 0) -> dict:
+                   context: dict | None = None, start: float | None = None, inversion_iterations: int = 0,
+                   sum_evidence: bool = False) -> dict:
     """Audit every upload of a recorded run: fields, bytes, findings (with ``evidence``: {attack kind:
     attack summary} measured elsewhere; ``inversion_iterations`` > 0 also measures what inverting
-    rows that point like private anchors gives). Writes audit.csv, findings.json, audit.md,
+    rows that point like private anchors gives; ``sum_evidence``, under secure aggregation, measures
+    ``sum-labels`` on every decoded round: ``sum_label_evidence``). Writes audit.csv, findings.json, audit.md,
     summary.json into ``out`` (None: nothing written); returns the summary, findings and rows."""
     start = time.perf_counter() if start is None else start
     manifest = run.method.manifest(run.make_model())
@@ -221,13 +225,19 @@ def audit_recorded(run: RecordedRun, out: str | Path | None, rounds: int, eviden
                 + _reconstruction_findings(kinds, evidence)
                 + _private_value_findings(run, uploads, kinds, inversion_iterations)
                 + _kept_parameter_findings(run, uploads) + _secure_findings(run, kinds))
+    sum_brief = None
+    if sum_evidence:
+        decoded = [r for r, record in sorted(run.recorder.aggregates.items()) if not record.aborted]
+        label, sum_brief = sum_label_evidence(run, decoded, progress=False)
+        findings += [label] if label else []
     traffic = _traffic(run, rounds)
     findings.append(_communication_finding(traffic, run.dataset.num_classes))
     findings.sort(key=lambda f: SEVERITIES.index(f["severity"]))
     summary = {"method": run.method.name, "run": run.label, "rounds": rounds, **traffic,
                "secure_aggregation": secure_aggregation_status(run.method),
                "findings_by_severity": {s: sum(f["severity"] == s for f in findings) for s in SEVERITIES},
-               "evidence": {kind: _brief(ev) for kind, ev in evidence.items()},
+               "evidence": {kind: _brief(ev) for kind, ev in evidence.items()} | ({"labels": sum_brief} if sum_brief
+                                                                                   else {}),
                **(context or {}), "seconds": round(time.perf_counter() - start, 2), **provenance()}
     if out is not None:  # None: a Python caller keeps the audit in memory
         write_audit(Path(out), frame, findings, summary)
@@ -265,6 +275,40 @@ def _protocol_findings(run: RecordedRun, frame: pd.DataFrame, kinds: set[str]) -
     return findings
 
 
+def sum_label_evidence(recorded, rounds: list[int], progress: bool) -> tuple[dict | None, dict]:
+    """The ``ROUND_LABELS_FROM_SUM`` finding (None: nothing scored) and the evidence brief of
+    ``sum-labels`` on every round of ``recorded``: the round's label histogram from its sum."""
+    import attacks
+    from attacks.base import Budget, NotApplicable
+    from attacks.recorded import ThreatModel
+
+    if "sum-labels" not in attacks.names("aggregate"):
+        return None, {"attack": "sum-labels", "not_applicable": "no round-level label attack is registered"}
+    from attacks.secure.harness import attack_rounds
+
+    try:
+        outcome = attack_rounds(recorded, "sum-labels", rounds, ThreatModel(), Budget(iterations=1), seed=0,
+                                progress=progress)
+    except NotApplicable as exc:
+        return None, {"attack": "sum-labels", "not_applicable": str(exc)}
+    hist = outcome.summary.statistics.get("histogram")
+    if not hist:
+        return None, {"attack": "sum-labels", "not_applicable": "; ".join(outcome.summary.notes) or "nothing scored"}
+    images = sum(row["true_count"] for row in outcome.rows) / max(hist["rounds"], 1)
+    brief = {"attack": "sum-labels", "class_presence_accuracy": outcome.summary.class_presence_accuracy,
+             "images_per_round": images, **{k: hist[k] for k in ("rounds", "exact_rounds", "mean_count_error",
+                                                                  "mean_count_error_ci", "count_errors")}}
+    measured = (f"exact in {hist['exact_rounds']} of {hist['rounds']} round(s), mean count error "
+                f"{hist['mean_count_error']:.1f} of {images:.0f} images per round (sum-labels)")
+    sentence = (f"The sum still gives away each round's label histogram over all surviving clients: {measured}."
+                if hist["exact_rounds"] else
+                f"Reading each round's label histogram from the sum did not succeed here: {measured}; the summed "
+                f"classifier-bias rule is exact for one local step, and these clients took more.")
+    finding = {"severity": "medium" if hist["exact_rounds"] else "low", "code": "ROUND_LABELS_FROM_SUM",
+               "finding": sentence, "evidence": brief}
+    return finding, brief
+
+
 def _secure_findings(run: RecordedRun, kinds: set[str]) -> list[dict]:
     """Under secure aggregation: what the server held instead of uploads (each round's decoded sum)."""
     if "masked" not in kinds:
@@ -276,7 +320,8 @@ def _secure_findings(run: RecordedRun, kinds: set[str]) -> list[dict]:
                      f"modulus: no parameter of one client is readable. The server decoded the sum of each round's arrived uploads "
                      f"in {len(records) - len(aborted)} of {len(records)} round(s)"
                      + (f" (round(s) {', '.join(map(str, aborted))} aborted)" if aborted else "")
-                     + ". What a round's sum reveals is not audited here.",
+                     + ". What a round's sum still gives away is for the round-level attacks (fedsec attack sum-*; "
+                     "ROUND_LABELS_FROM_SUM when the audit measures evidence).",
                      rounds=[r.round for r in records], aborted_rounds=aborted,
                      survivors=[len(r.survivors) for r in records], dropped=[len(r.dropped) for r in records],
                      clipped=[r.clipped for r in records])]
@@ -298,7 +343,7 @@ def _label_findings(run: RecordedRun, manifest: list[FieldSpec], uploads: list, 
                                  "exact label distribution.", fields=fields, class_presence_accuracy=presence,
                                  label_inference_notes=label_ev.get("notes") or label_ev.get("not_applicable")))
     per_class = [s for s in manifest if s.per_class]
-    if per_class:  # class presence through per-class keys
+    if per_class and "masked" not in kinds:  # class presence through per-class keys (masked uploads have none)
         agree = 0
         for up in uploads:
             keys = {int(m.group(1)) for s in per_class for n in up.tensors if (m := s.pattern.match(n))}

@@ -275,7 +275,7 @@ EVIDENCE = click.option(
     "--evidence/--no-evidence", default=True, show_default=True,
     help="Measure each finding's evidence with the matching attack (the first registered gradient, image and label "
          "attack that applies: DLG, proto, labels) on the same federation, the gradient attack in the textbook "
-         "setting.")
+         "setting; under --secure-aggregation, sum-labels on every round's sum.")
 EVIDENCE_ITERATIONS = click.option(
     "--evidence-iterations", type=COUNT, default=300, show_default=True,
     help="Optimisation steps for each evidence attack, and for inverting the uploads towards a private value "

@@ -278,3 +278,21 @@ def test_an_audit_under_secure_aggregation_sees_masked_vectors_not_fields(tmp_pa
     assert json.loads((out / "summary.json").read_text())["secure_aggregation"] == "runs on the sum"
     assert "  secure aggregation: runs on the sum" in printed.splitlines()
     assert "* secure aggregation: runs on the sum" in (out / "audit.md").read_text()
+
+
+def test_the_audit_under_secure_aggregation_measures_what_the_sum_gives_away(tmp_path):
+    """FedProto's clients sum their class counts: the audit's evidence reads every round's histogram
+    exactly, and no per-class key of a masked upload is taken for a disclosed class."""
+    from fedsec.audit import run_audit
+    from fedsec.runner import RunConfig
+
+    config = RunConfig.of(method="fedproto", dataset="digits", clients=3, rounds=2, threads=TEST_THREADS,
+                          secure_aggregation=True)
+    result = run_audit(config, tmp_path / "audit", progress=False)
+    codes = {f["code"]: f for f in result["findings"]}
+    assert "CLASS_PRESENCE_DISCLOSED" not in codes and "SECURE_AGGREGATION" in codes
+    labels = result["summary"]["evidence"]["labels"]
+    assert codes["ROUND_LABELS_FROM_SUM"]["severity"] == "medium"
+    assert (labels["rounds"], labels["exact_rounds"], labels["mean_count_error"]) == (2, 2, 0.0)
+    written = json.loads((tmp_path / "audit" / "summary.json").read_text())
+    assert written["evidence"]["labels"]["exact_rounds"] == 2

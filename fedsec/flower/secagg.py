@@ -381,40 +381,6 @@ def secure_findings(recorder: Recorder) -> list[dict]:
     return out
 
 
-def label_evidence(recorded, rounds: list[int], progress: bool) -> tuple[dict | None, dict]:
-    """The ``ROUND_LABELS_FROM_SUM`` finding (None: nothing scored) and the evidence brief of
-    ``sum-labels`` on every round of ``recorded``: the round's label histogram from its sum."""
-    import attacks
-    from attacks.base import Budget, NotApplicable
-    from attacks.recorded import ThreatModel
-
-    if "sum-labels" not in attacks.names("aggregate"):
-        return None, {"attack": "sum-labels", "not_applicable": "no round-level label attack is registered"}
-    from attacks.secure.harness import attack_rounds
-
-    try:
-        outcome = attack_rounds(recorded, "sum-labels", rounds, ThreatModel(), Budget(iterations=1), seed=0,
-                                progress=progress)
-    except NotApplicable as exc:
-        return None, {"attack": "sum-labels", "not_applicable": str(exc)}
-    hist = outcome.summary.statistics.get("histogram")
-    if not hist:
-        return None, {"attack": "sum-labels", "not_applicable": "; ".join(outcome.summary.notes) or "nothing scored"}
-    images = sum(row["true_count"] for row in outcome.rows) / max(hist["rounds"], 1)
-    brief = {"attack": "sum-labels", "class_presence_accuracy": outcome.summary.class_presence_accuracy,
-             "images_per_round": images, **{k: hist[k] for k in ("rounds", "exact_rounds", "mean_count_error",
-                                                                  "mean_count_error_ci", "count_errors")}}
-    measured = (f"exact in {hist['exact_rounds']} of {hist['rounds']} round(s), mean count error "
-                f"{hist['mean_count_error']:.1f} of {images:.0f} images per round (sum-labels)")
-    sentence = (f"The sum still gives away each round's label histogram over all surviving nodes, read from the "
-                f"summed classifier-bias update: {measured}." if hist["exact_rounds"] else
-                f"Reading each round's label histogram from the summed classifier-bias update did not succeed here: "
-                f"{measured}; the rule is exact for one local step, and these nodes took more.")
-    finding = {"severity": "medium" if hist["exact_rounds"] else "low", "code": "ROUND_LABELS_FROM_SUM",
-               "finding": sentence, "evidence": brief}
-    return finding, brief
-
-
 def protocol_line(protocol: SecureAggregation, nodes: int) -> str:
     graph = "every other node" if protocol.neighbours is None else f"{protocol.neighbours} neighbours"
     return (f"Flower SecAgg+ (masks with {graph} of {nodes}; clipping ±{protocol.clipping_range:g}, "
@@ -431,7 +397,7 @@ def audit_secure_app(app_dir, *, nodes: int | None = None, run_config: dict | No
     round. Writes audit.csv, findings.json, audit.md, summary.json into ``out`` (None: nothing written)."""
     from reports.audit import SEVERITIES
 
-    from ..audit import audit_recorded, write_audit
+    from ..audit import audit_recorded, sum_label_evidence, write_audit
     from .harness import plan, recorded_run, run_facts
     from .simulation import simulate
     from fedecouple.devices import device_record
@@ -448,7 +414,7 @@ def audit_secure_app(app_dir, *, nodes: int | None = None, run_config: dict | No
     base = audit_recorded(recorded, None, len(run.rounds()), {}, context, start)
     rows = base["rows"]
     rows.loc[rows["field"] != "masked", "kind"] = CLEAR
-    label, brief = label_evidence(recorded, run.rounds(), progress) if evidence else (None, None)
+    label, brief = sum_label_evidence(recorded, run.rounds(), progress) if evidence else (None, None)
     findings = [f for f in base["findings"] if f["code"] != "SECURE_AGGREGATION"] + secure_findings(run.recorder)
     findings = sorted(findings + ([label] if label else []), key=lambda f: SEVERITIES.index(f["severity"]))
     summary = {**base["summary"], "secure_aggregation": protocol_line(run.recorder.secure, run.nodes),
