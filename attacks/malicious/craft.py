@@ -178,15 +178,22 @@ def craft_request(request: CraftRequest) -> tuple[dict[str, torch.Tensor], Craft
                  seed=request.seed)
 
 
-def _shrink_inputs(model: nn.Module, layer: str, public: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Scale the parametrised layer just before ``layer`` (weight and bias, in ``model`` too) by γ so
-    that the median ‖a‖² ≤ ``INPUT_SQUARED_NORM``; {} when none comes before it (``mlp``)."""
-    before = None
+def layer_before(model: nn.Module, layer: str) -> tuple[str, nn.Module] | None:
+    """(name, module) of the last direct child of the extractor with parameters before ``layer`` (None:
+    none has any, e.g. only a flatten)."""
+    found = None
     for name, module in model.extractor.named_children():
         if f"extractor.{name}" == layer:
             break
         if any(True for _ in module.parameters(recurse=False)):
-            before = (f"extractor.{name}", module)
+            found = (f"extractor.{name}", module)
+    return found
+
+
+def _shrink_inputs(model: nn.Module, layer: str, public: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Scale the parametrised layer just before ``layer`` (weight and bias, in ``model`` too) by γ so
+    that the median ‖a‖² ≤ ``INPUT_SQUARED_NORM``; {} when none comes before it (``mlp``)."""
+    before = layer_before(model, layer)
     if before is None:
         return {}
     inputs = layer_inputs(model, layer, public).double()

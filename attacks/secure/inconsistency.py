@@ -32,13 +32,12 @@ import torch
 from torch import nn
 
 from attacks.malicious.craft import CraftRecord, first_linear, load, next_linear, not_reachable
-from attacks.malicious.readout import recover_inputs
 from fedecouple.secure_aggregation import neighbours
 
 from ..base import AttackResult, Budget, NotApplicable
 from ..registry import AttackSpec, CraftRequest, register
-from .sized_binning import (ROLES, SPEC_COMMON, ClientPlan, RoundCraft, denoise, pick_target, rebuilt, request_plan,
-                            secure_binning, sum_upload, target_record)
+from .sized_binning import (ROLES, SPEC_COMMON, ClientPlan, RoundCraft, pick_target, rebuilt, request_plan,
+                            read_sum, secure_binning, target_record)
 
 CRAFTS = ("isolate", "neighbourhood")
 def silence(download: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
@@ -103,9 +102,8 @@ def read_isolated(record: CraftRecord, total: dict[str, torch.Tensor], following
     weight = isolated_weight(record, total, following)
     if not weight > 0:
         raise NotApplicable("the target's update is not in the sum (it did not survive, or withheld it)")
-    names = {f"{record.layer}.weight", f"{record.layer}.bias"}
-    upload = sum_upload({k: v for k, v in total.items() if k in names}, weight)
-    return recover_inputs(record, denoise(record, upload, error / weight)), weight
+    names = {f"{record.layer}.weight", f"{record.layer}.bias"}  # the crafted layer: all the readout reads
+    return read_sum(record, {k: v for k, v in total.items() if k in names}, weight, error), weight
 
 
 def inconsistency_craft(request: CraftRequest) -> tuple[dict[str, torch.Tensor], RoundCraft]:

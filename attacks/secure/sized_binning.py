@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from attacks.malicious.craft import CraftRecord, craft, layer_inputs, layer_module, load, next_linear
+from attacks.malicious.craft import CraftRecord, craft, layer_before, layer_inputs, layer_module, load, next_linear
 from attacks.malicious.readout import rebuild_images, recover_inputs
 from fedecouple.secure_aggregation import SecureAggregation
 
@@ -130,17 +130,6 @@ def _sized(download: dict[str, torch.Tensor], model: nn.Module, public: torch.Te
     return {k: v.clone() for k, v in sent.items()}, record
 
 
-def _before(model: nn.Module, layer: str) -> tuple[str, nn.Module] | None:
-    """The last direct child of the extractor with parameters before ``layer`` (None: only a flatten)."""
-    found = None
-    for name, module in model.extractor.named_children():
-        if f"extractor.{name}" == layer:
-            break
-        if any(True for _ in module.parameters(recurse=False)):
-            found = (f"extractor.{name}", module)
-    return found
-
-
 def _size_to_protocol(model: nn.Module, record: CraftRecord, sent: dict[str, torch.Tensor], public: torch.Tensor,
                       protocol, plan: ClientPlan, margin: float) -> dict[str, torch.Tensor]:
     """The tensors that size the craft (module docstring). Every bound is a summand w·value against
@@ -177,7 +166,7 @@ def _widen_inputs(model: nn.Module, layer: str, public: torch.Tensor, largest: f
     is unchanged) until the public inputs' largest coordinate (its ``LARGEST_QUANTILE``) is
     ``largest``, its own largest parameter staying within ``room``; changes ``model`` in place and
     returns the changed tensors ({} when the layer sees the pixels)."""
-    before = _before(model, layer)
+    before = layer_before(model, layer)
     if before is None:
         return {}
     name, module = before

@@ -20,13 +20,12 @@ import torch
 from torch import nn
 
 from attacks.malicious.craft import first_linear, load, not_reachable
-from attacks.malicious.readout import recover_inputs
 from fedecouple.channel import Upload
 
 from ..base import AttackResult, Budget, NotApplicable
 from ..registry import AttackSpec, CraftRequest, register
-from .sized_binning import (SPEC_COMMON, ClientPlan, RoundCraft, denoise, pick_target, rebuilt, request_plan,
-                            secure_binning, sum_upload, target_record)
+from .sized_binning import (SPEC_COMMON, ClientPlan, RoundCraft, pick_target, rebuilt, request_plan,
+                            read_sum, secure_binning, target_record)
 
 CRAFTS = ("sybil",)
 
@@ -80,9 +79,8 @@ def read_target(record, total: dict[str, torch.Tensor], summands: list[dict[str,
     weight = float(rest.get("sample_count", torch.tensor(0.0)))
     if not weight > 0:
         raise NotApplicable("nothing of the target is left in the sum: it did not survive the round")
-    names = {f"{record.layer}.weight", f"{record.layer}.bias"}
-    upload = sum_upload({k: v for k, v in rest.items() if k in names}, weight)
-    return recover_inputs(record, denoise(record, upload, error / weight)), weight
+    names = {f"{record.layer}.weight", f"{record.layer}.bias"}  # the crafted layer: all the readout reads
+    return read_sum(record, {k: v for k, v in rest.items() if k in names}, weight, error), weight
 
 
 def sybil_request(request: CraftRequest) -> tuple[dict[str, torch.Tensor], RoundCraft]:
