@@ -39,6 +39,8 @@ import click
 
 from fedecouple.errors import UserError
 
+from . import catalog
+
 __all__ = ["train", "attack", "audit", "report", "defend", "mia", "compare", "Result", "TrainResult",
            "AttackResult", "AuditResult", "ReportResult", "DefendResult", "MiaResult", "CompareResult"]
 
@@ -51,8 +53,9 @@ TRAIN_KEYS = ("method", "dataset", "data_dir", "download", "partition", "classes
               "sa_clipping_range", "sa_quantization_range", "sa_modulus", "sa_neighbours", "sa_threshold",
               "sa_max_weight")
 # protocol settings left out of a folder's identity at their defaults (folders written before they existed)
-QUIET_AT_DEFAULT = {"dropout": 0.0, "secure_aggregation": False, "sa_clipping_range": 8.0,
-                    "sa_quantization_range": 2 ** 22, "sa_modulus": 2 ** 32, "sa_threshold": 0.5, "sa_max_weight": 1000.0}
+QUIET_AT_DEFAULT = {"dropout": 0.0, "secure_aggregation": False,
+                    **{f"sa_{'threshold' if k == 'reconstruction_threshold' else k}": v
+                       for k, v in catalog.SECURE_AGGREGATION.items() if k != "neighbours"}}
 HYPERPARAMETER_FLAGS = ("lam", "mu", "tau", "teacher", "center_reduction")
 ABLATION_FLAGS = ("no_glf", "no_gfa", "no_gpc", "no_da")
 DEFAULT_ROUNDS = 3

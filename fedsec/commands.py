@@ -42,24 +42,26 @@ class Listed(click.Option):
         return record[0], f"{record[1]} Choices: {', '.join(self._listed())}."
 
 
-SECURE_AGGREGATION_OPTIONS = [  # the protocol (fedecouple.secure_aggregation; defaults: Flower SecAgg+'s)
+SECURE = catalog.SECURE_AGGREGATION  # the protocol's defaults (Flower SecAgg+'s)
+SECURE_AGGREGATION_OPTIONS = [  # the protocol (fedecouple.secure_aggregation)
     click.option("--dropout", type=Number(float, 0, 1, high_open=True), default=0.0, show_default=True,
                  help="Each round, each client drops out before uploading with this probability (seeded)."),
     click.option("--secure-aggregation", is_flag=True, default=False,
                  help="The server holds only the sum of each round's uploads (SecAgg+ pairwise masking with "
                       "Flower's quantisation); a method whose server reads uploads one by one refuses."),
-    click.option("--sa-clipping-range", type=POSITIVE, default=8.0, show_default=True,
+    click.option("--sa-clipping-range", type=POSITIVE, default=SECURE["clipping_range"], show_default=True,
                  help="--secure-aggregation: values beyond +-this are clipped before quantising (and counted)."),
-    click.option("--sa-quantization-range", type=Number(int, 2), default=2 ** 22, show_default=True,
-                 help="--secure-aggregation: the clipping range is quantised to integers 0..this."),
-    click.option("--sa-modulus", type=Number(int, 3), default=2 ** 32, show_default=True,
+    click.option("--sa-quantization-range", type=Number(int, 2), default=SECURE["quantization_range"],
+                 show_default=True, help="--secure-aggregation: the clipping range is quantised to integers 0..this."),
+    click.option("--sa-modulus", type=Number(int, 3), default=SECURE["modulus"], show_default=True,
                  help="--secure-aggregation: masks are uniform over 0..this-1, sums taken modulo it."),
     click.option("--sa-neighbours", type=COUNT, default=None,
                  help="--secure-aggregation: each client masks with this many neighbours (SecAgg+) [every "
                       "other client, as SecAgg]."),
-    click.option("--sa-threshold", type=Number(float, 0, 1, low_open=True), default=0.5, show_default=True,
+    click.option("--sa-threshold", type=Number(float, 0, 1, low_open=True),
+                 default=SECURE["reconstruction_threshold"], show_default=True,
                  help="--secure-aggregation: the fraction of a round's clients that must survive to unmask."),
-    click.option("--sa-max-weight", type=POSITIVE, default=1000.0, show_default=True,
+    click.option("--sa-max-weight", type=POSITIVE, default=SECURE["max_weight"], show_default=True,
                  help="--secure-aggregation: the largest sample count a client's weighted values are scaled for."),
 ]
 

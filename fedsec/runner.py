@@ -75,12 +75,12 @@ class SecureConfig:
     defaults: Flower's ``SecAggPlusWorkflow``'s). Off: the server sees every upload."""
 
     secure_aggregation: bool = False
-    sa_clipping_range: float = 8.0
-    sa_quantization_range: int = 2 ** 22
-    sa_modulus: int = 2 ** 32
-    sa_neighbours: int | None = None
-    sa_threshold: float = 0.5
-    sa_max_weight: float = 1000.0
+    sa_clipping_range: float = SecureAggregation.clipping_range
+    sa_quantization_range: int = SecureAggregation.quantization_range
+    sa_modulus: int = SecureAggregation.modulus
+    sa_neighbours: int | None = SecureAggregation.neighbours
+    sa_threshold: float = SecureAggregation.reconstruction_threshold
+    sa_max_weight: float = SecureAggregation.max_weight
 
     def protocol(self, seed: int) -> SecureAggregation | None:
         if not self.secure_aggregation:
@@ -258,7 +258,7 @@ def build_federation(prep: Prepared, channel: ServerChannel | None = None, groun
     protocol = prep.config.secure.protocol(prep.config.federation.seed)
     if protocol is not None:
         channel = channel if channel is not None else ServerChannel()
-        channel.secure = channel.recorder.secure = protocol
+        channel.recorder.secure = protocol  # the channel reads it there
     return Federation(prep.method, prep.dataset, prep.partition, prep.config.federation, channel=channel,
                       ground_truth=ground_truth, victim=victim, backend=backend)
 

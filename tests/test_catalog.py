@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import fields
 
 
 def test_the_catalog_equals_the_registries():
@@ -15,6 +16,7 @@ def test_the_catalog_equals_the_registries():
     from fedecouple.data.registry import EMBEDDED
     from fedecouple.methods import METHODS
     from fedecouple.models import ARCHITECTURES
+    from fedecouple.secure_aggregation import SecureAggregation
     from fedsec import catalog
 
     registered = {n: s for n, s in attacks.ATTACKS.items() if n in catalog.ATTACKS or n != "toy"}
@@ -27,6 +29,7 @@ def test_the_catalog_equals_the_registries():
     assert tuple(ARCHITECTURES) == catalog.ARCHITECTURES and tuple(DEFENSES) == catalog.DEFENSES
     assert tuple(MODES) == catalog.MODES and tuple(AUGMENTATION_MODELS) == catalog.AUGMENTATION_MODELS
     assert tuple(STARTS) == catalog.STARTS
+    assert {f.name: f.default for f in fields(SecureAggregation) if f.name != "seed"} == catalog.SECURE_AGGREGATION
 
 
 def test_the_help_and_import_fedsec_load_no_torch():
