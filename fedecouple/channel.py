@@ -188,7 +188,6 @@ class ServerChannel:
                  secure: SecureAggregation | None = None):
         self.interceptors: list[Interceptor] = list(interceptors)
         self.recorder = recorder if recorder is not None else Recorder(rounds=(), remember_latest=False)
-        self.secure = secure
         self.recorder.secure = secure
         self.bytes_down = 0
         self.bytes_up = 0
@@ -202,6 +201,11 @@ class ServerChannel:
                 raise TypeError(f"interceptor {interceptor.name!r} returned {type(result).__name__}, expected {kind.__name__}")
             message = result
         return message
+
+    @property
+    def secure(self) -> SecureAggregation | None:
+        """The secure-aggregation protocol in force (None: off), as the recorder keeps it."""
+        return self.recorder.secure
 
     def download(self, message: Download) -> Download | None:
         """Server → client. Recorded as sent; the client receives its own copy (or nothing if dropped)."""
