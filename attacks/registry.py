@@ -92,6 +92,9 @@ class AttackSpec:
     estimate_step_factor: float = 1.0
     # a round-level attack's function (kind "aggregate"): ``attack_round(RoundObservation, budget, seed)``
     attack_round: Callable | None = None
+    # a round-level attack's forward-model check: ``truth_objective(RoundObservation, images, labels) -> float``,
+    # its data term at the round's true images, set beside its result's ``trace["data_term"]`` (None: no check)
+    truth_objective: Callable | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -51,6 +51,11 @@ def test_the_sum_inversion_scores_one_image_per_survivor(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["images_scored"] == 4 and sorted(pd.read_csv(out / "attack.csv")["client"]) == [0, 1, 2, 3]
     assert (out / "labels.csv").exists() and (out / "reconstructions.png").exists()
+    # the forward-model check: the true union batch explains the sum (one step on it, up to the
+    # quantisation) better than two iterations' reconstruction: the figure is the optimiser's lower bound
+    target = summary["per_target"][0]
+    assert target["truth_data_term"] < target["data_term"]
+    assert summary["not_converged_targets"] == 1 and summary["mis_specified"] is False
 
 
 def test_a_round_level_attack_without_secure_aggregation_refuses(tmp_path, capsys):

@@ -66,6 +66,7 @@ class RoundTarget:
     rows: list[dict] = field(default_factory=list)
     label_rows: list[dict] = field(default_factory=list)
     scores: dict = field(default_factory=dict)  # the histogram's and the per-client counts' scores
+    check: dict | None = None  # the forward-model check (``forward_check``), where the attack declares one
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,19 @@ def score_round(run: RecordedRun, spec: AttackSpec, job: RoundTarget, prior: tor
         clients = result.trace.get("clients", obs.survivors)
         idx, owners = ground_truth(run, job.round, clients)
         job.rows = _image_rows(run, base, result, idx, owners, prior, panels)
+    job.check = forward_check(run, spec, job)
+
+
+def forward_check(run: RecordedRun, spec: AttackSpec, job: RoundTarget) -> dict | None:
+    """The attack's data term at the round's true images against its result's (``AttackSpec.truth_objective``):
+    truth lower, the optimiser stopped short (its figure a lower bound); truth higher, the attack's model of
+    the sum is wrong (its figure says nothing). None where the attack declares no objective."""
+    kept = job.result.trace.get("data_term")
+    if spec.truth_objective is None or kept is None:
+        return None
+    idx, _ = ground_truth(run, job.round, job.observation.survivors)
+    truth = float(spec.truth_objective(job.observation, run.dataset.images[idx], run.dataset.labels[idx]))
+    return {"truth_data_term": truth, "mis_specified": truth > float(kept), "not_converged": truth < float(kept)}
 
 
 def label_rows(base: dict, client: int, true: torch.Tensor, predicted: torch.Tensor) -> list[dict]:
@@ -301,5 +315,5 @@ def _summary(run: RecordedRun, spec: AttackSpec, jobs: list[RoundTarget], threat
                      "objective": float(j.result.trace.get("objective", float("nan"))),
                      "seconds": round(float(j.result.trace.get("seconds", float("nan"))), 3),
                      **{k: j.result.trace[k] for k in TRACE_KEYS if k in j.result.trace},
-                     **j.scores.get("histogram", {})} for j in scored],
-        checks=check_summary([]), notes=notes, label_scores=hist or None, not_applicable=nothing)
+                     **j.scores.get("histogram", {}), **(j.check or {})} for j in scored],
+        checks=check_summary([j.check for j in scored if j.check is not None]), notes=notes, label_scores=hist or None, not_applicable=nothing)

@@ -6,7 +6,8 @@ update Σ wᵢΔθᵢ / Σ wᵢ = −lr·(1/N)·Σⱼ ∇ℓ(xⱼ) is exactly on
 N = Σ nᵢ images, at the model the server sent. The server therefore holds the gradient of a batch of
 N images (10 one-image clients: a batch of 10), which is what batch gradient inversion attacks; the
 literature reports such batches to be far harder than one image, so the expected answer is a result
-at the prior (the data set's mean image), reported as measured. With several local steps per client
+at the prior (the data set's mean image), reported as measured; the harness's forward-model check
+(``truth_objective``: the data term at the true batch) says whether the optimiser stopped short of it. With several local steps per client
 the sum is no single batch gradient, and the attack says so.
 
 The attack builds the union as one virtual client (download: the sent model; upload: the weighted
@@ -143,6 +144,16 @@ def _iterate(matcher: GradientMatcher, variables: list[torch.Tensor], labels: to
             "copy_parameters": None}
 
 
+def truth_objective(observation: RoundObservation, images: torch.Tensor, labels: torch.Tensor) -> float:
+    """``AttackSpec.truth_objective``: the cosine data term the attack minimises, at the round's true union
+    batch (the forward-model check: near 0 when the union-batch model of the sum is right)."""
+    matcher = GradientMatcher(union_client(observation), "scaled")
+    device = observation.device
+    probs = torch.nn.functional.one_hot(labels.to(device), observation.num_classes).to(torch.float32)
+    with torch.no_grad():
+        return float(matcher.cosine_objective(matcher.dummy(images.to(device, torch.float32), probs), matcher.target))
+
+
 def summary_lines(summary: dict) -> list[str]:
     """The round histogram the labels were fixed to, under the headline."""
     h = summary.get("histogram") or {}
@@ -157,4 +168,4 @@ register(AttackSpec("sum-inversion", "aggregate", "secure aggregation: the round
                     scoring="images", needs="model weights in the sum",
                     hint="its secure sum holds no model to invert; try sum-labels", default_restarts=RECIPE.restarts,
                     estimate_rate=0.02, estimate_per="target", summary_lines=summary_lines,
-                    attack_round=sum_inversion))
+                    attack_round=sum_inversion, truth_objective=truth_objective))
