@@ -7,8 +7,8 @@ N = Σ nᵢ images, at the model the server sent. The server therefore holds the
 N images (10 one-image clients: a batch of 10), which is what batch gradient inversion attacks; the
 literature reports such batches to be far harder than one image, so the expected answer is a result
 at the prior (the data set's mean image), reported as measured; the harness's forward-model check
-(``truth_objective``: the data term at the true batch) says whether the optimiser stopped short of it. With several local steps per client
-the sum is no single batch gradient, and the attack says so.
+(``truth_objective``: the data term at the true batch) says whether the optimiser stopped short of it.
+With several local steps per client the sum is no single batch gradient, and the attack says so.
 
 The attack builds the union as one virtual client (download: the sent model; upload: the weighted
 average model; one step of lr on N images) and matches a dummy batch's gradient to it through
