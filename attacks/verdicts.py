@@ -1,7 +1,10 @@
 """The verdict rules, in one place: when a reconstructed image counts as recovered (the success
 rule), when measured leakage is at chance level (the leak gap), when a result is only a lower bound
 (the LOWER BOUND rule), when a label attack's class-presence accuracy is low (the presence
-threshold), and the forward-model check in words.
+threshold), and the forward-model check in words, NO MODEL included: a target whose server holds no
+model of the client (FedProto uploads prototypes only), so that its figure is a surrogate-model
+estimate and the forward check does not apply (``model_unknown``), kept apart from MIS-SPECIFIED (the
+attack's model of what the server does hold was wrong).
 
 Read by the attacks' scoring (``attacks.metrics``), the audit's severities (``fedsec.audit``), the
 report (``fedsec.report``) and the console (``fedsec.console``). ``reports`` imports nothing of
@@ -22,6 +25,8 @@ SUCCESS_RULE_SSIM = f"SSIM at least {SUCCESS_SSIM:g}"
 LEAK_GAP_DB = 3.0
 # a label attack's class-presence accuracy below this does not make labels inferable: "low"
 PRESENCE_THRESHOLD = 0.8
+# the marker of a cell whose server holds no model of the client: its figure is an estimate
+NO_MODEL_MARKER = "NO MODEL (estimate)"
 
 
 def _number(x: Any) -> float | None:
@@ -47,12 +52,27 @@ def psnr_gap(summary: dict | None) -> float | None:
     return None if mean is None or prior is None else mean - prior
 
 
+def model_unknown_targets(summary: dict | None) -> int | None:
+    """How many targets of an attack summary were attacked with a model the server does not hold for
+    that client (``model_unknown`` in the forward check): the summary's ``model_unknown_targets`` when
+    it has one, else counted over its ``per_target`` checks; None when no target says either way."""
+    summary = summary or {}
+    given = _number(summary.get("model_unknown_targets"))
+    if given is not None:
+        return int(given)
+    flags = [t.get("model_unknown") for t in summary.get("per_target") or [] if isinstance(t, dict)]
+    flags = [f for f in flags if f is not None]
+    return sum(bool(f) for f in flags) if flags else None
+
+
 def at_chance(summary: dict | None) -> bool | None:
     """Whether an attack's measured leakage is at chance level (within LEAK_GAP_DB of the prior). Never
-    for a mis-specified attack (its forward model was wrong) nor for one whose optimiser stopped short of
-    the truth (a lower bound): neither is evidence of low leakage."""
+    for a mis-specified attack (its forward model was wrong), one whose optimiser stopped short of the
+    truth (a lower bound), nor one whose server holds no model of the client (a surrogate's estimate:
+    a better surrogate may reach more): none is evidence of low leakage."""
     gap = psnr_gap(summary)
-    if gap is None or (summary or {}).get("mis_specified") or (summary or {}).get("not_converged_targets"):
+    if gap is None or (summary or {}).get("mis_specified") or (summary or {}).get("not_converged_targets") \
+            or model_unknown_targets(summary):
         return None
     return gap < LEAK_GAP_DB
 
@@ -62,13 +82,28 @@ def presence_is_low(accuracy: float | None) -> bool:
     return accuracy is not None and accuracy < PRESENCE_THRESHOLD
 
 
-def forward_check_verdict(mis_specified_targets: Any, not_converged_targets: Any, n_targets: Any) -> str:
-    """The forward-model check in words, for the end of a result line: empty when clean."""
+def no_model_words(unknown: Any, n_targets: Any) -> str:
+    """The NO MODEL verdict for ``unknown`` of ``n_targets`` targets (empty for none)."""
+    k, n = int(_number(unknown) or 0), int(_number(n_targets) or 0)
+    if not k:
+        return ""
+    return (f"NO MODEL on {k} of {n} targets: the server holds no model of these clients (their method uploads no "
+            f"extractor), so the figure is a surrogate-model estimate of what it can rebuild, not a measurement with "
+            f"the model that computed their uploads")
+
+
+def forward_check_verdict(mis_specified_targets: Any, not_converged_targets: Any, n_targets: Any,
+                          model_unknown_targets: Any = None) -> str:
+    """The forward-model check in words, for the end of a result line: empty when clean. MIS-SPECIFIED
+    (the tool's model was wrong) before NO MODEL (the method gives the server none; the forward check
+    does not apply to those targets) before a lower bound."""
     n = int(_number(n_targets) or 0)
     wrong, short = int(_number(mis_specified_targets) or 0), int(_number(not_converged_targets) or 0)
     if wrong:
         return (f"MIS-SPECIFIED on {wrong} of {n} targets: the attack's forward model does not reproduce their uploads, "
                 f"so these numbers say nothing about the method")
+    if int(_number(model_unknown_targets) or 0):
+        return no_model_words(model_unknown_targets, n)
     if short:
         return f"the optimiser stopped short of the truth on {short} of {n} targets: a lower bound"
     return ""

@@ -161,9 +161,32 @@ def audit_figures(out: Path, stdout: str) -> dict:
                       f"{_num(r['mean_psnr'])} [{_num(low)}, {_num(r['mean_psnr_ci_high'])}]", _num(r["prior_psnr"]),
                       _pct(float(r["success_rate"])) if r["success_rate"] else "–",
                       f"{r['mis_specified_targets']} / {r['not_converged_targets']}"])
-    return {"headline": f"{len(exposed)} of {len(table)} cells above the prior by their interval",
-            "table": {"columns": ["method", "cell", "round", "images (targets)", "mean PSNR dB [95 % CI]", "prior",
-                                  "recovered", "mis-specified / stopped short"], "rows": table}}
+    figures = {"headline": f"{len(exposed)} of {len(table)} cells above the prior by their interval",
+               "table": {"columns": ["method", "cell", "round", "images (targets)", "mean PSNR dB [95 % CI]", "prior",
+                                     "recovered", "mis-specified / stopped short"], "rows": table}}
+    if list(out.glob("runs/audit/fig10.csv")):  # reports written before the Fig. 10 section have none
+        figures["fig10"] = fig10_figures(_csv(out, "runs/audit/fig10.csv"))
+    return figures
+
+
+def fig10_figures(rows: list[dict]) -> dict:
+    """The report's ``fig10.csv`` as a table: each method's mean PSNR per round (its flags), then each
+    paired comparison A − B (pairs, mean difference, the paper's claim, holds / does not hold / undetermined)."""
+    table = []
+    for r in rows:
+        paired = r["kind"] == "paired"
+        number = "{:+.2f}" if paired else "{:.2f}"
+        interval = f" [{_num(r['ci_low'], number)}, {_num(r['ci_high'], number)}]" if r["ci_low"] not in ("", "nan") else ""
+        flags = [f"{word} {r[key]}/{r['n_targets']}" for word, key in (("MIS-SPECIFIED", "mis_specified_targets"),
+                                                                     ("NO MODEL (estimate)", "model_unknown_targets"))
+                 if not paired and r.get(key) not in (None, "", "0", "0.0")]
+        flags += ["LOWER BOUND"] if not paired and r["lower_bound"] == "True" else []
+        table.append([r["round"], f"{r['method']} − {r['versus']}" if paired else r["method"], r["cell"],
+                      f"{r['n']} ({r['n_targets']})", f"{_num(r['mean'], number)}{interval}", r["claim"] or "–",
+                      r["verdict"] if paired else (", ".join(flags) or "–")])
+    return {"columns": ["round", "method / A − B", "cell", "images or pairs (clients)",
+                        "mean PSNR / difference dB [95 % CI]", "paper's claim (Fig. 10)", "flags / verdict"],
+            "rows": table}
 
 
 def malicious_figures(out: Path, stdout: str) -> dict:
@@ -613,8 +636,12 @@ def _details(cell: Cell, record: dict) -> list[str]:
     lines = [f"### {cell.name}", "", f"{cell_text(cell.title)}.", ""]
     if f.get("line"):
         lines += ["It printed:", "", "```text", f["line"], "```", ""]
-    table = f.get("table")
-    if table:
+    for table in (f.get("table"), f.get("fig10")):
+        if not table:
+            continue
+        if table is f.get("fig10"):
+            lines += ["The FedeCouple paper's Fig. 10 (the report's section of that name: each method's headline "
+                      "cell, then paired comparisons over the same clients' images):", ""]
         lines += ["| " + " | ".join(cell_text(c) for c in table["columns"]) + " |",
                   "|" + "---|" * len(table["columns"])]
         lines += ["| " + " | ".join(cell_text(v) for v in row) + " |" for row in table["rows"]]

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 import attacks
 from attacks.recorded import RecordedRun
-from attacks.verdicts import LEAK_GAP_DB, at_chance, forward_check_verdict, presence_is_low, psnr_gap
+from attacks.verdicts import (LEAK_GAP_DB, at_chance, forward_check_verdict, model_unknown_targets, no_model_words,
+                             presence_is_low, psnr_gap)
 from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.engine import GroundTruth
 from fedecouple.errors import UserError
@@ -124,8 +125,11 @@ def _leak_severity(summary: dict | None, base: str) -> tuple[str, str]:
     gap = psnr_gap(summary)
     if gap is None:
         return base, "not measured"
-    verdict = forward_check_verdict(summary.get("mis_specified_targets"), summary.get("not_converged_targets"),
-                                    len(summary.get("per_target") or []))
+    n, unknown = len(summary.get("per_target") or []), model_unknown_targets(summary)
+    verdict = forward_check_verdict(summary.get("mis_specified_targets"), summary.get("not_converged_targets"), n,
+                                    unknown)
+    if unknown and not summary.get("mis_specified"):  # the method gives the server no model: an estimate
+        return base, f"{_measured(summary)} ({gap:+.1f} dB), an estimate; {no_model_words(unknown, n)}"
     if summary.get("mis_specified") or (verdict and gap < LEAK_GAP_DB):
         return base, f"{_measured(summary)}; {verdict}: no evidence either way"
     if at_chance(summary):
@@ -560,7 +564,9 @@ def _brief(summary: dict | None) -> dict | None:
         return None
     keys = ("attack", "mean_psnr", "median_psnr", "max_psnr", "mean_prior_psnr", "mean_ssim", "label_accuracy",
             "class_presence_accuracy", "not_applicable")
-    return {k: summary[k] for k in keys if k in summary}
+    brief = {k: summary[k] for k in keys if k in summary}
+    unknown = model_unknown_targets(summary)
+    return {**brief, "model_unknown_targets": unknown} if unknown else brief  # NO MODEL: an estimate
 
 
 from .jobs import make_callable as _make_callable  # noqa: E402

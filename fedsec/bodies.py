@@ -260,7 +260,9 @@ def report_body(ctx: click.Context, shell: Shell) -> ReportResult:
     p = dict(ctx.params)
     if explicit(ctx, "method"):
         raise UserError("report takes --methods, not --method")
-    method_list = rep.parse_methods(p["methods"])
+    from . import presets
+
+    method_list = rep.parse_methods(presets.report_methods(p["preset"], p["methods"], lambda n: explicit(ctx, n)))
     attack_list, settings = report_settings(ctx, p)
     p["method"] = None  # set per method; keeps --preset's FedeCouple values from other methods
     base, resolved = federation(ctx, p)

@@ -7,7 +7,7 @@ import shlex
 import sys
 
 import attacks
-from attacks.verdicts import forward_check_verdict
+from attacks.verdicts import forward_check_verdict, model_unknown_targets
 from reports.formatting import interval_text
 
 NOTES_SHOWN = 3
@@ -28,7 +28,7 @@ def attack_headline(summary: dict, out) -> str:
     recovered = (f", recovered {100 * rate:.0f} %{interval_text(*rate_ci, digits=0, scale=100)}"
                  if rate is not None and rate_ci else "")
     verdict = forward_check_verdict(summary.get("mis_specified_targets"), summary.get("not_converged_targets"),
-                                    len(summary.get("per_target") or []))
+                                    len(summary.get("per_target") or []), model_unknown_targets(summary))
     return (f"{where} ({modes}): mean PSNR {fmt(summary['mean_psnr'], ' dB')}{interval_text(*ci)} "
             f"(prior {fmt(summary['mean_prior_psnr'], ' dB')}, max {fmt(summary['max_psnr'], ' dB')}), "
             f"label accuracy {fmt(summary['label_accuracy'])}, n = {summary['images_scored']} images over "

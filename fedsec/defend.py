@@ -59,7 +59,7 @@ import pandas as pd
 
 import attacks
 import defenses
-from attacks.verdicts import LEAK_GAP_DB
+from attacks.verdicts import LEAK_GAP_DB, model_unknown_targets
 from defenses.dp import DPConfig, DPMethod, check_dp_model
 from defenses.registry import DefendedRun, DefenseSpec
 from fedecouple.channel import Interceptor, ServerChannel
@@ -335,6 +335,8 @@ def run_value(prep: Prepared, settings: DefendSettings, value, out: Path,
             # each attack's own prior: the prototype attack scores against another one than DLG/IG
             row[f"prior_psnr_{attack}"] = _num(summary.get("mean_prior_psnr"))
             row[f"mis_specified_{attack}"] = bool(summary.get("mis_specified"))
+            # NO MODEL: the server holds no model of the client (FedProto), so the PSNR is an estimate
+            row[f"model_unknown_{attack}"] = bool(model_unknown_targets(summary))
             if spec.acts == "download":
                 row[f"detection_rate_{attack}"] = _num((summary.get("download_check") or {}).get("detection_rate"))
             if not summary.get("images_scored"):
@@ -361,7 +363,8 @@ def tradeoff_frame(rows: list[dict], settings: DefendSettings) -> pd.DataFrame:
     check = (["false_alarm_rate"] + [f"detection_rate_{a}" for a in image]) \
         if defense_spec(settings.defense).acts == "download" else []
     columns = (COLUMNS + check + [f"mean_psnr_{a}" for a in image] + [f"prior_psnr_{a}" for a in image]
-               + [f"mis_specified_{a}" for a in image] + [f"class_presence_{a}" for a in labels]
+               + [f"mis_specified_{a}" for a in image] + [f"model_unknown_{a}" for a in image]
+               + [f"class_presence_{a}" for a in labels]
                + membership + [f"max_psnr_{a}" for a in image] + ["seconds"])
     frame = pd.DataFrame(rows, columns=columns)
     if any("notes" in r for r in rows):

@@ -17,7 +17,7 @@ DIFFERING = {
     "--out": "each command writes its own files, so its help lists them and names its default folder",
     "--attacks": "report's columns, defend's sweep and mia's membership attacks are different lists, each with "
                  "the default that fits its command",
-    "--methods": "compare trains every method by default; report audits the four mission methods",
+    "--methods": "compare trains every method by default; report audits the four mission methods (--preset audit: FedAvg beside them)",
     "--rounds": "flower commands set the app's rounds through its declared rounds-key, not fedsec's engine",
     "--threads": "a Flower app's ClientApps run one torch thread each unless told otherwise, for bit-identical "
                  "reruns; fedsec's engine uses torch's default",

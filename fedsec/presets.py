@@ -50,6 +50,14 @@ def attack_plan(attack: str, given: dict, is_explicit: Explicit, train_images: i
     return {k: given[k] if is_explicit(k) else v for k, v in planned.items()}
 
 
+def report_methods(preset: str | None, methods: str, is_explicit: Explicit) -> str:
+    """``fedsec report``'s ``--methods``: with ``--preset audit`` and no explicit ``--methods``, the
+    preset's (``report.settings.AUDIT_METHODS``: FedAvg beside the four mission methods), else ``methods``."""
+    from .report.settings import AUDIT_METHODS
+
+    return ",".join(AUDIT_METHODS) if preset == "audit" and not is_explicit("methods") else methods
+
+
 def report_plan(preset: str | None, attack_text: str, attack_rounds: str, targets: int, iterations: str | None,
                 is_explicit: Explicit, malicious_sizes: str | None = None, real_sizes: str | None = None):
     """(attacks, ``ReportSettings``) of ``fedsec report``: the audit's plan under the explicit flags

@@ -98,9 +98,12 @@ def _budget(row: dict) -> str:
 
 def _check(row: dict) -> str:
     """The forward check's counts over the cell's targets ("not recorded" where the row has none): a cell
-    at its prior with targets stopped short is a lower bound, not a method that leaks little."""
+    at its prior with targets stopped short is a lower bound, not a method that leaks little; targets whose
+    server holds no model of the client follow as "NO MODEL (estimate) k" (the figure is an estimate)."""
     counts = [finite_or_none(row.get(k)) for k in ("mis_specified_targets", "not_converged_targets")]
-    return " / ".join("not recorded" if c is None else str(int(c)) for c in counts)
+    unknown = finite_or_none(row.get("model_unknown_targets"))
+    return (" / ".join("not recorded" if c is None else str(int(c)) for c in counts)
+            + (f" / NO MODEL (estimate) {int(unknown)}" if unknown else ""))
 
 
 def _or(value, default: float) -> float:

@@ -74,7 +74,10 @@ HEADLINE_NOTE = (
     "<attack>@textbook is the attack on clients that took one step on a few images, <attack>@real on their real "
     "local training (<attack>@real-n<N>: clients that hold N training images). MIS-SPECIFIED: for some target the true data matched the upload worse than the "
     "reconstruction under the attack's own objective (its forward model was wrong), so that PSNR says nothing "
-    "about the method's privacy. LOWER BOUND: at or below the prior while, on some target, the truth matched "
+    "about the method's privacy. NO MODEL (estimate): the method uploads no model of the client (FedProto: "
+    "prototypes only), so the server inverted with one of its own (a surrogate trained on public data, or the "
+    "initial model): the PSNR is what that attacker reaches, an estimate, and no forward check applies. "
+    "LOWER BOUND: at or below the prior while, on some target, the truth matched "
     "better than the reconstruction: the optimiser stopped short, so the PSNR is set by the attack's budget, not "
     "by the method. Upload: all clients' uploads per round.")
 
@@ -101,6 +104,16 @@ def mis_specified(row: Mapping, attack: str) -> bool:
     return is_true(row.get(f"{attack}_mis_specified"))
 
 
+NO_MODEL = "NO MODEL (estimate)"
+
+
+def model_unknown(row: Mapping, attack: str) -> bool:
+    """Whether, for some target, the server holds no model of the client (``<attack>_model_unknown_targets``,
+    the NO MODEL verdict the attacks decided): the PSNR is a surrogate-model estimate, a property of the
+    method's threat model, not a wrong forward model."""
+    return (finite_or_none(row.get(f"{attack}_model_unknown_targets")) or 0) > 0
+
+
 def stopped_short(row: Mapping, attack: str) -> bool:
     """Whether the attack ended below the prior on images whose truth its own objective prefers
     (``not_converged`` on some target): a lower bound set by the attack's budget, not a measure of
@@ -113,7 +126,8 @@ def psnr_cell(row: Mapping, attack: str) -> str:
     status = status_of(row, attack)
     if status != "done":
         return "n/a"
-    flag = " MIS-SPECIFIED" if mis_specified(row, attack) else (" LOWER BOUND" if stopped_short(row, attack) else "")
+    flag = (" MIS-SPECIFIED" if mis_specified(row, attack) else f" {NO_MODEL}" if model_unknown(row, attack)
+            else " LOWER BOUND" if stopped_short(row, attack) else "")
     interval = interval_text(row.get(f"{attack}_mean_psnr_ci_low"), row.get(f"{attack}_mean_psnr_ci_high"), digits=1)
     rate = finite_or_none(row.get(f"{attack}_success_rate"))
     success = "" if rate is None else f", {100 * rate:.0f} % recovered"
@@ -214,8 +228,11 @@ def psnr_plot(summary: pd.DataFrame, results: pd.DataFrame, meta: Mapping) -> by
                 ax.text(x, 0.5, "n/a", ha="center", va="bottom", fontsize=7, rotation=90, color="0.4")
                 continue
             mean = finite_or_none(r.get(f"{a}_mean_psnr"))
+            # hatched: the attack's forward model was wrong; dashed outline: no model at the server, an estimate
+            outline = ({"edgecolor": "black", "linestyle": "--", "linewidth": 1.2}
+                       if model_unknown(r, a) and not mis_specified(r, a) else {})
             ax.bar(x, mean, width * 0.9, color=colors[j], alpha=0.55, label=a,
-                   hatch="//" if mis_specified(r, a) else None)  # hatched: the attack's forward model was wrong
+                   hatch="//" if mis_specified(r, a) else None, **outline)
             top = max(top, mean)
             low, high = finite_or_none(r.get(f"{a}_mean_psnr_ci_low")), finite_or_none(r.get(f"{a}_mean_psnr_ci_high"))
             if low is not None and high is not None:  # the 95 % interval of the mean
@@ -291,7 +308,7 @@ def leakage_points(summary: pd.DataFrame, meta: Mapping) -> list[dict]:
             if acc is None or mean is None or prior is None:
                 continue
             points.append({"method": str(r["method"]), "attack": a, "accuracy": 100 * acc, "gain": mean - prior,
-                           "mis_specified": mis_specified(r, a)})
+                           "mis_specified": mis_specified(r, a), "model_unknown": model_unknown(r, a)})
     return points
 
 
@@ -314,7 +331,12 @@ def scatter_plot(summary: pd.DataFrame, meta: Mapping) -> bytes:
         ax.scatter(p["gain"], p["accuracy"], s=60, color="none" if p["mis_specified"] else c,
                    marker=markers.get(p["attack"], "o"), edgecolor=c if p["mis_specified"] else "black",
                    linewidth=1.2 if p["mis_specified"] else 0.5, zorder=3)
-        ax.annotate(f"{p['method']} ({p['attack']}{', mis-specified' if p['mis_specified'] else ''})",
+        estimate = p.get("model_unknown") and not p["mis_specified"]
+        if estimate:  # no model at the server: a dashed ring around the point, the figure is an estimate
+            ax.scatter(p["gain"], p["accuracy"], s=180, color="none", marker="o", edgecolor=c, linewidth=1.0,
+                       linestyle="--", zorder=2)
+        flag = ", mis-specified" if p["mis_specified"] else f", {NO_MODEL}" if estimate else ""
+        ax.annotate(f"{p['method']} ({p['attack']}{flag})",
                     (p["gain"], p["accuracy"]), textcoords="offset points", xytext=(5, 4), fontsize=7)
     ax.axvline(0.0, color="black", linestyle="--", linewidth=1)
     gap = float(meta["leak_gap_db"])
@@ -341,7 +363,9 @@ COMPARISON_NOTE = ("Paired over the images both methods' attacks scored (same pa
                    "clients), over all attacked rounds and per round: the mean difference of PSNR above the prior with "
                    "a 95 % interval that resamples the attacked clients. A difference is called only when the "
                    "interval excludes zero; a mis-specified attack, or one that stopped short of the truth below "
-                   "the prior (a lower bound), is compared with nothing. \"Recovered\": {rule}.")
+                   "the prior (a lower bound), is compared with nothing; a NO MODEL attack (the server holds no "
+                   "model of the client) is compared as the estimate it is, and the sentence says so. "
+                   "\"Recovered\": {rule}.")
 MIA_NOTE = ("Membership inference (`fedsec mia`): can a model tell a client's training records from its own "
             "held-out records? LiRA (online, global variance) on each client's personal model, the global model and "
             "the uploads, with shadow federations of the same method as references; [95 % intervals that resample "
@@ -351,7 +375,15 @@ MIA_NOTE = ("Membership inference (`fedsec mia`): can a model tell a client's tr
 BY_ROUND_NOTE = ("Each image cell per attacked round (round 0: the initial weights; later rounds: the federation as "
                  "trained by then): n images over n targets, mean PSNR [95 % interval over the targets], the prior, "
                  "the share recovered [95 % interval], and the forward-model check: targets mis-specified / targets "
-                 "where the optimiser stopped short of the truth (its own objective preferred the true images).")
+                 "where the optimiser stopped short of the truth (its own objective preferred the true images), and, "
+                 "after a slash, the targets marked NO MODEL (the server holds no model of the client: an estimate).")
+
+
+def _no_model_count(row: Mapping) -> str:
+    """The suffix ' / NO MODEL (estimate) k' of a by-round row with k targets whose server holds no model of
+    the client; empty for none."""
+    unknown = finite_or_none(row.get("model_unknown_targets"))
+    return f" / {NO_MODEL} {unknown:.0f}" if unknown else ""
 
 
 def by_round_rows(meta: Mapping) -> tuple[list[str], list[list[str]]]:
@@ -366,7 +398,7 @@ def by_round_rows(meta: Mapping) -> tuple[list[str], list[list[str]]]:
                      fmt(r.get("prior_psnr")),
                      "n/a" if rate is None else f"{100 * rate:.0f} [{100 * (finite_or_none(r.get('success_rate_ci_low')) or 0):.0f}, "
                                                f"{100 * (finite_or_none(r.get('success_rate_ci_high')) or 0):.0f}]",
-                     f"{r.get('mis_specified_targets', 0)} / {r.get('not_converged_targets', 0)}"])
+                     f"{r.get('mis_specified_targets', 0)} / {r.get('not_converged_targets', 0)}{_no_model_count(r)}"])
     return header, rows
 
 

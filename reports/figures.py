@@ -54,10 +54,19 @@ def reconstruction_grid(panels: list[tuple], title: str) -> bytes:
     return png_bytes(fig, 110)
 
 
+def _rounds_flagged(group, column: str, rounds):
+    """The rounds where some row of ``group`` has ``column`` true (none without the column)."""
+    if column not in group:
+        return []
+    flagged = group[column].map(is_true).groupby(rounds).any()
+    return flagged[flagged].index
+
+
 def leakage_by_round(results, psnr_cap_db: float) -> bytes:
     """Mean PSNR above the prior per attacked round, one line per method and image attack (results:
-    the report's per-image rows: method, attack, round, psnr, prior_psnr, mis_specified); rounds where
-    the attack was mis-specified on some target are crossed out."""
+    the report's per-image rows: method, attack, round, psnr, prior_psnr, mis_specified, model_unknown);
+    rounds where the attack was mis-specified on some target are crossed out, rounds where the server held
+    no model of some target (NO MODEL: a surrogate-model estimate) are ringed with a dashed circle."""
     import numpy as np
     from matplotlib.figure import Figure
 
@@ -65,6 +74,7 @@ def leakage_by_round(results, psnr_cap_db: float) -> bytes:
     ax = fig.add_subplot(1, 1, 1)
     rows = results.dropna(subset=["psnr", "prior_psnr"])
     flagged_label = "mis-specified (the attack's forward model was wrong)"
+    estimate_label = "NO MODEL (estimate: the server holds no model of the client)"
     for (method, attack), group in rows.groupby(["method", "attack"], sort=False):
         gain = np.minimum(group["psnr"].astype(float), psnr_cap_db) - group["prior_psnr"].astype(float)
         rounds = group["round"].astype(int)
@@ -77,6 +87,11 @@ def leakage_by_round(results, psnr_cap_db: float) -> bytes:
                 ax.scatter(wrong, by_round.loc[wrong].values, marker="x", s=80, color="black", zorder=4,
                            label=flagged_label)
                 flagged_label = None
+        unknown = _rounds_flagged(group, "model_unknown", rounds)
+        if len(unknown):  # an estimate, not a wrong model: ringed, not crossed out
+            ax.scatter(unknown, by_round.loc[unknown].values, marker="o", s=160, facecolors="none",
+                       edgecolors="black", linestyles="--", zorder=4, label=estimate_label)
+            estimate_label = None
     ax.axhline(0.0, color="black", linestyle="--", linewidth=1)
     ax.set_xlabel("attacked round")
     ax.set_ylabel("mean PSNR above the prior (dB)")

@@ -287,3 +287,46 @@ def test_fedecouple_closed_form_start_rebuilds_the_image_from_the_solved_layer_i
     first, second = _start(setup, 0, 0)[0], _start(setup, 0, 1)[0]
     assert torch.equal(first[:1], rebuilt) and not torch.equal(second[:1], rebuilt)
     assert setup.trace["start"].startswith("closed form")
+
+
+def test_fedecouple_two_images_features_and_layer_inputs_are_solved(digits):
+    """Round 0, one step on two images (DA on): the labels come from the classifier step's bias update;
+    the classifier step's four feature rows (the images and their copies) are solved jointly from its
+    update (each true row within 1e-3 relative of its own solved row), and each image's input of the
+    extractor's last linear layer, in the order of the labels, within 1e-3 of the true one (a noise
+    image's is far); DLG's and IG's first start rebuilds both images from them."""
+    from attacks.inversion.closed_form import solve_classifier_step
+    from fedecouple.methods.replay import features
+
+    victim = VictimSetting(batch=2, steps=1, targets={(0, 1)})
+    fed = tiny_federation(digits, "fedecouple", clients=3, rounds=1, victim=victim, partition="iid")
+    model = copy.deepcopy(fed.model)
+    fed.run(1)
+    hp = LocalHyperparameters(lr=0.05, steps=1, batch_size=2, epochs=1, samples=2, steps_per_phase=1)
+    obs = observe(fed.channel.recorder, 0, 1, method=fed.method, make_model=lambda: copy.deepcopy(model),
+                  image_shape=(1, 8, 8), num_classes=10, known_hyperparameters=hp)
+    idx = torch.from_numpy(fed.ground_truth.samples(0, 1))
+    labels = digits.labels[idx]
+    order = labels.argsort(stable=True)
+    images = digits.images[idx]
+    matcher = GradientMatcher(obs, "auto")
+    closed = matcher.closed
+    assert closed.label_counts.tolist() == torch.bincount(labels, minlength=10).tolist()
+    copies = true_copies(matcher, images, fed.ground_truth.schedule(0, 1), [0, 1])
+    with torch.no_grad():
+        truth = features(matcher.model, matcher.context.kept, torch.cat([images, copies[0]]))
+    solved = closed.classifier_features
+    assert solved.shape == truth.shape == (4, truth.shape[1])
+    errors = (solved.unsqueeze(0) - truth.unsqueeze(1)).norm(dim=2) / truth.norm(dim=1, keepdim=True)
+    assert float(errors.min(dim=1).values.max()) < 1e-3
+    assert sorted(errors.argmin(dim=1).tolist()) == [0, 1, 2, 3]  # one solved row for each true one
+    last = closed.last_linear
+    assert last is not None and last.images == 2 and not last.head_free
+    with torch.no_grad():
+        true_inputs = matcher._linear_input(matcher.update.before, images[order])
+        noise_images = torch.rand(images.shape, generator=torch.Generator().manual_seed(0))
+        noise = matcher._linear_input(matcher.update.before, noise_images)
+    relative = lambda a: ((last.input[0] - a).norm(dim=1) / a.norm(dim=1)).max()  # noqa: E731
+    assert float(relative(true_inputs)) < 1e-3 and float(relative(noise)) > 0.05
+    rebuilt = matcher.closed_form_start
+    assert rebuilt is not None and rebuilt.shape == images.shape

@@ -105,6 +105,14 @@ def test_registry_and_paper_defaults():
         make_method("fedprox")
 
 
+def test_fedpac_optimiser_defaults_are_the_reference_codes_and_bad_values_are_refused():
+    pac = make_method("fedpac")
+    assert (pac.head_lr, pac.momentum, pac.weight_decay) == (0.1, 0.5, 5e-4)
+    for bad in ({"head_lr": 0.0}, {"momentum": 1.0}, {"momentum": -0.1}, {"weight_decay": -1e-4}):
+        with pytest.raises(UserError, match=next(iter(bad))):
+            make_method("fedpac", **bad)
+
+
 @pytest.mark.parametrize("method", ALL)
 def test_uploads_are_exactly_the_manifest(method, trained, digits, partition):
     fed, channel, counter = trained(method)

@@ -108,6 +108,32 @@ def test_the_servers_step_count_is_the_clients(digits, method):
         assert sum(planned.values()) < 2 * -(-n // 10) * len(planned)  # fewer than with the ragged batches
 
 
+def test_momentum_step_is_torch_sgd_with_momentum_and_weight_decay():
+    """Three steps of ``momentum_step`` from an empty buffer equal a fresh ``torch.optim.SGD``'s
+    (FedPAC's phases), and differ from plain SGD's by more than the tolerance."""
+    from fedecouple.methods.replay import momentum_step, sgd_step
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(6, 3)
+    x, y = torch.randn(5, 6), torch.tensor([0, 2, 1, 2, 0])
+    start = {k: v.detach().clone() for k, v in layer.named_parameters()}
+
+    def loss(p):
+        return torch.nn.functional.cross_entropy(torch.func.functional_call(layer, p, (x,)), y)
+
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.5, weight_decay=5e-4)
+    replayed, plain, buffer = dict(start), dict(start), None
+    for _ in range(3):
+        opt.zero_grad()
+        loss(dict(layer.named_parameters())).backward()
+        opt.step()
+        replayed, buffer = momentum_step(replayed, loss, 0.1, 0.5, 5e-4, buffer)
+        plain = sgd_step(plain, loss, 0.1)
+    for k, v in layer.named_parameters():
+        torch.testing.assert_close(replayed[k], v.detach(), rtol=1e-6, atol=1e-7)
+    assert max(float((plain[k] - v.detach()).abs().max()) for k, v in layer.named_parameters()) > 1e-4
+
+
 def test_phase_steps_drops_the_ragged_batch():
     assert phase_steps(2, 195, 10) == 38 and phase_steps(1, 7, 10) == 1 and phase_steps(3, 0, 10) == 0
     assert phase_steps(5, 40, 10, steps_per_phase=2) == 2

@@ -518,3 +518,118 @@ def test_bad_real_sizes_are_one_line_exit_2_nothing_written(tmp_path, capsys, fl
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and "--real-sizes" in line and needle in line, line
     assert not (tmp_path / "r").exists()
+
+
+def _fig10_inputs():
+    """FedeCouple and FedPer, ig@textbook at rounds 0 and 19, 4 clients × 2 images each: FedPer's image
+    (c, i) scores 3 + 0.5·c + i dB above FedeCouple's, so the clients' mean differences are 3.5, 4, 4.5,
+    5 dB. FedPer's rows come in reverse order and FedPer has one more image (client 9, 40 dB) that
+    FedeCouple's attack never saw: a pairing by position, or no pairing, gives other numbers."""
+    rows = []
+    for rnd in (0, 19):
+        for c in range(4):
+            for i in range(2):
+                base = 12.0 + c + 0.5 * i
+                rows.append({"method": "fedecouple", "attack": "ig@textbook", "round": rnd, "client": c, "image": i,
+                             "psnr": base, "prior_psnr": 12.0})
+                rows.append({"method": "fedper", "attack": "ig@textbook", "round": rnd, "client": c, "image": i,
+                             "psnr": base + 3 + 0.5 * c + i, "prior_psnr": 12.0})
+        rows.append({"method": "fedper", "attack": "ig@textbook", "round": rnd, "client": 9, "image": 0, "psnr": 40.0,
+                     "prior_psnr": 12.0})
+    results = pd.DataFrame(rows)
+    results = pd.concat([results[results["method"] == "fedecouple"], results[results["method"] == "fedper"][::-1]])
+    by_round = pd.DataFrame([{"method": m, "attack": "ig@textbook", "round": r, "n_images": len(g),
+                              "n_targets": g["client"].nunique(), "mean_psnr": g["psnr"].mean(),
+                              "mean_psnr_ci_low": None, "mean_psnr_ci_high": None, "prior_psnr": 12.0,
+                              "mis_specified_targets": 0, "not_converged_targets": 4,
+                              # round 19: FedeCouple, the side the interval puts lower, stopped short below the prior
+                              "lower_bound": m == "fedecouple" and r == 19}
+                             for (m, r), g in results.groupby(["method", "round"])])
+    return results, by_round
+
+
+def test_fig10_pairs_the_same_clients_images_and_judges_the_papers_claims():
+    from reports.fig10 import fig10_frame, section_markdown
+
+    results, by_round = _fig10_inputs()
+    frame = fig10_frame(by_round, results, ["fedecouple", "fedper"])
+    paired = frame[frame["kind"] == "paired"].set_index("round")
+    assert list(paired["method"] + "-" + paired["versus"]) == ["fedper-fedecouple"] * 2
+    assert list(paired["n"]) == [8, 8] and list(paired["n_targets"]) == [4, 4]  # client 9 has no pair
+    assert paired.loc[0, "mean"] == pytest.approx(4.25)
+    # Student's t over the 4 clients' mean differences: 4.25 ± t(0.975, 3) · 0.6455 / 2
+    assert (paired.loc[0, "ci_low"], paired.loc[0, "ci_high"]) == (pytest.approx(3.2229, abs=1e-4),
+                                                                   pytest.approx(5.2771, abs=1e-4))
+    assert paired.loc[0, "claim"] == "FedeCouple leaks least" and paired.loc[0, "verdict"] == "holds"
+    assert paired.loc[19, "verdict"].startswith("undetermined: fedecouple is a lower bound")
+    # a lower bound on the side the interval puts higher changes nothing: its real figure is higher still
+    higher = by_round.assign(lower_bound=by_round["method"] == "fedper")
+    assert set(fig10_frame(higher, results, ["fedecouple", "fedper"]).query("kind == 'paired'")["verdict"]) == {"holds"}
+    # FedAvg beside them: the paper says FedPer leaks more than FedAvg; here FedAvg is FedPer 2 dB up, so it does not
+    fedavg = results[results["method"] == "fedper"].assign(method="fedavg", psnr=lambda f: f["psnr"] + 2.0)
+    rows = by_round[by_round["method"] == "fedper"].assign(method="fedavg", lower_bound=False)
+    frame = fig10_frame(pd.concat([by_round, rows]), pd.concat([results, fedavg]), ["fedecouple", "fedper", "fedavg"])
+    versus = frame[(frame["kind"] == "paired") & (frame["round"] == 0)].set_index(["method", "versus"])
+    assert versus.loc[("fedper", "fedavg"), "claim"] == "FedPer > FedAvg"
+    assert versus.loc[("fedper", "fedavg"), "n"] == 9 and versus.loc[("fedper", "fedavg"), "mean"] == pytest.approx(-2)
+    assert versus.loc[("fedper", "fedavg"), "verdict"] == "does not hold"
+    assert versus.loc[("fedavg", "fedecouple"), "claim"] == "FedeCouple leaks least"
+    # a mis-specified side, or the server lacking the model, leaves the claim undetermined
+    wrong = by_round.assign(mis_specified_targets=(by_round["method"] == "fedper") * 4)
+    assert fig10_frame(wrong, results, ["fedecouple", "fedper"]).query("kind == 'paired'")["verdict"].str.startswith(
+        "undetermined: MIS-SPECIFIED on fedper (4/5 clients)").all()
+    unknown = by_round.assign(model_unknown_targets=(by_round["method"] == "fedecouple") * 4)
+    assert "undetermined: NO MODEL on fedecouple" in fig10_frame(unknown, results, ["fedecouple", "fedper"])["verdict"].iloc[-1]
+    text = "\n".join(section_markdown(frame))
+    assert "## Fig. 10: leakage by method" in text and "| 0 | fedper − fedavg | ig@textbook | 9 (5) | -2.00" in text
+    assert "- Round 0: FedeCouple leaks least: holds (all 2 pairs)" in text
+    assert "- Round 19: FedeCouple leaks least: undetermined (against fedper, fedavg)" in text
+
+
+def test_the_report_has_the_fig10_section_and_csv(built):
+    """FedPer (DLG) and FedProto (proto only): each method's own image cell, and no pair without
+    FedeCouple or FedAvg."""
+    out, _ = built
+    fig10 = pd.read_csv(out / "fig10.csv")
+    assert list(zip(fig10["method"], fig10["cell"])) == [("fedper", "dlg"), ("fedproto", "proto")]
+    by_round = pd.read_csv(out / "by_round.csv")
+    assert (fig10["kind"] == "method").all() and list(fig10["n"]) == list(by_round["n_images"]) == [1, 3]
+    assert list(fig10["mean"]) == pytest.approx(list(by_round["mean_psnr"]))
+    md = (out / "report.md").read_text(encoding="utf-8")
+    assert md.index("## Fig. 10: leakage by method") < md.index("## PSNR definition")
+    assert "No pair to compare" in md and "<h2>Fig. 10: leakage by method</h2>" in (out / "report.html").read_text()
+
+
+def test_preset_audit_reports_fedavg_beside_the_four_methods_unless_methods_are_given():
+    from fedsec.presets import report_methods
+
+    assert report_methods("audit", "fedecouple,fedper,fedpac,fedproto", lambda name: False).split(",") == [
+        "fedecouple", "fedper", "fedpac", "fedproto", "fedavg"]
+    assert report_methods("audit", "fedper", lambda name: name == "methods") == "fedper"
+    assert report_methods(None, "fedper,fedpac", lambda name: False) == "fedper,fedpac"
+
+
+def test_fedprotos_proto_cell_is_marked_no_model_not_mis_specified(built):
+    """FedProto uploads no extractor, so its proto cell is a surrogate-model estimate: the summary row
+    counts its targets NO MODEL, results.csv flags them, the headline shows "NO MODEL (estimate)" (never
+    MIS-SPECIFIED), and the by-round table and its figure carry the same mark."""
+    from reports.comparison import by_round_rows, psnr_cell
+    from reports.figures import leakage_by_round
+
+    out, _ = built
+    row = pd.read_csv(out / "summary.csv").set_index("method").loc["fedproto"]
+    assert row["proto_model_unknown_targets"] == 1 and not row["proto_mis_specified"]
+    proto = pd.read_csv(out / "results.csv").query("attack == 'proto'")
+    assert len(proto) and proto["model_unknown"].all() and not proto["mis_specified"].any()
+    cell = psnr_cell(row.to_dict(), "proto")
+    assert cell.endswith(") NO MODEL (estimate)") and "MIS-SPECIFIED" not in cell
+    md = (out / "report.md").read_text(encoding="utf-8")
+    assert "NO MODEL (estimate)" in md and "MIS-SPECIFIED" not in md.split("## Headline")[1].split("\n\n")[1]
+    assert psnr_cell({**row.to_dict(), "proto_model_unknown_targets": 0}, "proto").endswith(")")
+    by_round = [{"method": "fedproto", "attack": "proto", "round": r, "n_images": 3, "n_targets": 1, "mean_psnr": 11.0,
+                 "prior_psnr": 13.0, "success_rate": 0.0, "mis_specified_targets": 0, "not_converged_targets": 0,
+                 "model_unknown_targets": 1} for r in (0, 19)]
+    assert by_round_rows({"by_round": by_round})[1][0][-1] == "0 / 0 / NO MODEL (estimate) 1"
+    rows = proto.assign(round=19, model_unknown=False)
+    both = pd.concat([proto, rows], ignore_index=True)
+    assert leakage_by_round(both, 100.0) != leakage_by_round(both.assign(model_unknown=False), 100.0)

@@ -75,3 +75,39 @@ def test_the_report_flags_lower_bound_cells_and_the_renderer_marks_them():
     assert list(flagged["dlg_lower_bound"]) == [True, False] and "dlg_lower_bound" not in summary.columns
     rows = flagged.to_dict("records")
     assert psnr_cell(rows[0], "dlg").endswith("LOWER BOUND") and "LOWER BOUND" not in psnr_cell(rows[1], "dlg")
+
+
+def _no_model_summary(unknown: list[bool]) -> dict:
+    """A FedProto-like proto summary: 0 mis-specified, each target's NO MODEL flag in its check."""
+    return {"attack": "proto", "method": "fedproto", "mean_psnr": 14.0, "mean_prior_psnr": 13.0, "max_psnr": 15.0,
+            "mean_psnr_ci": [13.5, 14.5], "n_images": 2 * len(unknown), "mis_specified": False,
+            "mis_specified_targets": 0, "not_converged_targets": None,
+            "per_target": [{"round": 0, "client": i, "model_unknown": u} for i, u in enumerate(unknown)]}
+
+
+def test_no_model_is_its_own_verdict_never_mis_specified_nor_chance():
+    """NO MODEL (the server holds no model of the client): counted from the per-target checks, said in
+    words before a lower bound and after MIS-SPECIFIED, and never evidence of chance-level leakage."""
+    summary = _no_model_summary([True, True])
+    assert verdicts.model_unknown_targets(summary) == 2
+    assert verdicts.model_unknown_targets({**summary, "model_unknown_targets": 1}) == 1  # a summary's own count wins
+    assert verdicts.model_unknown_targets({"per_target": [{"round": 0, "client": 0}]}) is None  # not checked
+    words = verdicts.forward_check_verdict(0, 1, 2, 2)
+    assert words.startswith("NO MODEL on 2 of 2 targets: the server holds no model") and "estimate" in words
+    assert verdicts.forward_check_verdict(1, 0, 2, 2).startswith("MIS-SPECIFIED on 1 of 2")
+    assert verdicts.forward_check_verdict(0, 0, 2, 0) == ""
+    assert verdicts.at_chance(summary) is None
+    assert verdicts.at_chance(_no_model_summary([False, False])) is True  # 1 dB above the prior, model held
+
+
+def test_the_audit_and_the_console_say_no_model_with_the_estimate():
+    from fedsec.audit import _brief, _leak_severity
+    from fedsec.console import attack_headline
+
+    severity, why = _leak_severity(_no_model_summary([True, True]), "high")
+    assert severity == "high" and why.startswith("measured mean PSNR 14.0 dB [13.5, 14.5]")
+    assert "(+1.0 dB), an estimate; NO MODEL on 2 of 2 targets" in why and "MIS-SPECIFIED" not in why
+    assert _brief(_no_model_summary([True, True]))["model_unknown_targets"] == 2
+    line = attack_headline({**_no_model_summary([True, True]), "label_accuracy": float("nan"), "images_scored": 4,
+                            "n_targets": 2, "threat_model": {"modes_used": ["surrogate-extractor"]}}, "out")
+    assert line.endswith("→ out — " + verdicts.forward_check_verdict(0, None, 2, 2))

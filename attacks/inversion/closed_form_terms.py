@@ -38,7 +38,7 @@ class ClosedFormTerms:
         last = self.closed.last_linear
         if last is not None and last.head_free and self.mode == "method" and self.aux_names:
             last.head_free = False  # the statistics need the method's replay
-        if last is not None:
+        if last is not None and last.input is not None:
             self.target = list(self.target) + [last.input]
             self.extra_weights.append(last.term_weight)
         for means in self.closed.feature_means:
@@ -105,6 +105,8 @@ class ClosedFormTerms:
         read from the observed bias update (any positive multiple of δ: the target's scale): below the
         layer the gradient of ⟨a(x), Wᵀδ⟩, at the layer δ·a(x)ᵀ and δ; then a(x) itself."""
         last, before = self.closed.last_linear, self.update.before
+        if last.images > 1:
+            return self._head_free_batch(x, target)
         signal = target[self.names.index(last.bias)]
         upstream = signal @ before[last.weight]
 
@@ -116,29 +118,65 @@ class ClosedFormTerms:
         update = {**below, last.weight: signal.unsqueeze(1) * a.unsqueeze(0), last.bias: signal}
         return [update[n] for n in self.names] + [a]
 
+    def head_free_signals(self, a: torch.Tensor, target: list[torch.Tensor]) -> torch.Tensor:
+        """(B, out): each image's error signal δ_i at the last linear layer, the least-squares solution
+        of [ΔW Δb] = Σ_i δ_i [a_i 1] for the inputs ``a`` (B, in) (in the target's units; a ridge of
+        1e-6 of the Gram matrix's mean diagonal keeps coinciding dummy inputs solvable)."""
+        last = self.closed.last_linear
+        both = torch.cat([target[self.names.index(last.weight)], target[self.names.index(last.bias)].unsqueeze(1)], 1)
+        inputs = torch.cat([a, torch.ones_like(a[:, :1])], dim=1)
+        gram = inputs @ inputs.T
+        ridge = 1e-6 * gram.diagonal().mean() * torch.eye(len(a), dtype=a.dtype, device=a.device)
+        return torch.linalg.solve(gram + ridge, inputs @ both.T)
+
+    def _head_free_batch(self, x: torch.Tensor, target: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The extractor's update for one step on B images under an unknown head: the signals δ_i solved
+        for the dummy's inputs (``head_free_signals``), then below the layer the gradient of
+        Σ_i ⟨a_i(x), Wᵀδ_i⟩, at the layer Σ_i δ_i a_i(x)ᵀ and Σ_i δ_i."""
+        last, before = self.closed.last_linear, self.update.before
+        a = self._linear_input(before, x)
+        signals = self.head_free_signals(a, target)
+        upstream = signals @ before[last.weight]
+
+        def inner(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            return (self._linear_input({**before, **params}, x) * upstream).sum()
+
+        below = grad(inner)({n: before[n] for n in last.below})
+        update = {**below, last.weight: signals.T @ a, last.bias: signals.sum(0)}
+        return [update[n] for n in self.names]
+
     @property
     def has_closed_form_start(self) -> bool:
-        """Whether ``closed_form_start`` rebuilds an image: the closed form fixed the last linear layer's input
-        and the attack rebuilds one image."""
-        return self.closed.last_linear is not None and (self.originals or 1) == 1
+        """Whether ``closed_form_start`` rebuilds images: the closed form fixed the last linear layer's input
+        of every image the attack rebuilds (one, or each of several: ``LastLinear.images``)."""
+        last = self.closed.last_linear
+        return last is not None and last.input is not None and (self.originals or 1) == last.images
+
+    def dummy_linear_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The dummy's side of the closed form's layer-input term: the first image's input of the extractor's
+        last linear layer (in_features,), or with several images (``LastLinear.images``) the originals' (B, in)."""
+        images = self.closed.last_linear.images
+        a = self._linear_input(self.update.before, x if images == 1 else x[:images])
+        return a[0] if images == 1 else a
 
     @property
     def closed_form_start(self) -> torch.Tensor | None:
-        """(1, C, H, W): the image rebuilt from the input of the extractor's last linear layer that the closed
-        form fixed (its best candidate; ``attacks.layer_inversion`` through the layers below it, as the
-        client downloaded them, from the grey image), where the attack rebuilds one image; else None.
-        DLG's first start. Computed once per observation (``Observation.memo``)."""
+        """(B, C, H, W): the images rebuilt from the inputs of the extractor's last linear layer that the
+        closed form fixed (one image: its best candidate; several: each image's, in the order of the attack's
+        labels; ``attacks.layer_inversion`` through the layers below it, as the client downloaded them, from
+        the grey image), where it fixed every rebuilt image's; else None. DLG's and IG's first start.
+        Computed once per observation (``Observation.memo``)."""
         if not self.has_closed_form_start:
             return None
         last = self.closed.last_linear
         key = ("closed-form-start", START_ITERATIONS)
         memo = self.observation.memo
         if key not in memo:
-            a = last.input if last.input.dim() == 1 else last.input[0]
+            a = last.input if last.input.dim() == 1 else last.input[0]  # several images: their first order
             grey = torch.full(tuple(self.observation.image_shape), 0.5, device=a.device)
             with torch.enable_grad():
                 memo[key] = invert_layer_inputs(lambda x: self._linear_input(self.update.before, x),
-                                                a.unsqueeze(0), grey, START_ITERATIONS)
+                                                a.reshape(-1, a.shape[-1]), grey, START_ITERATIONS)
         return memo[key]
 
     @property

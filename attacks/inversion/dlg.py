@@ -44,7 +44,7 @@ from torch.func import grad_and_value
 from ..base import STARTS, AttackResult, Budget, Observation
 from .batching import Batch, plan_by_model
 from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
-from .forward_model import FAMILY_PARAMETERS, GradientMatcher, family_start
+from .forward_model import FAMILY_PARAMETERS, GradientMatcher
 from .idlg_rule import IDLG_NOT_APPLICABLE, counted_labels, idlg_applies, idlg_labels, idlg_share
 from .optimise import LBFGS, Recipe, generator, mean_image, mix_seed, normal, result_from_best, uniform, \
     with_closed_form
@@ -90,18 +90,20 @@ class _Setup:
 
     @property
     def sizes(self) -> tuple[int, int, int]:
-        """Sizes of the flat variable's three parts: images, label logits (0 when fixed), copy parameters."""
+        """Sizes of the flat variable's three parts: images, label logits (0 when fixed), copy parameters
+        (and the fitted private parameters: ``GradientMatcher.z_size``)."""
         b, c, h, w = self.shape
         return b * c * h * w, 0 if self.labels is not None else self.originals * self.num_classes, \
-            self.matcher.copy_parameters
+            self.matcher.z_size
 
     def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(images, label logits or None, copy parameters) of flat variables (..., size)."""
         i, l, e = self.sizes
         lead = flat.shape[:-1]
         y = None if l == 0 else flat[..., i:i + l].reshape(*lead, self.originals, self.num_classes)
+        z = flat[..., i + l:i + l + e]
         return (flat[..., :i].reshape(*lead, *self.shape), y,
-                flat[..., i + l:i + l + e].reshape(*lead, e // FAMILY_PARAMETERS, FAMILY_PARAMETERS))
+                z if self.matcher.private_size else z.reshape(*lead, e // FAMILY_PARAMETERS, FAMILY_PARAMETERS))
 
     def gradient_and_value(self):
         """torch.func transform of ``objective``: (∂/∂x[, ∂/∂y], ∂/∂z), value."""
@@ -169,7 +171,8 @@ def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name
 def _start(setup: _Setup, seed: int, restart: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A start's seeded dummy batch: images uniform in [0, 1] (or, with ``Budget.start`` "mean", the
     per-channel mean the model's normalisation carries), label logits standard normal (None when the
-    labels are fixed), the copies' family parameters at the identity. The first start's image is the one
+    labels are fixed), the copies' family parameters at the identity (and the private parameters at their
+    stand-in: ``GradientMatcher.z_start``). The first start's image is the one
     the closed form rebuilt, where it rebuilt one (``GradientMatcher.closed_form_start``)."""
     gen = generator(mix_seed(seed, restart, 0xD16))
     device = setup.device  # drawn on the CPU: the same starts on every device
@@ -180,7 +183,7 @@ def _start(setup: _Setup, seed: int, restart: int) -> tuple[torch.Tensor, torch.
     if rebuilt is not None:  # the image the closed form gives back; its augmented copies as drawn above
         x = with_closed_form(x, rebuilt)
     y = None if setup.labels is not None else normal((setup.originals, setup.num_classes), gen, device)
-    return x, y, family_start(setup.matcher.copy_parameters // FAMILY_PARAMETERS, device)
+    return x, y, setup.matcher.z_start(device)
 
 
 def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int]) -> list[AttackResult]:

@@ -227,11 +227,12 @@ def _labels(setup: _Setup, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _terms(setup: _Setup, x: torch.Tensor, logits: torch.Tensor, tv_weight: float,
-           order_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(objective, data term) at images ``x`` (slots, then free copies) and label logits."""
+           order_weight: float, private: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(objective, data term) at images ``x`` (slots, then free copies), label logits and the fitted
+    private parameters (``GradientMatcher.fitted_before``)."""
     matcher = setup.matcher
     if setup.layer is None:
-        data = matcher.cosine_objective(matcher.dummy(x, _labels(setup, logits)), setup.target)
+        data = matcher.cosine_objective(matcher.dummy(x, _labels(setup, logits), private=private), setup.target)
         extra = 0.0
     else:  # the plain replay (no other closed-form term: ``disaggregation.applies``), read at every step
         dummy, states = replayed(matcher, x, _labels(setup, logits))
@@ -256,20 +257,23 @@ def _start(setup: _Setup, budget: Budget, seed: int, restart: int, tv_weight: fl
     x.requires_grad_(True)
     logits = normal((setup.slots, matcher.observation.num_classes), gen, device, scale=0.01)
     logits.requires_grad_(True)
+    private = matcher.private_start().requires_grad_(True)  # the unknown private head, from its stand-in
+    variables = [x, logits] + ([private] if matcher.private_size else [])
 
     def evaluate() -> tuple[torch.Tensor, list]:
-        total, _ = _terms(setup, x, logits, tv_weight, order_weight)
-        gradients = torch.autograd.grad(total, [x, logits], allow_unused=True)
+        total, _ = _terms(setup, x, logits, tv_weight, order_weight, private)
+        gradients = torch.autograd.grad(total, variables, allow_unused=True)
         return torch.tensor([float(total.detach())], dtype=torch.float64), list(gradients)
 
     def nonfinite(_: int, it: int) -> None:
         setup.notes.append(f"start {restart}: the objective became non-finite at step {it}; stopped there")
 
-    run = run_adam(RECIPE.optimiser, [x, logits], evaluate, iterations, on_nonfinite=nonfinite)
+    run = run_adam(RECIPE.optimiser, variables, evaluate, iterations, on_nonfinite=nonfinite)
     with torch.no_grad():
-        total, data = _terms(setup, x, logits, tv_weight, order_weight)
+        total, data = _terms(setup, x, logits, tv_weight, order_weight, private)
     return {"objective": float(total), "data_term": float(data), "images": x.detach(),
-            "probs": _labels(setup, logits).detach(), "steps": run.steps, "history": run.history[0]}
+            "probs": _labels(setup, logits).detach(), "steps": run.steps, "history": run.history[0],
+            "private": private.detach()}
 
 
 def leak_fedavg(observation: Observation, budget: Budget, seed: int, mode: str = "auto",
@@ -296,13 +300,16 @@ def _attack(setup: _Setup, budget: Budget, seed: int, tv_weight: float = TV_WEIG
     matcher = setup.matcher
     copies = matcher.epoch_copies
     labels = hard_labels(best["probs"], setup.counts, copies)
+    if matcher.labels_unused:  # a head-free closed form: the labels never entered the objective
+        labels = torch.full_like(labels, -1)
     slots = best["images"][:setup.slots]
     rebuilt = combine_epoch_copies(slots.cpu(), copies).clamp(0, 1)
     trace = {**setup.trace, "objective": best["objective"], "data_term": best["data_term"],
              "restart_objectives": [s["objective"] for s in starts], "steps_per_start": [s["steps"] for s in starts],
              "history": [s["history"] for s in starts], "final_stage": final, "seconds": time.perf_counter() - started}
     return AttackResult(images=rebuilt, labels=_aligned_labels(slots.cpu(), labels, copies), trace=trace,
-                        notes=setup.notes, variables=check_inputs(best["images"], best["probs"]))
+                        notes=setup.notes, variables=check_inputs(best["images"], best["probs"],
+                                                                  private=best["private"]))
 
 
 def _final_stage(setup: _Setup, best: dict, iterations: int, tv_weight: float, order_weight: float) -> dict | None:

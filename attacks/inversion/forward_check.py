@@ -21,6 +21,17 @@ Two checks per target:
   bound set by the attack's budget, not by the method. Both need the larger term above a floor:
   ``OBJECTIVE_FLOOR``, or twice what the upload's own float32 rounding gives (``rounding_floor``),
   whichever is higher; below it the two are a tie.
+
+Where the forward model has parts the server does not hold and the attack fits them (a private head
+after round 0: ``GradientMatcher.private_names``, or the head-free closed form's error signals), the
+check judges the **fitted** model: the reconstruction's term at the parameters the attack fitted, the
+truth's with those parameters fitted again to the true images (``fit_unknowns``, from the attack's fit
+and from the stand-in; the head-free closed form refits its signals for any images by construction).
+The client's true head is not used: the question is whether the objective the attack minimises (over
+the images *and* the head) prefers the truth, so both sides are taken at their own best head; scoring
+the truth at the true head and the reconstruction at a fitted one would compare two objectives. The
+fit is local (L-BFGS from two starts), so the truth's term is an upper bound on its best head's: a
+fit that falls short can call a right model mis-specified, never hide a wrong one.
 """
 from __future__ import annotations
 
@@ -33,7 +44,8 @@ from fedecouple.methods.replay import features as replay_features
 from ..base import AttackResult, Observation
 from .observation import update_target
 from .forward_model import GradientMatcher, batch_augmenter, replay_context
-from .prototypes import choose_extractor, set_objective, uploaded_prototypes
+from .optimise import fit_unknowns, iterations_for
+from .prototypes import choose_extractor, set_objective, uploaded_prototypes, uploads_extractor
 
 # below this the matching term is float rounding: a truth and a reconstruction both at it are equal
 OBJECTIVE_FLOOR = 1e-6
@@ -124,14 +136,28 @@ def true_copies(matcher: GradientMatcher, images: torch.Tensor, records: list, w
 
 
 def matching_term(matcher: GradientMatcher, kind: str, images: torch.Tensor, label_probs: torch.Tensor,
-                  copy_parameters: torch.Tensor | None = None, copies: list | None = None) -> float:
-    """The attack's data-matching term at (images, label probability rows, and the copies' family
-    parameters or the copies themselves)."""
+                  copy_parameters: torch.Tensor | None = None, copies: list | None = None,
+                  private: torch.Tensor | None = None) -> float:
+    """The attack's data-matching term at (images, label probability rows, the copies' family
+    parameters or the copies themselves, and the fitted private parameters)."""
     with torch.no_grad():
-        dummy = matcher.dummy(images, label_probs, copy_parameters, copies)
-        target = [t.detach() for t in matcher.target]
-        value = matcher.l2_objective(dummy, target) if kind == "l2" else matcher.cosine_objective(dummy, target)
-    return float(value)
+        return float(_term(matcher, kind, images, label_probs, copy_parameters, copies, private))
+
+
+def _term(matcher: GradientMatcher, kind: str, images, label_probs, copy_parameters, copies, private) -> torch.Tensor:
+    dummy = matcher.dummy(images, label_probs, copy_parameters, copies, private=private)
+    target = [t.detach() for t in matcher.target]
+    return matcher.l2_objective(dummy, target) if kind == "l2" else matcher.cosine_objective(dummy, target)
+
+
+def fitted_truth_term(matcher: GradientMatcher, kind: str, images: torch.Tensor, label_probs: torch.Tensor,
+                      copies: list | None, fitted: torch.Tensor | None) -> float:
+    """The matching term at the true images with the private parameters fitted to them (module
+    docstring): the lower of the fits from the attack's ``fitted`` parameters and from the stand-in."""
+    starts = [matcher.private_start()] + ([] if fitted is None else [fitted.to(matcher.private_start().device)])
+    _, value = fit_unknowns(lambda u: _term(matcher, kind, images, label_probs, None, copies, u), starts,
+                            iterations_for(len(images)))
+    return value
 
 
 def rounding_floor(matcher: GradientMatcher, kind: str) -> float:
@@ -176,10 +202,15 @@ def check(obs: Observation, mode: str, kind: str, result: AttackResult, images: 
     index = torch.tensor(where, device=images.device)
     if matcher.labels_unused:  # the head-free closed form is the forward model the attack used
         out = head_free_agreement(matcher, images[index])
-    truth = matching_term(matcher, kind, images[index], F.one_hot(labels[index], obs.num_classes).to(torch.float32),
-                          copies=true_copies(matcher, images, records, where))
+    truth_labels = F.one_hot(labels[index], obs.num_classes).to(torch.float32)
+    copies = true_copies(matcher, images, records, where)
+    fitted = result.variables.get("private")
+    # an attack that kept the stand-in (no fitted parameters) is judged with it: that is its forward model
+    truth = (fitted_truth_term(matcher, kind, images[index], truth_labels, copies, fitted)
+             if matcher.private_size and fitted is not None
+             else matching_term(matcher, kind, images[index], truth_labels, copies=copies))
     reconstruction = matching_term(matcher, kind, rebuilt, result.variables["labels"],
-                                   result.variables.get("copy_parameters"))
+                                   result.variables.get("copy_parameters"), private=fitted)
     floor = max(OBJECTIVE_FLOOR, ROUNDING_MARGIN * rounding_floor(matcher, kind))
     out["input_error"] = classifier_feature_error(matcher, images[index])
     return {**out, "objective_truth": truth, "objective_reconstruction": reconstruction,
@@ -191,13 +222,14 @@ def classifier_feature_error(matcher: GradientMatcher, images: torch.Tensor) -> 
     """The relative error of the classifier step's features the closed form solved
     (``attacks.inversion.closed_form.classifier_features``) against the true image's features under the
     kept extractor that step ran on, its nearest solved row (the image or its copy: the update does not
-    order them); None where none were solved."""
+    order them); with several images the largest over them; None where none were solved."""
     solved = matcher.closed.classifier_features
-    if solved is None or len(images) != 1:
+    if solved is None:
         return None
     with torch.no_grad():
-        truth = replay_features(matcher.model, matcher.context.kept, images)[0]
-    return float(((solved - truth).norm(dim=1) / truth.norm().clamp_min(1e-30)).min())
+        truth = replay_features(matcher.model, matcher.context.kept, images)
+    errors = (solved.unsqueeze(0) - truth.unsqueeze(1)).norm(dim=2) / truth.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    return float(errors.min(dim=1).values.max())
 
 
 def prototype_check(obs: Observation, result: AttackResult, images: torch.Tensor, labels: torch.Tensor) -> dict:
@@ -206,13 +238,36 @@ def prototype_check(obs: Observation, result: AttackResult, images: torch.Tensor
     (the objective without TV) at the client's true images of that class (their mean feature is the
     prototype when the extractor is the one that computed it) against the kept set's; summed over
     the classes. ``mis_specified``: the truth matches worse than the reconstruction (the inverted
-    extractor did not compute the prototypes, e.g. FedProto's initial model); ``not_converged``: the
-    optimiser stopped short of the truth. None with a surrogate extractor (trained per attack)."""
+    extractor is not the one the server holds, or its reading is wrong); ``not_converged``: the
+    optimiser stopped short of the truth.
+
+    ``model_unknown`` (the NO MODEL verdict): the method uploads no extractor
+    (``prototypes.uploads_extractor``; FedProto), so the server holds no model of the client and
+    inverted with one of its own (the initial model, the one it sent, or a surrogate). There is no
+    forward model of what the server holds to check: ``mis_specified`` is False, ``not_converged``
+    None; the two objectives are kept (the initial or sent model; a surrogate, trained per attack,
+    is not fitted again) to show how far that model is from the client's."""
     empty = {"replay_cosine": None, "replay_relative_error": None, "objective_truth": None,
              "objective_reconstruction": None, "mis_specified": None, "not_converged": None}
     reconstruction = result.trace.get("data_term_per_class")
+    unknown = not uploads_extractor(obs.manifest())
+    verdict = {"model_unknown": unknown, **({"mis_specified": False} if unknown else {})}
     if reconstruction is None or result.trace.get("extractor_source") == "surrogate":
-        return empty
+        return {**empty, **verdict}
+    truth = _prototype_truth(obs, result, images, labels)
+    if truth is None:
+        return {**empty, **verdict}
+    rebuilt = float(sum(reconstruction))
+    out = {**empty, "objective_truth": truth, "objective_reconstruction": rebuilt}
+    if unknown:
+        return {**out, **verdict}
+    return {**out, **verdict, "mis_specified": bool(truth > rebuilt and truth > OBJECTIVE_FLOOR),
+            "not_converged": bool(rebuilt > truth and rebuilt > OBJECTIVE_FLOOR)}
+
+
+def _prototype_truth(obs: Observation, result: AttackResult, images: torch.Tensor, labels: torch.Tensor) -> float | None:
+    """The data term at the client's true images of every inverted class, summed (None: a class the
+    client's training set lacks)."""
     model, _, _ = choose_extractor(obs)
     protos = uploaded_prototypes(obs)
     truth = 0.0
@@ -220,9 +275,6 @@ def prototype_check(obs: Observation, result: AttackResult, images: torch.Tensor
         for c in result.trace["classes"]:
             own = images[labels == int(c)]
             if len(own) == 0:
-                return empty
+                return None
             truth += float(set_objective(model.eval(), own, protos[c].float().flatten(), 0.0))
-    rebuilt = float(sum(reconstruction))
-    return {**empty, "objective_truth": truth, "objective_reconstruction": rebuilt,
-            "mis_specified": bool(truth > rebuilt and truth > OBJECTIVE_FLOOR),
-            "not_converged": bool(rebuilt > truth and rebuilt > OBJECTIVE_FLOOR)}
+    return truth

@@ -16,6 +16,10 @@ Three ways to compare a dummy batch with Δ (``GradientMatcher``), named in ever
   ``plan_layout``) is replayed on the dummy data and matched to the upload group by group, plus the
   statistics the method uploads (prototypes, ``h``, counts) as relative errors.
 
+Parameters the client trained but the server does not hold (a private head after round 0:
+``UpdateTarget.unknown``) are unknowns beside the images (``GradientMatcher.private_names``, carried in
+the extra variable z after the copies' parameters), unless the head-free closed form fits what they do.
+
 ``mode="auto"`` (``resolve_mode``) takes ``method`` when the hyperparameters are known and the
 method's local training is not plain SGD; otherwise it replays for more than one step, and with one
 step, where replay and scaled gradient are the same computation, it is named ``scaled-gradient``.
@@ -208,6 +212,59 @@ class GradientMatcher(ClosedFormTerms, MatchingTerms):
             self._note_plain_modes()
             self._set_up_plain_layout()
         self._set_up_closed_form()
+        self._set_up_private()
+
+    def _set_up_private(self) -> None:
+        """The private parameters the server cannot know (``UpdateTarget.unknown``) become unknowns of
+        the fit, unless the head-free closed form already fits all they do: ``private`` =
+        stand-in + ``private_scale``·u with u (``private_size`` numbers) optimised with the images, from 0."""
+        unknown = [] if self.labels_unused else list(self.update.unknown)
+        self.private_names = unknown
+        self.private_size = sum(self.update.before[n].numel() for n in unknown)
+        stand_in = torch.cat([self.update.before[n].reshape(-1) for n in unknown]) if unknown else torch.zeros(0)
+        # the stand-in's RMS (set, not tuned): the optimisers' steps, sized for pixels in [0, 1], then move
+        # each parameter by a share of its typical size
+        self.private_scale = float(stand_in.pow(2).mean().sqrt().clamp_min(1e-3)) if unknown else 1.0
+        if unknown:
+            self.notes.append(f"the private {', '.join(dict.fromkeys(group_of(n) for n in unknown))} "
+                              f"({self.private_size} numbers) is an unknown, fitted jointly with the images from the "
+                              f"stand-in")
+
+    @property
+    def z_size(self) -> int:
+        """Numbers in the extra variable z: the copies' family parameters, then the private parameters."""
+        return self.copy_parameters + self.private_size
+
+    def z_start(self, device: str | torch.device | None = None) -> torch.Tensor:
+        """The start of z: the copies' family parameters at the identity, (copies, 8); with private
+        parameters fitted, one flat vector of those, then u = 0 (``split_z``)."""
+        family = family_start(self.copy_parameters // FAMILY_PARAMETERS, device or self.observation.device)
+        if not self.private_size:
+            return family
+        return torch.cat([family.reshape(-1), self.private_start().to(family.device)])
+
+    def split_z(self, z: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(the copies' family parameters, the private parameters u or None) of z (``z_start``'s layout)."""
+        if z is None or not self.private_size:
+            return z, None
+        flat = z.reshape(-1)
+        return flat[:self.copy_parameters].reshape(-1, FAMILY_PARAMETERS), flat[self.copy_parameters:]
+
+    def private_start(self) -> torch.Tensor:
+        """u = 0: the stand-in (``_set_up_private``), on the observation's device."""
+        return torch.zeros(self.private_size, device=self.observation.device)
+
+    def fitted_before(self, private: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The before-state with the private parameters at stand-in + scale·``private`` (None: the stand-in)."""
+        before = self.update.before
+        if private is None or not self.private_names:
+            return before
+        out, used = dict(before), 0
+        for n in self.private_names:
+            k = before[n].numel()
+            out[n] = before[n] + self.private_scale * private[used:used + k].reshape(before[n].shape)
+            used += k
+        return out
 
     def _note_plain_modes(self) -> None:
         hp, obs = self.hyperparameters, self.observation
@@ -318,28 +375,32 @@ class GradientMatcher(ClosedFormTerms, MatchingTerms):
         return grad(loss)({n: params[n] for n in names})
 
     def dummy(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None = None,
-              copies: list | None = None, target: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+              copies: list | None = None, target: list[torch.Tensor] | None = None,
+              private: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The dummy batch's counterpart of every target, differentiable in x, y (and the family
         parameters z of the augmented copies; one target: x (dummy images, C, H, W); under
         ``torch.func.vmap`` one target per batch row). ``copies`` overrides the augmented copies
         (per step; the forward-model check gives the client's true ones). ``target``: this target's
         observed tensors (under vmap, its row; default ``self.target``), which a head-free closed form
-        reads its error signal from. After the method's own counterparts come those of the
-        closed-form terms (``extra_weights``)."""
+        reads its error signal from. ``private``: the fitted private parameters (``fitted_before``; None:
+        those z carries, ``split_z``, else the stand-in). After the method's own counterparts come those
+        of the closed-form terms (``extra_weights``)."""
         last = self.closed.last_linear
         target = self.target if target is None else target
         if last is not None and last.head_free:
             return self._head_free(x, target)
+        z, fitted = self.split_z(z)
+        private = fitted if private is None else private
         before_features = self._features_before(x)  # one pass, shared by the replay and the closed form
         if self.mode == "method":
-            out = self._method_replay(x, y, z, copies, target, before_features)
+            out = self._method_replay(x, y, z, copies, target, before_features, private)
         elif self.mode == "replay":
-            out = self._replay(x, y)
+            out = self.replay_states(x, y, private)[0]
         else:
-            gradients = self._gradient(self.update.before, self.names, x, y)
+            gradients = self._gradient(self.fitted_before(private), self.names, x, y)
             out = [gradients[n] for n in self.names]
         if last is not None:
-            out.append(self._linear_input(self.update.before, x)[0])
+            out.append(self.dummy_linear_input(x))
         return out + self._feature_means(x, y, target, before_features) + self._row_space_share(x, target, z, copies)
 
     def _copies(self, x: torch.Tensor, z: torch.Tensor | None) -> list:
@@ -360,13 +421,18 @@ class GradientMatcher(ClosedFormTerms, MatchingTerms):
         return copies
 
     def _method_replay(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None, copies: list | None,
-                       target: list[torch.Tensor], features_before: torch.Tensor | None = None):
+                       target: list[torch.Tensor], features_before: torch.Tensor | None = None,
+                       private: torch.Tensor | None = None):
         originals = x[:self.originals]
         probs = one_hot(y, self.observation.num_classes) if y.ndim == 1 else y
         copies = self._copies(x, z) if copies is None else copies
         # this target's upload (before + its observed Δ): the lead's context serves every batched target
         uploaded = {n: self.update.before[n] + target[i] for i, n in enumerate(self.names)}
         context = dataclasses.replace(self.context, uploaded=uploaded, features_before=features_before)
+        if private is not None and self.private_names:  # the fitted private part replaces its stand-in
+            fitted = self.fitted_before(private)
+            context = dataclasses.replace(context, before=fitted,
+                                          kept={**context.kept, **{n: fitted[n] for n in self.private_names}})
         simulated = self.observation.method.replay(self.model, context, originals, probs, copies)
         before = self.update.before
         return [simulated[n] - before[n] for n in self.names] + [simulated[n] for n in self.aux_names]
@@ -374,11 +440,13 @@ class GradientMatcher(ClosedFormTerms, MatchingTerms):
     def _replay(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
         return self.replay_states(x, y)[0]
 
-    def replay_states(self, x: torch.Tensor, y: torch.Tensor) -> tuple[list[torch.Tensor], list[dict]]:
+    def replay_states(self, x: torch.Tensor, y: torch.Tensor,
+                      private: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[dict]]:
         """The plain replay's counterpart of the targets, and the weights each step started from (a
-        closed form that holds the images' inputs at their step's weights reads them there)."""
+        closed form that holds the images' inputs at their step's weights reads them there); the private
+        parameters at ``private`` (``fitted_before``)."""
         hp = self.hyperparameters
-        start = self.update.before
+        start = self.fitted_before(private)
         trained = list(start)  # plain SGD on every parameter (uploaded or kept private)
         current, states = dict(start), []
         b = x.shape[0]
@@ -401,7 +469,7 @@ class GradientMatcher(ClosedFormTerms, MatchingTerms):
                    # known draws make each target's function its own: never batched with another
                    None if self.draws is None else (obs.round, obs.client_id)))
         last = self.closed.last_linear
-        closed = (None if last is None else (last.weight, last.head_free),
+        closed = (None if last is None else (last.weight, last.head_free, last.images),
                   tuple(m.source for m in self.closed.feature_means), self.closed.row_space_rank,
                   tuple(self.extra_weights))
         return (self.mode, tuple(self.names), None if hp is None else (hp.lr, hp.steps, hp.batch_size), method, closed,

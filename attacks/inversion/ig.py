@@ -16,7 +16,9 @@ Optimisation as in the paper: Adam (lr 0.1, in pixel units) on the *sign* of the
 gradient, learning rate ×0.1 at 3/8, 5/8 and 7/8 of ``budget.iterations``, pixels projected to
 [0, 1] after every step, ``budget.restarts`` starts from uniform noise: the first for every target,
 the others (all stacked in one pass) only for the targets whose data term the first left above
-``SOLVED_DATA_TERM``; the start with the lowest final objective kept.
+``SOLVED_DATA_TERM``; the start with the lowest final objective kept. Where the closed form fixed the
+input of the extractor's last linear layer for every rebuilt image, the first start's images are those
+rebuilt from it (``GradientMatcher.closed_form_start``), as in DLG.
 
 Final stage (``attacks.inversion.optimise.polish``), for every target whose kept data term is above the
 forward check's floor and at most ``FINAL_STAGE_CEILING`` (near the truth): the data term alone (no
@@ -63,7 +65,7 @@ from .forward_check import OBJECTIVE_FLOOR
 from .forward_model import FAMILY_PARAMETERS, GradientMatcher, family_start
 from .idlg_rule import IDLG_NOT_APPLICABLE, counted_labels, idlg_applies, idlg_labels, idlg_share
 from .optimise import (IG_ADAM, IG_PRIOR, ITERATION_SHARE, TEMPERATURES, BestOfStarts, Recipe, TotalVariation,
-                       generator, mix_seed, normal, polish, result_from_best, run_adam, uniform)
+                       generator, mix_seed, normal, polish, result_from_best, run_adam, uniform, with_closed_form)
 
 # in the last learning-rate phase, a target whose objective improved by less than 1e-3 (relative) over a
 # window of max(10, iterations/20) steps has stopped moving: it stops there
@@ -156,6 +158,7 @@ class _StackedIG:
         self.targets = stack_targets([s.target for s in setups])
         self.labels = torch.stack([s.labels for s in setups]) if self.fixed else None
         self.copies = lead.matcher.copy_parameters // FAMILY_PARAMETERS  # family-modelled augmented copies
+        self.has_z = lead.matcher.z_size > 0  # z: those copies' parameters and any fitted private parameters
         self.transform, self.data_term, self.data_gradient = _transforms(lead.matcher, self.fixed, recipe.prior)
         self.final: list[dict | None] = [None] * self.n
         self.steps: list[list[int]] = [[] for _ in setups]
@@ -164,23 +167,27 @@ class _StackedIG:
 
     def _variables(self, restarts: list[int], active: list[int]) -> list[torch.Tensor]:
         """The seeded starts (start ``restarts[j]`` of target ``active[j]``), stacked: images, then label
-        logits (unless fixed), then the augmented copies' family parameters (when there are any; at the
-        identity)."""
+        logits (unless fixed), then z when there is one: the augmented copies' family parameters at the
+        identity and the private parameters at their stand-in (``GradientMatcher.z_start``)."""
         xs, ys = [], []
         for i, restart in zip(active, restarts):
             gen = generator(mix_seed(self.seeds[i], restart, 0x16))
             xs.append(uniform(self.shape, gen))  # drawn on the CPU: the same starts on every device
+            rebuilt = self.setups[i].matcher.closed_form_start if restart == 0 else None
+            if rebuilt is not None:  # the images the closed form rebuilt (``GradientMatcher.closed_form_start``)
+                xs[-1] = with_closed_form(xs[-1], rebuilt.cpu())
             if not self.fixed:
                 ys.append(normal((self.originals, self.num_classes), gen))
         variables = [torch.stack(xs).to(self.device)] + ([] if self.fixed else [torch.stack(ys).to(self.device)])
-        if self.copies:
-            variables.append(family_start(self.copies, self.device).repeat(len(active), 1, 1))
+        if self.has_z:
+            z = self.setups[0].matcher.z_start(self.device)
+            variables.append(z.repeat(len(active), *[1] * z.dim()))
         return [v.requires_grad_(True) for v in variables]
 
     def _inputs(self, variables: list[torch.Tensor], active: list[int]):
         """(x, y, z, targets) of the ``active`` targets for the vmapped functions."""
         index = torch.tensor(active, device=self.device)
-        z = variables[-1].detach() if self.copies else family_start(0, self.device).repeat(len(active), 1, 1)
+        z = variables[-1].detach() if self.has_z else family_start(0, self.device).repeat(len(active), 1, 1)
         y = self.labels[index] if self.fixed else variables[1].detach()
         targets = self.targets if active == list(range(self.n)) else [t[index] for t in self.targets]
         return variables[0].detach(), y, z, targets
@@ -217,7 +224,7 @@ class _StackedIG:
             self.starts.offer(i, final, history[j], {
                 "objective": final, "data_term": float(data[j]), "images": variables[0][j].detach().clone(),
                 "labels": self.labels[i].clone() if self.fixed else variables[1][j].detach().argmax(dim=-1),
-                "probs": probs, "copy_parameters": variables[-1][j].detach().clone() if self.copies else None})
+                "probs": probs, "copy_parameters": variables[-1][j].detach().clone() if self.has_z else None})
 
     def _restart_targets(self) -> list[int]:
         """The targets a further start may still improve: those whose kept data term is above
@@ -238,7 +245,7 @@ class _StackedIG:
         kept = [self.starts.best[i] for i in rows]
         index = torch.tensor(rows, device=self.device)
         probs = torch.stack([b["probs"] for b in kept])
-        z = (torch.stack([b["copy_parameters"] for b in kept]) if self.copies
+        z = (torch.stack([b["copy_parameters"] for b in kept]) if self.has_z
              else family_start(0, self.device).repeat(len(rows), 1, 1))
         targets = [t[index] for t in self.targets]
 

@@ -18,7 +18,11 @@ carries "the initial head as the server knows it" for methods whose download hol
   has none (with a note), and to the initial weights when the download does not carry it either;
 * **Δ = after − before** (the upload minus the before-state);
 * for the parameters the client trains but does not upload (a private head), the forward model
-  uses the last global head if the download has one, else the initial head, and says so.
+  uses the last global head if the download has one, else the initial head, and says so. In round
+  0 the initial head is the client's (it has not trained yet); after it the client's head has moved
+  in rounds the server never saw, so those parameters are **unknown** (``UpdateTarget.unknown``): the
+  stand-in is only where a fit starts, and the attacks fit them (the head-free closed form of
+  ``attacks.inversion.closed_form``, or ``GradientMatcher``'s fitted private parameters).
 
 The forward model that compares a dummy batch with the update (``GradientMatcher``, the
 replays, the augmentation family) is ``attacks.inversion.forward_model``.
@@ -80,6 +84,9 @@ class UpdateTarget:
     names: list[str]  # attacked parameters (uploaded model weights, minus the head when it is "unknown")
     classifier_update: bool  # whether the classifier's update is among the attacked parameters
     notes: list[str] = field(default_factory=list)
+    # parameters the client trained but never uploaded whose before-state the server cannot know (a
+    # private head after round 0): ``before`` holds only a stand-in for them
+    unknown: list[str] = field(default_factory=list)
 
 
 _GROUP_WORDS = {"classifier": "classifier", "extractor": "extractor"}
@@ -109,6 +116,7 @@ def update_target(obs: Observation) -> UpdateTarget:
             notes.append(text)
 
     before: dict[str, torch.Tensor] = {}
+    unknown: list[str] = []
     previous = obs.previous_upload or {}
     for name, init in initial.items():
         group = group_of(name)
@@ -136,8 +144,11 @@ def update_target(obs: Observation) -> UpdateTarget:
                 before[name], stand_in = obs.download[name], f"the last global {group} from the download"
             else:
                 before[name], stand_in = init, f"the initial {group} (round-0 weights, known to the server)"
-            note_once(group, f"the client's {group} is not uploaded (kept private): the attack uses {stand_in} "
-                             f"in its place")
+            if obs.round > 0:  # trained in earlier rounds the server never saw
+                unknown.append(name)
+            note_once(group, f"the client's {group} is not uploaded (kept private): "
+                             + (f"in round 0 it is {stand_in}" if obs.round == 0 else
+                                f"after round 0 the server does not hold it; its stand-in is {stand_in}"))
     names = list(uploaded)
     if not obs.head_known and any(group_of(n) == "classifier" for n in names):
         names = [n for n in names if group_of(n) != "classifier"]
@@ -148,7 +159,8 @@ def update_target(obs: Observation) -> UpdateTarget:
     if all(float(d.abs().max()) == 0.0 for d in delta.values()):
         notes.append("the uploaded weights equal the before-state: the client's update is zero")
     return UpdateTarget(before={k: v.detach().to(torch.float32) for k, v in before.items()}, delta=delta,
-                        names=names, classifier_update=any(group_of(n) == "classifier" for n in names), notes=notes)
+                        names=names, classifier_update=any(group_of(n) == "classifier" for n in names), notes=notes,
+                        unknown=unknown)
 
 
 def kept_model(obs: Observation, initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -44,13 +44,17 @@ Which extractor f (``prototypes.choose_extractor``; the threat model; in ``notes
 
 * the client's *uploaded* extractor when the upload carries the full extractor (FedPAC): FedPAC
   computes its prototypes with the client's trained local base, after local training, which is
-  exactly the base uploaded beside them;
+  exactly the base uploaded beside them; the forward check then judges the attack as usual;
+* otherwise the server holds no model of the client (FedProto uploads prototypes only and computes
+  them after local training), and every choice below is a surrogate of the server's own: the result
+  is an estimate, the NO MODEL verdict (``attacks.verdicts``), never MIS-SPECIFIED. With public data
+  (``observation.auxiliary``: ``fedsec attack --aux-data``), a surrogate extractor trained on it
+  towards the prototypes the server aggregated this round (``prototypes.fit_surrogate``);
 * otherwise the extractor the server *sent* in this round's download, when there is one;
-* otherwise (FedProto uploads no weights at all) the model the server initialised the federation
-  with, ``observation.make_model()``; the harness must build it with the federation's *initial*
-  weights. This is a weaker threat model: FedProto clients train their whole model locally from
-  those weights and never send it, so the inversion runs on a network that did not compute the
-  prototypes and the result is a lower bound on what leaks.
+* otherwise the model the server initialised the federation with, ``observation.make_model()``; the
+  harness must build it with the federation's *initial* weights. FedProto clients train their whole
+  model locally from those weights and never send it, so the inversion runs on a network that did
+  not compute the prototypes and the result is a lower bound on what leaks.
 
 One image per uploaded prototype is returned, labelled with the prototype's class.
 ``budget.batch`` does not apply (the number of images is the number of prototypes uploaded).

@@ -1,6 +1,7 @@
 """The uploaded prototypes and what inverts them: reading per-class fields of an upload through a
 method's manifest (``per_class_values``, ``uploaded_prototypes``), the extractor the server inverts them
-with (``choose_extractor``; with public data, a surrogate it trains, ``fit_surrogate``), and the objective
+with (``choose_extractor``; with public data, a surrogate it trains, ``fit_surrogate``; whether the server
+holds the client's extractor at all, ``uploads_extractor``), and the objective
 of an image set against one prototype (``set_objective``). Prototype inversion
 (``attacks.inversion.proto``), label inference (``attacks.inversion.label_distribution``), its forward
 check (``attacks.inversion.forward_check``) and the recorded run's round prototypes read them.
@@ -104,9 +105,26 @@ def fit_surrogate(model: SplitModel, images: torch.Tensor, labels: torch.Tensor,
     return surrogate.eval()
 
 
+def uploads_extractor(manifest: list[FieldSpec]) -> bool:
+    """Whether a method's upload carries an extractor (a field of kind "extractor" in its manifest):
+    if not, the server never holds the extractor a client computed its prototypes with (they are
+    computed after local training; FedProto), whatever it inverts them with is a surrogate of its own,
+    and the forward check does not apply (the NO MODEL verdict, ``attacks.verdicts``)."""
+    return any(spec.kind == "extractor" for spec in manifest)
+
+
 def choose_extractor(observation: Observation) -> tuple[SplitModel, str, str]:
-    """The extractor to invert (see the module docstring): (model, source, sentence for the user)."""
+    """The extractor to invert (see the module docstring): (model, source, sentence for the user). The
+    client's uploaded extractor whenever the upload carries it (the server holds the model that
+    computed the prototypes: no surrogate can do better); else, with public data, a surrogate trained
+    on it; else the extractor sent this round; else the initial model."""
     model = observation.make_model()
+    uploaded = _full_group(observation.upload, model, "extractor")
+    if uploaded is not None:
+        set_params(model, uploaded)
+        return model, "upload", ("Inverted with the client's uploaded extractor, the one that computed its "
+                                 "prototypes (the server sees it in the same upload).")
+    name = observation.method.name
     if observation.auxiliary is not None and observation.round_prototypes:
         downloaded = _full_group(observation.download, model, "extractor")
         if downloaded is not None:
@@ -115,23 +133,21 @@ def choose_extractor(observation: Observation) -> tuple[SplitModel, str, str]:
         surrogate = fit_surrogate(model, images, labels, observation.round_prototypes,
                                   seed=observation.round * 7919 + observation.client_id)
         return surrogate, "surrogate", (
-            f"Inverted with a surrogate extractor the server trained on its {len(labels)} public images so that "
-            f"their features match the prototypes it aggregated this round ({len(observation.round_prototypes)} "
-            f"classes), the way a {observation.method.name} client trains towards them (auxiliary-data threat model).")
-    uploaded = _full_group(observation.upload, model, "extractor")
-    if uploaded is not None:
-        set_params(model, uploaded)
-        return model, "upload", ("Inverted with the client's uploaded extractor, the one that computed its "
-                                 "prototypes (the server sees it in the same upload).")
+            f"NO MODEL: {name} uploads no extractor, so the server holds no model of the client; it inverted with "
+            f"a surrogate extractor it trained on its {len(labels)} public images so that their features match the "
+            f"prototypes it aggregated this round ({len(observation.round_prototypes)} classes), the way a {name} "
+            f"client trains towards them (auxiliary-data threat model): the figures are this surrogate attacker's "
+            f"estimate.")
     downloaded = _full_group(observation.download, model, "extractor")
     if downloaded is not None:
         set_params(model, downloaded)
         return model, "download", ("Inverted with the extractor the server sent this round; the client computed "
                                    "its prototypes with its own trained copy, so the match is approximate.")
     return model, "initial", (
-        f"{observation.method.name} uploads no model weights, so the server inverts the prototypes with the model it "
+        f"NO MODEL: {name} uploads no model weights, so the server inverts the prototypes with the model it "
         "initialised the federation with; the client's prototypes come from its locally trained extractor, "
-        "which the server never sees (a weaker threat model: results are a lower bound on what leaks).")
+        "which the server never sees: the figures are an estimate with that surrogate (give the server public "
+        "data, --aux-data, for a trained one), a lower bound on what leaks.")
 
 
 def set_objective(model: SplitModel, x: torch.Tensor, target: torch.Tensor,

@@ -10,10 +10,12 @@ uses its own head (the common initial one). Then, as in the authors' reference c
    h_ik = p_ik·μ_ik (a C×d matrix, zero rows for absent classes) and the variance term
    V_i = Σ_k [p_ik · mean_{x∈k} ‖f(x)‖² − p_ik² · ‖μ_ik‖²]  (the reference code's formula).
    The class means double as local prototypes for classes without a global prototype.
-2. ``head_epochs`` (paper code: 1) epochs of CE on the head with the base frozen.
+2. ``head_epochs`` (paper code: 1) epochs of CE on the head with the base frozen, SGD at
+   ``head_lr`` with ``momentum`` and ``weight_decay``.
 3. ``local_epochs`` epochs on the base with the head frozen: CE + λ·MSE(f(x), c̄_y) (mean over batch
    and feature elements, torch ``MSELoss``); classes without a global prototype use the local one
-   of step 1; in round 0 (no global prototypes at all) CE alone.
+   of step 1; in round 0 (no global prototypes at all) CE alone. SGD at the shared ``--lr`` with
+   ``momentum`` and ``weight_decay``; each phase builds a fresh optimiser (its momentum starts empty).
 4. Upload: base θ_i, head φ_i, per-class prototypes c_ik (mean feature of the trained base) of the
    classes it holds, ``class_counts`` (the C-vector n_ik, kind ``class_counts``: it gives p_ik =
    n_ik/n_i and weights the prototype average, as the reference code's ``sizes_label``), ``h``
@@ -33,14 +35,19 @@ Server, from this round's uploads only, processed in client-id order:
 Personalised model for evaluation: newest global base + φ̂_i if the server has one for the client
 (the reference code installs it at the end of the round), else the client's own head.
 
-Defaults: λ = 1.0 (paper), ``head_epochs`` = 1 (reference code). The reference code also uses a
-head learning rate of 0.1, momentum 0.5 and weight decay 5e-4; we use the shared SGD settings
-(``--lr``, no momentum) for every method. No data augmentation.
+Defaults: λ = 1.0 (paper); from the reference code ``head_epochs`` = 1, ``head_lr`` = 0.1,
+``momentum`` = 0.5 and ``weight_decay`` = 5e-4 (``--hp NAME=VALUE``). The reference trains the base at
+its ``--lr`` (default 0.01) with batches of 50; ours trains it at the shared ``--lr`` and
+``--batch-size`` (0.05 and 10 by default). With the shared plain SGD on both phases instead (head at
+``--lr``, no momentum, no weight decay), clients of 4 or 10 images (one SGD step per phase) saw their
+uploaded prototypes grow round by round until the base step overflowed (round 16 and 19 of 20 on the
+audit preset's federations); with the reference's settings both finish. No data augmentation.
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -52,7 +59,7 @@ from ..models import SplitModel, get_params, set_params
 from .base import (SAMPLE_COUNT, ClassFeatureSums, ClientContext, FieldSpec, Method, State, add_prefix, by_client,
                    extract_features, make_upload, model_fields, only_group, sample_weighted_average, strip_prefix,
                    train_extractor, train_head)
-from .replay import as_probabilities, batch, cross_entropy, features, head, sgd_step
+from .replay import as_probabilities, batch, cross_entropy, features, head, momentum_step
 from .replay import class_means as replay_class_means
 from .prototypes import (PROTOTYPE, local_prototypes, prototype_field, prototype_loss, prototype_table,
                          prototypes_in, weighted_prototypes)
@@ -130,14 +137,31 @@ def solve_simplex_qp(p_matrix: np.ndarray, own: int, min_weight: float = 1e-3) -
         return fallback, False
 
 
+@contextmanager
+def optimiser(ctx: ClientContext, lr: float, momentum: float, weight_decay: float):
+    """While active, the SGD that ``train_head``/``train_extractor`` build (through ``sgd``, so a DP
+    hook still wraps it) has these settings; the shared ones are restored after."""
+    shared = ctx.config
+    ctx.config = replace(shared, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    try:
+        yield
+    finally:
+        ctx.config = shared
+
+
 @dataclass
 class FedPAC(Method):
     """FedPAC: λ = 1.0 (paper) weights the feature-alignment term; ``head_epochs`` = 1 (reference
-    code); ``min_weight`` = 1e-3 (reference code) zeroes tiny combination weights."""
+    code); ``min_weight`` = 1e-3 (reference code) zeroes tiny combination weights; both phases use
+    SGD with ``momentum`` 0.5 and ``weight_decay`` 5e-4, a fresh optimiser per phase, the head at
+    ``head_lr`` 0.1 and the base at the shared ``--lr`` (reference code)."""
 
     lam: float = 1.0
     head_epochs: int = 1
     min_weight: float = 1e-3
+    head_lr: float = 0.1
+    momentum: float = 0.5
+    weight_decay: float = 5e-4
 
     name = "fedpac"
     per_client_fields = ("h", "V", "classifier.*")
@@ -159,6 +183,12 @@ class FedPAC(Method):
     def __post_init__(self) -> None:
         if self.head_epochs < 0:
             raise UserError(f"head_epochs must be >= 0, got {self.head_epochs}")
+        if not self.head_lr > 0:
+            raise UserError(f"head_lr must be > 0, got {self.head_lr}; pass e.g. --hp head_lr=0.1")
+        if not 0 <= self.momentum < 1:
+            raise UserError(f"momentum must be in [0, 1), got {self.momentum}; pass e.g. --hp momentum=0.5")
+        if not self.weight_decay >= 0:
+            raise UserError(f"weight_decay must be >= 0, got {self.weight_decay}; pass e.g. --hp weight_decay=5e-4")
 
     def manifest(self, model: SplitModel):
         c, d = model.num_classes, model.feature_dim
@@ -194,7 +224,8 @@ class FedPAC(Method):
         counts, local_means, h, v = statistics_from_sums(
             ctx.class_feature_sums(lambda images: extract_features(model, images), squared_norms=True),
             ctx.num_samples)
-        train_head(ctx, model, self.head_epochs, "classifier")
+        with optimiser(ctx, self.head_lr, self.momentum, self.weight_decay):
+            train_head(ctx, model, self.head_epochs, "classifier")
 
         global_protos = prototypes_in(received)
         extra = None
@@ -205,7 +236,8 @@ class FedPAC(Method):
             table[fill] = local_means[fill]
             has = has | fill
             extra = lambda feats, y: self.lam * prototype_loss(feats, y, table, has)  # noqa: E731
-        train_extractor(ctx, model, ctx.config.local_epochs, "extractor", extra)
+        with optimiser(ctx, ctx.config.lr, self.momentum, self.weight_decay):
+            train_extractor(ctx, model, ctx.config.local_epochs, "extractor", extra)
 
         protos, counts_after = local_prototypes(ctx, model)
         tensors = {**get_params(model, "extractor"), **get_params(model, "classifier")}
@@ -215,10 +247,11 @@ class FedPAC(Method):
         return get_params(model, "classifier"), make_upload(ctx, tensors)
 
     def replay(self, model, context, images, labels, copies):
-        """Statistics on the received base, head steps (base frozen), base steps with the new head frozen
-        and the prototype term, then the prototypes of the trained base: the whole upload but the sample
-        count. The statistics and the prototypes (each a pass of the extractor) only where ``context``
-        asks for them or, for the statistics, the prototype term needs the client's class means."""
+        """Statistics on the received base, head steps (base frozen, at ``head_lr``), base steps (at
+        ``context.lr``) with the new head frozen and the prototype term, each phase SGD with momentum and
+        weight decay from an empty buffer, then the prototypes of the trained base: the whole upload but
+        the sample count. The statistics and the prototypes (each a pass of the extractor) only where
+        ``context`` asks for them or, for the statistics, the prototype term needs the client's class means."""
         probs = as_probabilities(labels, context.num_classes)
         base, cls = only_group(context.before, "extractor"), only_group(context.before, "classifier")
         statistics, extra = {}, None
@@ -231,14 +264,17 @@ class FedPAC(Method):
             counts = counts / context.copies  # the client counts its images once (means, h and V are ratios)
             statistics = {"class_counts": counts, "h": h, "V": v}
             extra = self._replayed_alignment(context, counts, local_means)
+        buffer = None  # each phase builds a fresh optimiser: its momentum starts empty
         for i, step in context.phase("classifier"):
             xb, yb = batch(images, probs, step, copies[i])
             whole = before is not None and copies[i] is None and step.members == tuple(range(len(images)))
             feats = before if whole else features(model, base, xb)  # every image, in order: the same pass
-            cls = sgd_step(cls, lambda c: cross_entropy(head(model, c, feats), yb), context.lr)
+            cls, buffer = momentum_step(cls, lambda c: cross_entropy(head(model, c, feats), yb), self.head_lr,
+                                        self.momentum, self.weight_decay, buffer)
         # the base steps run on the head the client uploaded (trained before them, never changed after):
         # the same as the replayed head on the true data, and not a function of the dummy's head steps
         head_params = {**cls, **only_group(context.uploaded, "classifier")}
+        buffer = None
         for i, step in context.phase("extractor"):
             xb, yb = batch(images, probs, step, copies[i])
 
@@ -247,7 +283,7 @@ class FedPAC(Method):
                 ce = cross_entropy(head(model, head_params, feats), yb)
                 return ce if extra is None else ce + extra(feats, yb)
 
-            base = sgd_step(base, loss, context.lr)
+            base, buffer = momentum_step(base, loss, context.lr, self.momentum, self.weight_decay, buffer)
         names = [PROTOTYPE.format(k=k) for k in range(context.num_classes)]
         prototypes = {}
         if any(context.wants(n) for n in names):

@@ -108,6 +108,18 @@ def sgd_step(params: Params, loss: Callable[[Params], torch.Tensor], lr: float) 
     return {k: v - lr * gradients[k] for k, v in params.items()}
 
 
+def momentum_step(params: Params, loss: Callable[[Params], torch.Tensor], lr: float, momentum: float,
+                  weight_decay: float, buffer: Params | None) -> tuple[Params, Params]:
+    """One step of ``torch.optim.SGD(lr, momentum, weight_decay)`` (no dampening, no Nesterov):
+    d = ∇loss + weight_decay·θ, b = d on a phase's first step (``buffer`` None: a fresh optimiser)
+    else momentum·b + d, θ − lr·b. Returns (parameters, buffer for the phase's next step)."""
+    gradients = grad(loss)(params)
+    step = {k: gradients[k] + weight_decay * v if weight_decay else gradients[k] for k, v in params.items()}
+    if buffer is not None and momentum:
+        step = {k: momentum * buffer[k] + d for k, d in step.items()}
+    return {k: v - lr * step[k] for k, v in params.items()}, step
+
+
 def class_sums(feats: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-class feature sums (C, d), per-class counts (C,)) with soft membership ``probs``."""
     return probs.transpose(0, 1) @ feats, probs.sum(dim=0)

@@ -105,6 +105,39 @@ def build_report(base: RunConfig, methods: list[str], out: str | Path, attacks: 
             "cells": keys, "malicious": section}
 
 
+def fig10_table(by_round, results, methods: list[str], seed: int = 0):
+    """``reports.fig10``'s rows: ``by_round`` with the LOWER BOUND rule per round (``lower_bound``) and,
+    where the per-image rows record it, the clients whose attack lacked the model (``model_unknown_targets``);
+    paired intervals as the report's other intervals (``attacks.metrics.mean_interval``)."""
+    from attacks.metrics import mean_interval
+    from attacks.verdicts import is_lower_bound
+    from reports.fig10 import fig10_frame
+    from reports.formatting import is_true
+
+    rows = by_round.assign(lower_bound=[is_lower_bound(r["mean_psnr"], r["prior_psnr"], r["not_converged_targets"])
+                                        for r in by_round.to_dict("records")])
+    if "model_unknown_targets" not in rows.columns and "model_unknown" in results.columns and len(rows):
+        unknown = results[results["model_unknown"].map(is_true)].drop_duplicates(["method", "attack", "round", "client"])
+        counts = unknown.groupby(["method", "attack", "round"]).size()
+        rows["model_unknown_targets"] = [int(counts.get((r["method"], r["attack"], r["round"]), 0))
+                                         for r in rows.to_dict("records")]
+    interval = lambda v, c: mean_interval(v, c, seed=seed, bounds=(-PSNR_CAP_DB, PSNR_CAP_DB))[0]  # noqa: E731
+    return fig10_frame(rows, results, methods, interval=interval, cap=PSNR_CAP_DB)
+
+
+def with_fig10(contents: dict, fig10) -> dict:
+    """The rendered report files with ``reports.fig10``'s section in report.md and report.html."""
+    from reports import fig10 as section
+
+    out = dict(contents)
+    if "report.md" in out:
+        out["report.md"] = section.insert_section(out["report.md"], "\n".join(section.section_markdown(fig10)),
+                                                  section.BEFORE_MD)
+    if "report.html" in out:
+        out["report.html"] = section.insert_section(out["report.html"], section.section_html(fig10), section.BEFORE_HTML)
+    return out
+
+
 @contextlib.contextmanager
 def _one_ray(base: RunConfig):
     """With ``--backend ray`` (local), one Ray for the whole report: every stage's backend finds it
@@ -179,14 +212,17 @@ def _write_report(base: RunConfig, methods: list[str], attack_names: list[str], 
                         method_comparisons(summary, results, methods, attack_names))
     meta["by_round"] = by_round.to_dict("records") if by_round["round"].nunique() > 1 else []
     meta["client_size"] = client_size_rows(by_round, summary, cells)
-    tables = {"results.csv": results, "summary.csv": summary, "findings.csv": findings, "by_round.csv": by_round}
+    fig10 = fig10_table(by_round, results, methods, seed=base.federation.seed)
+    tables = {"results.csv": results, "summary.csv": summary, "findings.csv": findings, "by_round.csv": by_round,
+              "fig10.csv": fig10}
     section, section_meta = malicious
     if section_meta is not None:
         meta["malicious"] = section_meta
         meta["attack_settings"].update({k: asdict(v) for k, v in cells.items() if k not in meta["attack_settings"]})
         tables["malicious.csv"] = section
     paths = {}
-    for name, content in render(lower_bound_flags(summary, attack_names), results, findings, grids, meta).items():
+    for name, content in with_fig10(render(lower_bound_flags(summary, attack_names), results, findings, grids, meta),
+                                    fig10).items():
         (io.write_bytes if isinstance(content, bytes) else io.write_text)(out / name, content)
         paths[name] = out / name
     for name, frame in tables.items():

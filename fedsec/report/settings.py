@@ -13,6 +13,9 @@ from ..attack import AttackSettings
 from ..compare import parse_list
 
 DEFAULT_METHODS = ("fedecouple", "fedper", "fedpac", "fedproto")
+# ``--preset audit``'s methods: FedAvg beside the four, the reference the FedeCouple paper's Fig. 10 ranks
+# the others against (the report's "Fig. 10" section pairs each method with FedeCouple and with FedAvg)
+AUDIT_METHODS = (*DEFAULT_METHODS, "fedavg")
 DEFAULT_ATTACKS = ("dlg", "ig", "proto", "labels", "sum-labels")  # sum-labels: under secure aggregation
 DEFAULT_TARGETS = 2
 VICTIM_SETTINGS = ("textbook", "real")

@@ -10,7 +10,8 @@ import pandas as pd
 
 import attacks
 from attacks.metrics import PSNR_CAP_DB, summarize_scores
-from attacks.verdicts import at_chance, forward_check_verdict, is_lower_bound, presence_is_low, psnr_gap
+from attacks.verdicts import (at_chance, forward_check_verdict, is_lower_bound, model_unknown_targets, presence_is_low,
+                              psnr_gap)
 from reports.audit import SEVERITIES
 from reports.formatting import finite_or_none, interval_text, is_true
 
@@ -38,7 +39,7 @@ def _measured(code: str, measured: dict[str, dict]) -> tuple[str, str | None]:
             gap = psnr_gap(s)
             if gap is not None:
                 verdict = forward_check_verdict(s.get("mis_specified_targets"), s.get("not_converged_targets"),
-                                                len(s.get("per_target") or []))
+                                                len(s.get("per_target") or []), model_unknown_targets(s))
                 text = (f"{name}: mean PSNR {s['mean_psnr']:.1f} dB{interval_text(*(s.get('mean_psnr_ci') or (None, None)), digits=1)} "
                         f"vs prior {s['mean_prior_psnr']:.1f} dB ({gap:+.1f} dB), max {s['max_psnr']:.1f} dB"
                         + (f" — {verdict}" if verdict else ""))
@@ -83,6 +84,7 @@ def _attack_cells(stage: Stage, out: Path) -> tuple[dict, dict | None, pd.DataFr
     row = {f"{a}_status": {"done": "done", "not_applicable": f"not applicable: {done.get('reason')}"}.get(
         status, f"unavailable: {done.get('reason') or 'not run'}")}
     row.update({f"{a}_{col}": s.get(key) for col, key in ATTACK_COLUMNS.items()})
+    row[f"{a}_model_unknown_targets"] = model_unknown_targets(s)  # NO MODEL: the cell's figure is an estimate
     for key in ("mean_psnr_ci", "success_rate_ci"):  # intervals as two columns
         low, high = s.get(key) or (None, None)
         row[f"{a}_{key}_low"], row[f"{a}_{key}_high"] = low, high
@@ -94,12 +96,23 @@ def _attack_cells(stage: Stage, out: Path) -> tuple[dict, dict | None, pd.DataFr
         return row, None, None, None
     try:
         frame = pd.read_csv(stage.path / "attack.csv").assign(attack=a)  # the cell: ig, or ig@real
+        frame = _with_model_unknown(frame, s)
     except (OSError, ValueError, pd.errors.EmptyDataError):
         frame = None
     png = stage.path / "reconstructions.png"
     grid = {"png": png.read_bytes(), "path": png.relative_to(out).as_posix()} \
         if attacks.get(attack_of(a)).rebuilds_images and png.is_file() else None
     return row, s, frame, grid
+
+
+def _with_model_unknown(frame: pd.DataFrame, summary: dict) -> pd.DataFrame:
+    """attack.csv's rows with each target's NO MODEL flag (``model_unknown``) from the summary's
+    per-target checks, where the rows do not carry it already."""
+    flags = {(int(t["round"]), int(t["client"])): t["model_unknown"] for t in summary.get("per_target") or []
+             if isinstance(t, dict) and t.get("model_unknown") is not None}
+    if "model_unknown" in frame.columns or not flags or not {"round", "client"} <= set(frame.columns):
+        return frame
+    return frame.assign(model_unknown=[flags.get((int(r), int(c))) for r, c in zip(frame["round"], frame["client"])])
 
 
 def _finding_rows(method: str, findings: list[dict], measured: dict[str, dict]) -> list[dict]:
@@ -197,6 +210,7 @@ def _paired_sentence(results: pd.DataFrame, a: str, m1: str, m2: str, rnd: int |
     wrong = [m for m, rs in picked.items() if any(is_true(r.get("mis_specified")) for r in rs)]
     if wrong:
         return f"{where}: {m1} vs {m2}: not comparable: the attack on {', '.join(wrong)} was mis-specified"
+    estimated = [m for m, rs in picked.items() if any(is_true(r.get("model_unknown")) for r in rs)]
     short = [m for m, rs in picked.items() if _stopped_short(rs)]
     if short:
         return (f"{where}: {m1} vs {m2}: not comparable: the attack on {', '.join(short)} stopped short of the truth "
@@ -206,8 +220,10 @@ def _paired_sentence(results: pd.DataFrame, a: str, m1: str, m2: str, rnd: int |
         return None
     verdict = {"A leaks more": f"{m1} leaks more", "B leaks more": f"{m2} leaks more"}.get(d["verdict"], d["verdict"])
     interval = "" if d["ci"] is None else f" [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}]"
+    estimate = (f"; {', '.join(estimated)}: NO MODEL, a surrogate-model estimate (the server holds no model of "
+                f"its clients)") if estimated else ""
     return (f"{where}: {m1} vs {m2}: {verdict} (PSNR above the prior, {m1} minus {m2}: "
-            f"{d['mean_difference']:+.1f} dB{interval}, {d['n_pairs']} images over {d['n_targets']} targets)")
+            f"{d['mean_difference']:+.1f} dB{interval}, {d['n_pairs']} images over {d['n_targets']} targets{estimate})")
 
 
 def _stopped_short(rows: list[dict]) -> bool:
@@ -222,12 +238,13 @@ def _stopped_short(rows: list[dict]) -> bool:
 def leakage_by_round(results: pd.DataFrame, methods: list[str], cells: list[str], seed: int = 0) -> pd.DataFrame:
     """One row per method, image cell and attacked round: images, targets, mean PSNR with its 95 %
     interval, the prior, the share recovered with its interval, and the forward-model check's counts
-    (targets mis-specified, targets where the optimiser stopped short of the truth)."""
+    (targets mis-specified, targets where the optimiser stopped short of the truth, targets whose server
+    holds no model of the client: NO MODEL)."""
     from attacks.metrics import leakage_statistics
 
     columns = ["method", "attack", "round", "n_images", "n_targets", "mean_psnr", "mean_psnr_ci_low",
                "mean_psnr_ci_high", "prior_psnr", "success_rate", "success_rate_ci_low", "success_rate_ci_high",
-               "mis_specified_targets", "not_converged_targets"]
+               "mis_specified_targets", "not_converged_targets", "model_unknown_targets"]
     out = []
     image_cells = [a for a in cells if attacks.get(attack_of(a)).rebuilds_images]
     if not len(results) or "psnr" not in results.columns:
@@ -246,7 +263,8 @@ def leakage_by_round(results: pd.DataFrame, methods: list[str], cells: list[str]
                             "prior_psnr": float(group["prior_psnr"].mean()), "success_rate": stats["success_rate"],
                             "success_rate_ci_low": stats["success_rate_ci"][0],
                             "success_rate_ci_high": stats["success_rate_ci"][1],
-                            "mis_specified_targets": flag("mis_specified"), "not_converged_targets": flag("not_converged")})
+                            "mis_specified_targets": flag("mis_specified"), "not_converged_targets": flag("not_converged"),
+                            "model_unknown_targets": flag("model_unknown")})
     return pd.DataFrame(out, columns=columns)
 
 
@@ -274,6 +292,7 @@ def client_size_rows(by_round: pd.DataFrame, summary: pd.DataFrame, cells: dict)
                      "success_rate": r["success_rate"], "n_images": r["n_images"], "n_targets": r["n_targets"],
                      "mis_specified_targets": r["mis_specified_targets"],
                      "not_converged_targets": r["not_converged_targets"],
+                     "model_unknown_targets": r.get("model_unknown_targets"),
                      "iterations": getattr(settings, "iterations", None)})
     return rows
 

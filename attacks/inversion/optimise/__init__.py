@@ -10,6 +10,8 @@ instead of a loop of its own.
   ``run_adam``); L-BFGS (``lbfgs``: torch's, ``run_lbfgs``, and ``BatchedLBFGS`` for many problems at
   once; ``matching``: L-BFGS over restarts for gradient matching); scipy's L-BFGS-B under a continuation
   over the model's kinks (``polish``);
+* the fit of a forward model's unknown parameters with the images fixed (``unknowns``: the forward
+  check's private head at the truth);
 * priors (``priors``): one ``total_variation`` in its three forms (sum, mean, smoothed per image), as an
   attack's weighted ``TotalVariation``; the pixels' projection onto [0, 1] (``project_``).
 """
@@ -21,6 +23,7 @@ from .adam import IG_ADAM, AdamRun, SignedAdam, milestones, run_adam
 from .lbfgs import LBFGS, BatchedLBFGS, Diverged, run_lbfgs
 from .polish import ITERATION_SHARE, TEMPERATURES, FinalStage, polish
 from .priors import IG_PRIOR, TotalVariation, project_, total_variation
+from .unknowns import fit_unknowns, iterations_for
 from .starts import (BestOfStarts, around, check_inputs, generator, mean_image, mix_seed, normal, result_from_best,
                      uniform, with_closed_form)
 
@@ -40,5 +43,6 @@ class Recipe:
 
 __all__ = ["IG_ADAM", "IG_PRIOR", "ITERATION_SHARE", "LBFGS", "TEMPERATURES", "AdamRun", "BatchedLBFGS",
            "BestOfStarts", "Diverged", "FinalStage", "Recipe", "SignedAdam", "TotalVariation", "around",
-           "check_inputs", "generator", "mean_image", "milestones", "mix_seed", "normal", "polish", "project_",
-           "result_from_best", "run_adam", "run_lbfgs", "total_variation", "uniform", "with_closed_form"]
+           "check_inputs", "fit_unknowns", "generator", "iterations_for", "mean_image", "milestones", "mix_seed",
+           "normal", "polish", "project_", "result_from_best", "run_adam", "run_lbfgs", "total_variation",
+           "uniform", "with_closed_form"]

@@ -75,18 +75,20 @@ class BestOfStarts:
 
 
 def check_inputs(images: torch.Tensor, probs: torch.Tensor | None,
-                 copy_parameters: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
+                 copy_parameters: torch.Tensor | None = None,
+                 private: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
     """What the forward-model check (``attacks.inversion.forward_check``) reads at a kept iterate: every
-    dummy image (the reconstructions, then any free augmented copies), the label probability rows and
-    the copies' family parameters (None without them)."""
-    return {"images": images, "labels": probs, "copy_parameters": copy_parameters}
+    dummy image (the reconstructions, then any free augmented copies), the label probability rows,
+    the copies' family parameters and the fitted private parameters (None without them)."""
+    return {"images": images, "labels": probs, "copy_parameters": copy_parameters, "private": private}
 
 
 def result_from_best(matcher, best: dict | None, *, shape: tuple, originals: int, num_classes: int,
                      notes: list[str], setup_trace: dict, trace: dict) -> AttackResult:
     """The ``AttackResult`` of a target's kept iterate: the matcher's (``GradientMatcher``)
     reconstructions from its dummy images (``shape``: the originals and the free copies), its labels
-    (-1 where the matcher does not use them), and the variables the forward-model check reads. ``best``
+    (-1 where the matcher does not use them), and the variables the forward-model check reads (with
+    the private parameters fitted, ``GradientMatcher.split_z``, those of the kept z). ``best``
     None (every start diverged at once): a grey image, said in the notes. The trace: ``setup_trace``,
     the kept objective, ``trace``."""
     if best is None:
@@ -101,6 +103,8 @@ def result_from_best(matcher, best: dict | None, *, shape: tuple, originals: int
     rebuilt = matcher.reconstructions(best["images"])
     if matcher.labels_unused:  # no label was inferred
         labels = torch.full_like(labels, -1)
+    z = best.get("copy_parameters")
+    private = matcher.split_z(z)[1] if getattr(matcher, "private_size", 0) and z is not None else None
     return AttackResult(images=rebuilt.clamp(0, 1), labels=labels[:len(rebuilt)],
                         trace={**setup_trace, "objective": best["objective"], **trace}, notes=notes,
-                        variables=check_inputs(best["images"], probs, best.get("copy_parameters")))
+                        variables=check_inputs(best["images"], probs, z, private))
