@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from .comparison import html_table, md_table
 from .formatting import finite_or_none, interval_text, is_true
 
 HEADLINE_CELL = "ig@textbook"  # the audit preset's headline image attack: 16 clients, one SGD step on 2 images
@@ -228,28 +229,15 @@ def claim_lines(frame: pd.DataFrame) -> list[str]:
     return out
 
 
-def _md(header: list[str], rows: list[list[str]]) -> str:
-    cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-                     + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows])
-
-
 def section_markdown(frame: pd.DataFrame) -> list[str]:
     """The section's Markdown lines (nothing when no method has an image cell)."""
     if not len(frame):
         return []
     methods, paired = table_rows(frame)
-    out = ["## Fig. 10: leakage by method", "", NOTE, "", _md(METHOD_HEADER, methods), ""]
-    out += [_md(PAIRED_HEADER, paired), ""] + [f"- {x}" for x in claim_lines(frame)] + [""] if paired else ["No pair to compare (the report has neither FedeCouple nor "
+    out = ["## Fig. 10: leakage by method", "", NOTE, "", md_table(METHOD_HEADER, methods), ""]
+    out += [md_table(PAIRED_HEADER, paired), ""] + [f"- {x}" for x in claim_lines(frame)] + [""] if paired else ["No pair to compare (the report has neither FedeCouple nor "
                                                             "FedAvg beside another method).", ""]
     return out
-
-
-def _html_table(header: list[str], rows: list[list[str]]) -> str:
-    e = html.escape
-    return ("<table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr></thead><tbody>"
-            + "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in rows)
-            + "</tbody></table>")
 
 
 def section_html(frame: pd.DataFrame) -> str:
@@ -258,9 +246,9 @@ def section_html(frame: pd.DataFrame) -> str:
         return ""
     methods, paired = table_rows(frame)
     parts = ["<h2>Fig. 10: leakage by method</h2>", f'<p class="muted">{html.escape(NOTE)}</p>',
-             _html_table(METHOD_HEADER, methods)]
+             html_table(METHOD_HEADER, methods)]
     lines = "".join(f"<li>{html.escape(x)}</li>" for x in claim_lines(frame))
-    parts += [_html_table(PAIRED_HEADER, paired), f"<ul>{lines}</ul>"] if paired else ["<p>No pair to compare.</p>"]
+    parts += [html_table(PAIRED_HEADER, paired), f"<ul>{lines}</ul>"] if paired else ["<p>No pair to compare.</p>"]
     return "\n".join(parts)
 
 
