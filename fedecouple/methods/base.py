@@ -210,10 +210,12 @@ def sgd(params, config: TrainConfig) -> torch.optim.Optimizer:
 
 
 def train_supervised(ctx: ClientContext, module_params, epochs: int, phase: str,
-                     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], augment: bool = False) -> float:
-    """Run SGD on ``module_params`` minimising ``loss_fn(x, y)`` over ``epochs``; returns mean loss."""
+                     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], augment: bool = False,
+                     optimiser: TrainConfig | None = None) -> float:
+    """Run SGD on ``module_params`` minimising ``loss_fn(x, y)`` over ``epochs``; returns mean loss.
+    ``optimiser``: the SGD settings of this phase where a method's differ from the shared ones."""
     params = list(module_params)
-    opt = sgd(params, ctx.config)
+    opt = sgd(params, optimiser or ctx.config)
     total, count = 0.0, 0
     for x, y in ctx.batches(epochs, phase, augment):
         loss = loss_fn(x, y)
@@ -315,27 +317,30 @@ def frozen(module: nn.Module) -> Iterator[None]:
             p.requires_grad_(flag)
 
 
-def train_head(ctx: ClientContext, model: SplitModel, epochs: int, phase: str = "classifier") -> float:
+def train_head(ctx: ClientContext, model: SplitModel, epochs: int, phase: str = "classifier",
+               optimiser: TrainConfig | None = None) -> float:
     """``epochs`` of cross-entropy on the classifier alone; the extractor is frozen (features are
-    computed without gradient)."""
+    computed without gradient). ``optimiser``: as ``train_supervised``'s."""
     def loss_fn(x, y):
         with torch.no_grad():
             feats = model.features(x)
         return F.cross_entropy(model.classifier(feats), y)
 
-    return train_supervised(ctx, model.classifier.parameters(), epochs, phase, loss_fn)
+    return train_supervised(ctx, model.classifier.parameters(), epochs, phase, loss_fn, optimiser=optimiser)
 
 
 def train_extractor(ctx: ClientContext, model: SplitModel, epochs: int, phase: str = "extractor",
-                    extra: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> float:
-    """``epochs`` on the extractor alone with the classifier frozen: CE (+ ``extra(features, y)``)."""
+                    extra: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                    optimiser: TrainConfig | None = None) -> float:
+    """``epochs`` on the extractor alone with the classifier frozen: CE (+ ``extra(features, y)``);
+    ``optimiser``: as ``train_supervised``'s."""
     def loss_fn(x, y):
         feats = model.features(x)
         loss = F.cross_entropy(model.classifier(feats), y)
         return loss if extra is None else loss + extra(feats, y)
 
     with frozen(model.classifier):
-        return train_supervised(ctx, model.extractor.parameters(), epochs, phase, loss_fn)
+        return train_supervised(ctx, model.extractor.parameters(), epochs, phase, loss_fn, optimiser=optimiser)
 
 
 class Method:

@@ -46,7 +46,6 @@ audit preset's federations); with the reference's settings both finish. No data 
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -137,18 +136,6 @@ def solve_simplex_qp(p_matrix: np.ndarray, own: int, min_weight: float = 1e-3) -
         return fallback, False
 
 
-@contextmanager
-def optimiser(ctx: ClientContext, lr: float, momentum: float, weight_decay: float):
-    """While active, the SGD that ``train_head``/``train_extractor`` build (through ``sgd``, so a DP
-    hook still wraps it) has these settings; the shared ones are restored after."""
-    shared = ctx.config
-    ctx.config = replace(shared, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    try:
-        yield
-    finally:
-        ctx.config = shared
-
-
 @dataclass
 class FedPAC(Method):
     """FedPAC: λ = 1.0 (paper) weights the feature-alignment term; ``head_epochs`` = 1 (reference
@@ -224,8 +211,8 @@ class FedPAC(Method):
         counts, local_means, h, v = statistics_from_sums(
             ctx.class_feature_sums(lambda images: extract_features(model, images), squared_norms=True),
             ctx.num_samples)
-        with optimiser(ctx, self.head_lr, self.momentum, self.weight_decay):
-            train_head(ctx, model, self.head_epochs, "classifier")
+        settings = replace(ctx.config, momentum=self.momentum, weight_decay=self.weight_decay)
+        train_head(ctx, model, self.head_epochs, "classifier", optimiser=replace(settings, lr=self.head_lr))
 
         global_protos = prototypes_in(received)
         extra = None
@@ -236,8 +223,7 @@ class FedPAC(Method):
             table[fill] = local_means[fill]
             has = has | fill
             extra = lambda feats, y: self.lam * prototype_loss(feats, y, table, has)  # noqa: E731
-        with optimiser(ctx, ctx.config.lr, self.momentum, self.weight_decay):
-            train_extractor(ctx, model, ctx.config.local_epochs, "extractor", extra)
+        train_extractor(ctx, model, ctx.config.local_epochs, "extractor", extra, optimiser=settings)
 
         protos, counts_after = local_prototypes(ctx, model)
         tensors = {**get_params(model, "extractor"), **get_params(model, "classifier")}
