@@ -4,6 +4,7 @@ it, and the page ``docs/results.md`` rendered from those records.
     python bench/results.py --list                 # the cells, what each runs and its cost on 2 cores
     python bench/results.py --cell main-job        # rerun one cell (or several: --cell a,b), write results/<cell>.json
     python bench/results.py --cell all             # every cell this machine can run (hours on 2 cores)
+    python bench/results.py --cell NAME --keep DIR # and keep each run's folder under DIR/<cell>
     python bench/results.py --render               # write docs/results.md from results/*.json
     python bench/results.py --check                # exit 1 when docs/results.md is not what --render writes
 
@@ -22,6 +23,7 @@ import html
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -302,6 +304,7 @@ GROUPS = {
     "device": "Devices",
     "startup": "Start-up time of the command line",
     "secure": "Secure aggregation",
+    "speed": "Attack speed",
 }
 
 
@@ -372,6 +375,19 @@ def _other_cells() -> list[Cell]:
                       ("python", "bench/flower_secagg.py"),
                       printed_figures("aggregate vs true", "uniformity", "sum-labels: histogram exact"),
                       "about 2-4 min", depends=CODE + ("bench/flower_secagg.py", "examples/flower_secagg")))
+    cells.append(Cell("vs-breaching", "speed", "our IG beside breaching's IG: the same model, gradient and 1000 "
+                      "iterations, one start, 8 photographs (breaching 0.1.2 installed beside the pinned torch)",
+                      ("python", "bench/vs_breaching.py", "--images", "8", "--threads", "1"),
+                      printed_figures("mean: ours", "ratio"), "about 2 min",
+                      depends=CODE + ("bench/vs_breaching.py",)))
+    cells.append(Cell("batched-ig", "speed", "IG on 16 targets of one model, batched ÷ one by one",
+                      ("python", "bench/batched_attack.py", "--attacks", "ig"), printed_figures("throughput ratio"),
+                      "about 1 min", depends=CODE + ("bench/batched_attack.py", "bench/attack_speed.py")))
+    cells.append(Cell("leak-small-clients", "speed", "fedavg-leak on FedAvg's smallest clients: 6 images, batches of "
+                      "2, one epoch, 4 targets",
+                      ("fedsec", "attack", "fedavg-leak", "--method", "fedavg", "--partition", "weak",
+                       "--samples-per-client", "6", "--batch-size", "2", "--local-epochs", "1", "--targets", "4"),
+                      attack_figures, "about 6 min"))
     cells.append(Cell("cli-start", "startup", "fedsec --help and every command's --help, each a new process",
                       ("python", "bench/cli_start.py", "--runs", "5"), start_figures, "about 10 s",
                       depends=("fedsec", "bench/cli_start.py")))
@@ -483,8 +499,9 @@ def _argv(cell: Cell) -> list[str]:
     return [sys.executable, str(ROOT / cell.argv[1]), *cell.argv[2:]]
 
 
-def run_cell(cell: Cell, echo=print) -> dict:
-    """Run the cell's command in an empty folder, read its figures and write ``results/<cell>.json``."""
+def run_cell(cell: Cell, echo=print, keep: Path | None = None) -> dict:
+    """Run the cell's command in an empty folder, read its figures and write ``results/<cell>.json``;
+    ``keep``: copy the folder (every file the run wrote) to ``keep/<cell>`` too."""
     if cell.needs_gpu and not machine()["gpu"]:
         raise CellError(f"cell {cell.name} is measured on a GPU machine and torch sees no GPU here")
     commit, dirty = commit_state(cell.depends)
@@ -504,6 +521,8 @@ def run_cell(cell: Cell, echo=print) -> dict:
         figures = cell.figures(Path(tmp), "".join(lines))
         for source, target in cell.pictures:
             keep_small(Path(tmp) / source, ROOT / target)
+        if keep is not None:
+            shutil.copytree(tmp, keep / cell.name, dirs_exist_ok=True)
     record = {"cell": cell.name, "command": cell.command, "source": MEASURED, "commit": commit, "dirty": dirty,
               "machine": machine(), "seconds": round(seconds, 1), "versions": versions(), "figures": figures}
     write_atomic(RESULTS / f"{cell.name}.json", json.dumps(record, indent=2, ensure_ascii=False) + "\n")
@@ -715,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render", action="store_true", help="write docs/results.md from results/*.json")
     parser.add_argument("--check", action="store_true", help="exit 1 when docs/results.md differs from --render's")
     parser.add_argument("--list", action="store_true", help="list the cells")
+    parser.add_argument("--keep", type=Path, help="with --cell: also copy each run's folder to KEEP/<cell>")
     args = parser.parse_args(argv)
     try:
         if not (args.cell or args.render or args.check or args.list):
@@ -723,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
             for cell in CELLS.values():
                 print(f"{cell.name:24} {cell.cost:40} {cell.command}")
         for cell in select(args.cell) if args.cell else []:
-            run_cell(cell)
+            run_cell(cell, keep=args.keep)
         if args.render or args.check:
             if not git_available():
                 raise CellError("rendering needs git (the commits decide which cells are stale)")

@@ -187,6 +187,19 @@ def settings_rows(meta: Mapping) -> tuple[list[str], list[list[str]]]:
     return ["attack"] + [k.replace("_", " ") for k in keys], rows
 
 
+def stage_rows(stages: list[Mapping]) -> tuple[list[str], list[list[str]]]:
+    """The stages as a table: status, the wall seconds and, for a stage computed in this run, the
+    seconds ``fedsec.estimate`` gave it before the run (on its reference machine), and where the
+    figures came from; a last row with the totals of the stages that have both."""
+    rows = [[s.get("method", ""), s.get("stage", ""), s.get("status", ""), fmt(s.get("seconds"), 1),
+             fmt(s.get("estimated"), 1), s.get("source", "")] for s in stages]
+    both = [s for s in stages if s.get("seconds") is not None and s.get("estimated") is not None]
+    if both:
+        rows.append(["all computed", f"{len(both)} stages", "", fmt(sum(s["seconds"] for s in both), 1),
+                     fmt(sum(s["estimated"] for s in both), 1), ""])
+    return ["method", "stage", "status", "seconds", "estimated seconds", "source"], rows
+
+
 def _md_cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -465,9 +478,7 @@ def render_markdown(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mappin
             "Package versions:", "", "```json", _json_block(meta.get("versions", {})), "```", ""]
     stages = meta.get("stages") or []
     if stages:
-        out += ["## Stages", "", md_table(["method", "stage", "status", "seconds", "source"],
-                                          [[s.get("method", ""), s.get("stage", ""), s.get("status", ""),
-                                            fmt(s.get("seconds"), 1), s.get("source", "")] for s in stages]), ""]
+        out += ["## Stages", "", md_table(*stage_rows(stages)), ""]
     for note in meta.get("notes") or []:
         out.append(f"* {_md_cell(note)}")
     return "\n".join(out).rstrip() + "\n"
@@ -585,10 +596,7 @@ def render_html(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, m
           "<p>Package versions:</p>", f"<pre>{e(_json_block(meta.get('versions', {})))}</pre>"]
     stages = meta.get("stages") or []
     if stages:
-        h += ["<h2>Stages</h2>", html_table(["method", "stage", "status", "seconds", "source"],
-                                            [[s.get("method", ""), s.get("stage", ""), s.get("status", ""),
-                                              fmt(s.get("seconds"), 1), s.get("source", "")] for s in stages],
-                                            numeric_from=99)]
+        h += ["<h2>Stages</h2>", html_table(*stage_rows(stages), numeric_from=99)]
     notes = meta.get("notes") or []
     if notes:
         h.append("<ul>" + "".join(f"<li>{e(n)}</li>" for n in notes) + "</ul>")

@@ -6,9 +6,9 @@ fixed gives the image of DLG's first start (``closed_form_start``)."""
 from __future__ import annotations
 
 import torch
-from torch.func import functional_call, grad
+from torch.func import functional_call
 
-from fedecouple.methods.replay import features as replay_features
+from fedecouple.methods.replay import features as replay_features, parameter_gradients
 
 from ..layer_inversion import invert_layer_inputs
 from .closed_form import ROW_SPACE_WEIGHT, STATISTICS_WEIGHT
@@ -113,7 +113,7 @@ class ClosedFormTerms:
         def inner(params: dict[str, torch.Tensor]) -> torch.Tensor:
             return (self._linear_input({**before, **params}, x) * upstream).sum()
 
-        below = grad(inner)({n: before[n] for n in last.below})
+        below = parameter_gradients(inner, {n: before[n] for n in last.below})
         a = self._linear_input(before, x)[0]
         update = {**below, last.weight: signal.unsqueeze(1) * a.unsqueeze(0), last.bias: signal}
         return [update[n] for n in self.names] + [a]
@@ -141,7 +141,7 @@ class ClosedFormTerms:
         def inner(params: dict[str, torch.Tensor]) -> torch.Tensor:
             return (self._linear_input({**before, **params}, x) * upstream).sum()
 
-        below = grad(inner)({n: before[n] for n in last.below})
+        below = parameter_gradients(inner, {n: before[n] for n in last.below})
         update = {**below, last.weight: signals.T @ a, last.bias: signals.sum(0)}
         return [update[n] for n in self.names]
 

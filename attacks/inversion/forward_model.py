@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call, grad
+from torch.func import functional_call
 
 from fedecouple.methods.base import phase_steps
-from fedecouple.methods.replay import ReplayContext, Step
+from fedecouple.methods.replay import ReplayContext, Step, parameter_gradients
 from fedecouple.models import group_of, use_batch_statistics
 
 from ..base import LocalHyperparameters, Observation
@@ -372,7 +372,7 @@ class GradientMatcher(ClosedFormTerms, MatchingTerms):
         def loss(trained: dict[str, torch.Tensor]) -> torch.Tensor:
             return self._loss({**params, **trained}, x, y)
 
-        return grad(loss)({n: params[n] for n in names})
+        return parameter_gradients(loss, {n: params[n] for n in names})
 
     def dummy(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None = None,
               copies: list | None = None, target: list[torch.Tensor] | None = None,

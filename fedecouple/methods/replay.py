@@ -16,6 +16,8 @@ function of the images, which is what an attacker differentiates.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -102,9 +104,39 @@ def cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     return -(probs * F.log_softmax(logits, dim=-1)).sum(dim=-1).mean()
 
 
+_DIFFERENTIATED_OUTSIDE = threading.local()
+
+
+@contextlib.contextmanager
+def differentiated_outside():
+    """Within it, ``parameter_gradients`` called outside any ``torch.func`` transform builds its graph
+    with plain autograd (``create_graph``), for a caller that differentiates the result with plain
+    autograd (an attack on one target: on a CPU the double backward is cheaper outside functorch's
+    wrappers). Elsewhere it is ``torch.func.grad``, whose result carries no graph of its own."""
+    previous = getattr(_DIFFERENTIATED_OUTSIDE, "on", False)
+    _DIFFERENTIATED_OUTSIDE.on = True
+    try:
+        yield
+    finally:
+        _DIFFERENTIATED_OUTSIDE.on = previous
+
+
+def parameter_gradients(loss: Callable[[Params], torch.Tensor], params: Params) -> Params:
+    """∂loss/∂params, differentiable in whatever ``params`` and the loss's inputs depend on:
+    ``torch.func.grad``, or within ``differentiated_outside`` and outside any ``torch.func``
+    transform plain autograd with ``create_graph`` (the same values to float rounding)."""
+    if not getattr(_DIFFERENTIATED_OUTSIDE, "on", False) or torch._C._functorch.maybe_current_level() is not None:
+        return grad(loss)(params)
+    with torch.enable_grad():
+        leaves = {k: v if v.requires_grad else v.detach().requires_grad_(True) for k, v in params.items()}
+        value = loss(leaves)
+        found = torch.autograd.grad(value, list(leaves.values()), create_graph=True, allow_unused=True)
+    return {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(leaves.items(), found)}
+
+
 def sgd_step(params: Params, loss: Callable[[Params], torch.Tensor], lr: float) -> Params:
     """One plain SGD step on ``params`` (the trained ones only; the loss closes over the rest)."""
-    gradients = grad(loss)(params)
+    gradients = parameter_gradients(loss, params)
     return {k: v - lr * gradients[k] for k, v in params.items()}
 
 

@@ -217,7 +217,11 @@ def run_stages(stages: list[Stage], reuse_dirs: list[Path], progress: bool,
     todo = [st for st in stages if not st.resumable.complete() and find_reusable(st, done_dirs, train_dirs) is None]
     groups = method_groups(stages)
     workers = max(1, min(int(jobs), len(groups)))
-    loads = [estimate_seconds([st for _, st in g if st in todo]) for g in groups]  # each group's stages to compute
+    estimated = {}  # each stage still to compute: its share of its group's estimate
+    for g in groups:
+        pending = [st for _, st in g if st in todo]
+        estimated.update({(st.method, st.name): sec for st, sec in zip(pending, stage_estimates(pending))})
+    loads = [sum(estimated[(st.method, st.name)] for _, st in g if st in todo) for g in groups]
     if todo:
         wall = parallel_wall_seconds(loads, workers)
         say(f"{len(todo)} of {len(stages)} stages to compute: {estimate.describe(wall)} on a 2-core machine like the "
@@ -235,6 +239,9 @@ def run_stages(stages: list[Stage], reuse_dirs: list[Path], progress: bool,
                 failed.update(failures)
     finally:
         bar.close()
+    for record in records:  # the estimate beside the wall time, where the stage was computed now
+        sec = estimated.get((record["method"], record["stage"]))
+        record["estimated"] = None if sec is None or record.get("source") != "computed" else round(sec, 1)
     return records, failed, time.perf_counter() - t0
 
 
@@ -338,11 +345,17 @@ def _run_in_processes(groups, loads: list[float], total: int, done_dirs, train_d
 def estimate_seconds(stages: list[Stage]) -> float:
     """The wall time ``stages`` (those still to compute) should take (``fedsec.estimate``); a training
     shared between stages counts once."""
+    return sum(stage_estimates(stages))
+
+
+def stage_estimates(stages: list[Stage]) -> list[float]:
+    """Each stage's estimated seconds, in order (``fedsec.estimate``): a training shared between stages
+    counts in the first that needs it; a stage that does not apply counts zero."""
     if not stages:
-        return 0.0
+        return []
     images = estimate.training_images(runner.prepare(stages[0].config))
     trained: set[str] = set()
-    total = 0.0
+    out = []
     for st in stages:
         cfg = st.config
         a = st.attack_settings.resolved(cfg.federation.seed) if st.kind == "attack" else None
@@ -350,6 +363,7 @@ def estimate_seconds(stages: list[Stage]) -> float:
             try:
                 check_applicable(a.spec, runner.prepare(cfg))
             except UserError:  # found before anything trains: costs nothing
+                out.append(0.0)
                 continue
         key = training_key(cfg) if a is None else training_key(cfg.updated(rounds=a.rounds_to_train), a)
         rounds = 0 if key in trained else (cfg.federation.rounds if a is None else a.rounds_to_train)
@@ -357,8 +371,8 @@ def estimate_seconds(stages: list[Stage]) -> float:
         own = images if cfg.data.train_images is None else cfg.data.train_images * cfg.federation.train.local_epochs
         work = (estimate.StageWork(st.method, cfg.data.clients, rounds, own) if a is None
                 else estimate.attack_work(st.method, cfg.data.clients, own, a, rounds))
-        total += estimate.seconds(work)
-    return total
+        out.append(estimate.seconds(work))
+    return out
 
 
 def _one_stage(st: Stage, label: str, done_dirs, train_dirs, failed: dict, say,
