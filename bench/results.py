@@ -343,7 +343,7 @@ def _other_cells() -> list[Cell]:
                           "hours (N = 50-180 at the default budget)", depends=CODE + ("bench/n_curve.py",)))
     cells.append(Cell("audit-preset", "audit", "fedsec report --preset audit", ("fedsec", "report", "--preset", "audit",
                                                                                 "--out", "runs/audit"),
-                      audit_figures, "about 25 min", depends=CODE + ("reports",)))
+                      audit_figures, "about 28 min", depends=CODE + ("reports",)))
     cells.append(Cell("malicious-table", "malicious", "trap against clients of 10 and 50 images, the download check off and on",
                       ("fedsec", "report", "--methods", "fedavg,fedper,fedpac,fedecouple,fedproto", "--attacks", "trap",
                        "--malicious-sizes", "10,50", "--targets", "4", "--seed", "0", "--threads", "1", "--out",
@@ -387,7 +387,7 @@ def _other_cells() -> list[Cell]:
                       "2, one epoch, 4 targets",
                       ("fedsec", "attack", "fedavg-leak", "--method", "fedavg", "--partition", "weak",
                        "--samples-per-client", "6", "--batch-size", "2", "--local-epochs", "1", "--targets", "4"),
-                      attack_figures, "about 6 min"))
+                      attack_figures, "about 5 min"))
     cells.append(Cell("cli-start", "startup", "fedsec --help and every command's --help, each a new process",
                       ("python", "bench/cli_start.py", "--runs", "5"), start_figures, "about 10 s",
                       depends=("fedsec", "bench/cli_start.py")))

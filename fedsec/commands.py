@@ -135,7 +135,8 @@ def train_options(func):
         click.option("--no-da", is_flag=True, help="Ablation: no data augmentation (DA)."),
         click.option("--hp", "hp", multiple=True, metavar="NAME=VALUE",
                      help="Any other method hyperparameter, e.g. --hp finetune_epochs=2 (ft-fedavg, default 1), "
-                          "--hp head_epochs=9 (fedrep [local epochs], fedpac [1]) (repeatable)."),
+                          "--hp head_epochs=9 (fedrep [local epochs], fedpac [1]); fedpac's SGD: head_lr [0.1], "
+                          "momentum [0.5], weight_decay [5e-4] (repeatable)."),
     ] + SECURE_AGGREGATION_OPTIONS
     for option in reversed(options):
         func = option(func)

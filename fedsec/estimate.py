@@ -1,7 +1,9 @@
 """How long a report will take, printed before it starts: rates measured on the reference machine
 (2 CPU cores, one torch thread; the audit preset's run), scaled by the work a stage does. An attack
 that declares its own rate (``AttackSpec.estimate_rate``, e.g. a malicious server's) is timed by it;
-the others by the rates below for their kind and method.
+the others by their own measured rate for the setting and method (``STEP_SECONDS``), else by the
+rates of their kind (``KIND_STEP_SECONDS``). The report's stage table sets each computed stage's
+estimate beside its wall time.
 
 A rough guide, not a promise: the rates are for mnist5k's 28×28 CNN; a stage's training is scaled
 by the images each client trains on per round (samples × local epochs), an attack's optimisation
@@ -16,18 +18,24 @@ from dataclasses import dataclass
 # reference: mnist5k, pathological K=3, 20 clients (~187 training images each), 1 local epoch
 REFERENCE_IMAGES = 187
 # seconds per client per round of training (the local update and the driver's evaluation)
-ROUND_SECONDS = {"fedecouple": 0.34, "fedpac": 0.117, "fedper": 0.055, "fedproto": 0.078, "fedrep": 0.07,
-                 "fedavg": 0.06, "ft-fedavg": 0.07, "local": 0.06}
+ROUND_SECONDS = {"fedecouple": 0.363, "fedpac": 0.127, "fedper": 0.066, "fedproto": 0.076, "fedrep": 0.07,
+                 "fedavg": 0.062, "ft-fedavg": 0.07, "local": 0.06}
 DEFAULT_ROUND_SECONDS = 0.15
 # seconds per optimiser step of one target and per image: in the textbook setting the images it
 # rebuilds; on real local training the images the client trains on (the whole epoch is replayed at
-# every step); "image" is prototype inversion (one image per target step). Measured in the audit
-# preset's run
-STEP_SECONDS = {"textbook": {"fedecouple": 0.0108, "fedpac": 0.0107, "fedper": 0.0014, None: 0.008},
-                # fedavg: fedavg-leak on clients of 100 images, 4 targets x 200 steps in 100 s (the N-curve sweep;
-                # the other methods' rates match that sweep within 10 %, FedeCouple's within a factor 2.5)
-                "real": {"fedecouple": 0.0057, "fedpac": 0.0028, "fedper": 0.00094, "fedavg": 0.0012, None: 0.003},
-                "image": {"fedpac": 0.0195, "fedproto": 0.0316, None: 0.025}}
+# every step); "image" is prototype inversion (one image per target step). Per attack and setting,
+# per method (None: the attack's rate for a method not listed). Measured in the audit preset's run
+# (bench/results.py --cell audit-preset: work units of each stage against its wall seconds)
+STEP_SECONDS = {("ig", "textbook"): {"fedecouple": 0.0115, "fedpac": 0.00445, "fedper": 0.0014, "fedavg": 0.0021,
+                                      None: 0.005},
+                # on real local training the rate also carries the training of the stage's own federation
+                ("fedavg-leak", "real"): {"fedecouple": 0.0050, "fedpac": 0.0028, "fedper": 0.00145,
+                                          "fedavg": 0.0032, None: 0.003},
+                ("proto", "image"): {"fedpac": 0.0231, "fedproto": 0.0327, None: 0.028}}
+# an attack without rates of its own: its kind's (the first attack measured of that kind), times its
+# ``AttackSpec.estimate_step_factor``
+KIND_STEP_SECONDS = {"textbook": STEP_SECONDS[("ig", "textbook")], "real": STEP_SECONDS[("fedavg-leak", "real")],
+                     "image": STEP_SECONDS[("proto", "image")]}
 # seconds per target beyond its optimiser steps (observation, forward-model check, scoring), per image
 TARGET_SECONDS_PER_IMAGE = 0.006
 TARGET_SECONDS = 0.1
@@ -51,6 +59,7 @@ class StageWork:
     step_seconds: float | None = None
     per_image: bool = True
     step_factor: float = 1.0  # its step in steps of the kind's rate (``AttackSpec.estimate_step_factor``)
+    attack: str | None = None  # the attack's name: its own measured rates where there are some
 
 
 def seconds(work: StageWork) -> float:
@@ -61,10 +70,12 @@ def seconds(work: StageWork) -> float:
         total += work.targets * (TARGET_SECONDS + TARGET_SECONDS_PER_IMAGE * work.images
                                  + work.steps * (work.images if work.per_image else 1.0) * work.step_seconds)
     elif work.attack_kind in ("gradient", "image"):
-        rates = STEP_SECONDS[work.attack_kind if work.attack_kind != "gradient" else work.setting or "textbook"]
+        setting = work.attack_kind if work.attack_kind != "gradient" else work.setting or "textbook"
+        own = STEP_SECONDS.get((work.attack, setting))
+        rates, factor = (own, 1.0) if own is not None else (KIND_STEP_SECONDS[setting], work.step_factor)
         images = 1.0 if work.attack_kind == "image" else work.images
         total += work.targets * (TARGET_SECONDS + TARGET_SECONDS_PER_IMAGE * images
-                                 + work.steps * images * rates.get(work.method, rates[None]) * work.step_factor)
+                                 + work.steps * images * rates.get(work.method, rates[None]) * factor)
     elif work.attack_kind is not None:
         total += work.targets * TARGET_SECONDS
     return total
@@ -88,7 +99,7 @@ def attack_work(method: str, clients: int, images_per_client: float, settings, t
                      # a round's sum holds every participant's images
                      images=(images_per_client if real else settings.victim_batch) * (clients if spec.round_level else 1),
                      step_seconds=spec.estimate_rate, per_image=spec.estimate_per == "image",
-                     step_factor=spec.estimate_step_factor)
+                     step_factor=spec.estimate_step_factor, attack=spec.name)
 
 
 def training_images(prep) -> float:

@@ -251,6 +251,17 @@ def test_a_stage_folder_with_another_configuration_is_an_error(built, tmp_path, 
     assert sorted(p.as_posix() for p in out.rglob("*")) == before
 
 
+def test_each_computed_stage_carries_the_estimate_it_was_given(built):
+    """``fedsec.estimate``'s seconds for every stage computed in the run, beside its wall seconds in the
+    report: training and the applicable attacks cost something, the attacks that do not apply nothing."""
+    out, result = built
+    estimated = {(r["method"], r["stage"]): r["estimated"] for r in result["stages"]}
+    assert estimated[("fedper", "train")] > 0 and estimated[("fedper", "attack-dlg")] > 0
+    assert estimated[("fedproto", "attack-dlg")] == 0.0
+    text = (out / "report.md").read_text(encoding="utf-8")
+    assert "| estimated seconds |" in text and "| all computed |" in text
+
+
 def test_reuse_takes_a_plain_train_run(tmp_path, monkeypatch):
     from fedsec import runner
 
@@ -263,6 +274,16 @@ def test_reuse_takes_a_plain_train_run(tmp_path, monkeypatch):
     assert calls.count["train"] == [] and calls.count["audit"] == ["fedproto"]
     assert [r["source"] for r in result["stages"]] == ["reused", "computed", "computed"]
     assert (out / "fedproto" / "train" / "metrics.csv").is_file() and (out / "fedproto" / "train" / "done.json").is_file()
+    # a stage computed now carries the estimate it was given before the run (DLG does not apply to
+    # FedProto's uploads, known before anything runs: 0 s), a reused one none; the report's stage table
+    # sets them beside the wall seconds, with the totals of the stages that have both
+    estimated = {r["stage"]: r["estimated"] for r in result["stages"]}
+    assert estimated["train"] is None and estimated["attack-dlg"] == 0.0
+    from reports.comparison import stage_rows
+    header, rows = stage_rows(result["stages"])
+    assert header[3:5] == ["seconds", "estimated seconds"] and rows[-1][0] == "all computed"
+    assert float(rows[-1][4]) == pytest.approx(sum(r["estimated"] for r in result["stages"] if r["estimated"]), abs=0.2)
+    assert "| estimated seconds |" in (out / "report.md").read_text(encoding="utf-8")
 
 
 def test_method_comparisons_call_a_difference_only_when_the_interval_says_so():

@@ -326,8 +326,11 @@ class GradientMatcher(ClosedFormTerms, MatchingTerms):
         self.groups = [[i for i, k in enumerate(kinds) if k == g] for g in order]
         self.weight_groups = len(dict.fromkeys(group_of(n) for n in self.names))
         phases = ", ".join(f"{p}: {sum(s.phase == p for s in steps)}" for p in dict.fromkeys(s.phase for s in steps))
+        own = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in obs.method.hyperparameters().items())
         self.notes.append(f"method mode: {obs.method.name}'s own local training is replayed on the dummy data "
-                          f"({len(steps)} SGD steps; {phases}) with lr {hp.lr:g} and matched to the upload: "
+                          f"({len(steps)} SGD steps; {phases}) with lr {hp.lr:g}"
+                          + (f" and its settings ({own})" if own else "") + " and matched to the upload: "
                           f"the weights ({', '.join(order[:self.weight_groups])})"
                           + (f" and the statistics ({', '.join(order[self.weight_groups:])})"
                              if len(order) > self.weight_groups else ""))

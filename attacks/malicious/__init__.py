@@ -39,9 +39,11 @@ from .readout import match_inputs, rebuild_images, recover_inputs, relative_erro
 from .scoring import EXACT, input_statistics, score_recovered
 
 INVERSION_STEPS = 300
-# seconds per L-BFGS step of the image rebuild and per image the client trained on: FedAvg, clients of
-# 50 images, 150 s for 4 targets x 300 steps (10 s at 10 images), on the reference machine
-TRAP_STEP_SECONDS = 0.0025
+# seconds per L-BFGS step of the image rebuild and per image the client trained on, on the reference
+# machine: the audit preset's eight trap stages (4 targets x 300 steps, clients of 10 and of 50 images,
+# four methods) took 408 s together. Per stage the time depends less on the client size than this
+# scales it (10-69 s at 10 images, 52-66 s at 50)
+TRAP_STEP_SECONDS = 0.0014
 # seconds per inversion step of one target (its one or two fished images): 9 s per 1000 steps on the
 # shared 2-core machine, FedAvg, seed 1
 FISH_STEP_SECONDS = 0.009
