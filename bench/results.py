@@ -23,6 +23,7 @@ import html
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -258,11 +259,16 @@ MALICIOUS_PHRASES = ("sized      craft,  1 x 100", "secure, quantization_range 2
                      "isolate, SecAgg, 10 clients, check on", "honest server, SecAgg, 10 clients, check on")
 
 
+WARNING_LINE = re.compile(r"^\S+:\d+: \w*Warning: ")
+
+
 def printed_figures(*phrases: str) -> Callable[[Path, str], dict]:
     """A bench that prints its figures: the whole print-out (shown under the cell's details) and, as the
     headline, its lines that hold one of ``phrases``."""
     def figures(out: Path, stdout: str) -> dict:
-        lines = [line.rstrip() for line in stdout.splitlines() if line.strip()]
+        # a library's warning names a file of this machine's environment: not a figure, left out
+        lines = [line.rstrip() for line in stdout.splitlines()
+                 if line.strip() and not WARNING_LINE.match(line) and line.strip() != "warnings.warn("]
         picked = [line.strip() for line in lines if any(p in line for p in phrases)]
         if not picked:
             raise CellError(f"the bench printed none of: {', '.join(phrases)}")

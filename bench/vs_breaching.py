@@ -141,6 +141,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the rows and means to this JSON file")
     args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch.jit.script, used by breaching's imports
     try:
         import breaching  # noqa: F401
     except ImportError:
