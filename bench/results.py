@@ -745,6 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (args.cell or args.render or args.check or args.list):
             raise CellError("nothing to do: give --cell NAME, --render, --check or --list")
+        if args.keep is not None and not args.cell:
+            raise CellError("--keep keeps the folders of the cells --cell runs: give --cell NAME too")
         if args.list:
             for cell in CELLS.values():
                 print(f"{cell.name:24} {cell.cost:40} {cell.command}")

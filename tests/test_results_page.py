@@ -86,6 +86,13 @@ def test_an_unknown_cell_is_a_one_line_error_with_exit_status_2():
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+def test_keep_without_a_cell_is_a_one_line_error_with_exit_status_2(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--render", "--keep", str(tmp_path / "kept")],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("error: --keep keeps the folders")
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "kept").exists()
+
+
 def test_records_are_written_atomically(results, tmp_path):
     target = tmp_path / "cell.json"
     results.write_atomic(target, json.dumps({"cell": "x"}))
