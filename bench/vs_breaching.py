@@ -145,10 +145,11 @@ def main() -> None:
     try:
         import breaching  # noqa: F401
     except ImportError:
-        sys.exit("breaching is not installed: pip install --no-deps breaching==0.1.2 hydra-core lpips "
-                 "&& pip install 'omegaconf>=2.2,<2.4' antlr4-python3-runtime==4.9.3")
+        print("error: breaching is not installed: pip install --no-deps breaching==0.1.2 hydra-core lpips "
+              "&& pip install 'omegaconf>=2.2,<2.4' antlr4-python3-runtime==4.9.3", file=sys.stderr)
+        sys.exit(2)
     if not 1 <= args.images <= len(PHOTOS):
-        sys.exit(f"--images must be between 1 and {len(PHOTOS)}")
+        parser.error(f"--images must be between 1 and {len(PHOTOS)}")  # exit status 2
     logging.getLogger("breaching").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
     dataset = load_dataset("mnist5k")  # only its normalisation constants: the model the federation builds

@@ -363,7 +363,7 @@ def test_cli_inapplicable_attack_stops_before_training(tmp_path, capsys, monkeyp
 
 
 @pytest.mark.timeout(600)
-def test_issue_acceptance_dlg_rebuilds_mnist_digits_from_the_padded_cnn():
+def test_dlg_rebuilds_mnist_digits_from_the_padded_cnn_at_round_0():
     """The classic setting (round 0 at the initial weights, one image, one step) on mnist5k with the
     28x28 CNN read with "same" padding: DLG rebuilds the digits (about 38 dB over 4 targets)."""
     from fedsec.attack import AttackSettings, run_attack
