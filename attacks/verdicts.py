@@ -25,8 +25,6 @@ SUCCESS_RULE_SSIM = f"SSIM at least {SUCCESS_SSIM:g}"
 LEAK_GAP_DB = 3.0
 # a label attack's class-presence accuracy below this does not make labels inferable: "low"
 PRESENCE_THRESHOLD = 0.8
-# the marker of a cell whose server holds no model of the client: its figure is an estimate
-NO_MODEL_MARKER = "NO MODEL (estimate)"
 
 
 def _number(x: Any) -> float | None:

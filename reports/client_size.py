@@ -9,7 +9,7 @@ import math
 from typing import Mapping
 
 from .figures import png_bytes
-from .formatting import finite_or_none, interval_text
+from .formatting import NO_MODEL, finite_or_none, interval_text
 
 
 PLOT_CLIENT_SIZE = "leakage_by_client_size.png"
@@ -103,7 +103,7 @@ def _check(row: dict) -> str:
     counts = [finite_or_none(row.get(k)) for k in ("mis_specified_targets", "not_converged_targets")]
     unknown = finite_or_none(row.get("model_unknown_targets"))
     return (" / ".join("not recorded" if c is None else str(int(c)) for c in counts)
-            + (f" / NO MODEL (estimate) {int(unknown)}" if unknown else ""))
+            + (f" / {NO_MODEL} {int(unknown)}" if unknown else ""))
 
 
 def _or(value, default: float) -> float:

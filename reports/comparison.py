@@ -44,7 +44,7 @@ import pandas as pd
 
 from .audit import SEVERITIES
 from .figures import png_bytes
-from .formatting import finite_or_none, interval_text, is_true
+from .formatting import NO_MODEL, finite_or_none, interval_text, is_true
 from . import client_size
 from .malicious import PLOT_MALICIOUS, section_html, section_markdown, share_by_size_figure
 
@@ -104,7 +104,6 @@ def mis_specified(row: Mapping, attack: str) -> bool:
     return is_true(row.get(f"{attack}_mis_specified"))
 
 
-NO_MODEL = "NO MODEL (estimate)"
 
 
 def model_unknown(row: Mapping, attack: str) -> bool:

@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from .comparison import html_table, md_table
-from .formatting import finite_or_none, interval_text, is_true
+from .formatting import NO_MODEL, finite_or_none, interval_text, is_true
 
 HEADLINE_CELL = "ig@textbook"  # the audit preset's headline image attack: 16 clients, one SGD step on 2 images
 ANCHORS = ("fedecouple", "fedavg")  # the methods every other method is compared against
@@ -183,7 +183,7 @@ def fig10_frame(by_round: pd.DataFrame, results: pd.DataFrame, methods: Sequence
 
 def _flags(r: Mapping) -> str:
     words = [f"MIS-SPECIFIED {r['mis_specified_targets']}/{r['n_targets']}"] if r["mis_specified_targets"] else []
-    words += [f"NO MODEL (estimate) {r['model_unknown_targets']}/{r['n_targets']}"] if r["model_unknown_targets"] else []
+    words += [f"{NO_MODEL} {r['model_unknown_targets']}/{r['n_targets']}"] if r["model_unknown_targets"] else []
     words += ["LOWER BOUND"] if is_true(r["lower_bound"]) else []
     return ", ".join(words) or "–"
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+# the marker of a cell whose server holds no model of the client: its figure is an estimate
+NO_MODEL = "NO MODEL (estimate)"
+
 
 def finite_or_none(x: Any) -> float | None:
     """``x`` as a float when it is a finite number, else None (missing, text, NaN, ±inf)."""

@@ -145,7 +145,7 @@ def momentum_step(params: Params, loss: Callable[[Params], torch.Tensor], lr: fl
     """One step of ``torch.optim.SGD(lr, momentum, weight_decay)`` (no dampening, no Nesterov):
     d = ∇loss + weight_decay·θ, b = d on a phase's first step (``buffer`` None: a fresh optimiser)
     else momentum·b + d, θ − lr·b. Returns (parameters, buffer for the phase's next step)."""
-    gradients = grad(loss)(params)
+    gradients = parameter_gradients(loss, params)
     step = {k: gradients[k] + weight_decay * v if weight_decay else gradients[k] for k, v in params.items()}
     if buffer is not None and momentum:
         step = {k: momentum * buffer[k] + d for k, d in step.items()}

@@ -342,12 +342,6 @@ def _run_in_processes(groups, loads: list[float], total: int, done_dirs, train_d
     return records, failed
 
 
-def estimate_seconds(stages: list[Stage]) -> float:
-    """The wall time ``stages`` (those still to compute) should take (``fedsec.estimate``); a training
-    shared between stages counts once."""
-    return sum(stage_estimates(stages))
-
-
 def stage_estimates(stages: list[Stage]) -> list[float]:
     """Each stage's estimated seconds, in order (``fedsec.estimate``): a training shared between stages
     counts in the first that needs it; a stage that does not apply counts zero."""

@@ -65,7 +65,7 @@ def run_adam(adam: SignedAdam, variables: list[torch.Tensor], evaluate: Evaluate
     ``iterations`` steps. ``evaluate()`` gives (the targets' objective values (m,), the gradient of each
     variable or None where it has none); ``on_nonfinite(target, step)`` hears of a target stopped by a
     non-finite value (module docstring)."""
-    opt = _StackedAdam(variables, adam.lr)
+    opt = _StackedAdam(variables)
     marks = milestones(iterations, adam.fractions)
     watch = adam.stall_tolerance is not None
     drops = len(marks) if adam.stall_after_drops is None else max(1, min(len(marks), adam.stall_after_drops))
@@ -132,7 +132,7 @@ class _StackedAdam:
     stack independent targets along their first dimension, with a learning rate per target; a target
     in ``stopped`` keeps its iterate and moments."""
 
-    def __init__(self, variables: list[torch.Tensor], lr: float, betas=(0.9, 0.999), eps: float = 1e-8):
+    def __init__(self, variables: list[torch.Tensor], betas=(0.9, 0.999), eps: float = 1e-8):
         self.variables, self.betas, self.eps, self.steps = variables, betas, eps, 0
         self.moments = [(torch.zeros_like(v), torch.zeros_like(v)) for v in variables]
 
