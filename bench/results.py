@@ -60,7 +60,8 @@ def _interval(ci, digits=2, scale=1.0) -> str:
 
 def attack_headline(f: dict) -> str:
     """One value for an attack cell: the mean PSNR with its interval, the priors, the share recovered,
-    and the forward-model check's counts (or the class-presence accuracy of the label attack)."""
+    and the forward-model check's counts, NO MODEL included (or the class-presence accuracy of the label
+    attack)."""
     if f.get("class_presence_accuracy") is not None and f.get("mean_psnr") is None:
         return f"class-presence accuracy {f['class_presence_accuracy']:.2f}"
     parts = [f"{f['mean_psnr']:.2f} dB{_interval(f.get('mean_psnr_ci'))}",
@@ -79,6 +80,8 @@ def attack_headline(f: dict) -> str:
         checks.append(f"{f['mis_specified_targets']} mis-specified")
     if f.get("not_converged_targets"):
         checks.append(f"{f['not_converged_targets']} stopped short")
+    if f.get("model_unknown_targets"):  # the server holds no model of these clients: a surrogate's estimate
+        checks.append(f"{f['model_unknown_targets']} NO MODEL (estimate)")
     return text + (f" ({', '.join(checks)})" if checks else "")
 
 
@@ -96,6 +99,10 @@ def attack_figures(out: Path, stdout: str) -> dict:
         raise CellError(f"expected one summary.json under runs/, found {len(summaries)}")
     summary = json.loads(summaries[0].read_text(encoding="utf-8"))
     figures = {k: summary.get(k) for k in ATTACK_KEYS if summary.get(k) is not None}
+    from attacks.verdicts import model_unknown_targets  # imports torch: only once a cell has run
+
+    if model_unknown_targets(summary):
+        figures["model_unknown_targets"] = model_unknown_targets(summary)
     figures["n_images"] = summary.get("images_scored")
     figures["n_targets"] = summary.get("n_targets")
     figures["line"] = next((line for line in stdout.splitlines() if " → " in line), "")

@@ -157,3 +157,20 @@ def test_rendering_puts_the_main_jobs_line_where_the_docs_show_it(results):
         "intro\n```text\ndlg on fedecouple (method): mean PSNR 2.00 dB\n```\nafter\n"
     with pytest.raises(results.CellError):
         results.with_sample_line("no sample here", "x")
+
+
+def test_a_cell_whose_server_holds_no_model_says_so_in_its_headline(results, tmp_path):
+    """FedProto's prototype attack: the summary flags every target NO MODEL (the server holds no extractor
+    of the client); the cell's figures count them and its headline says the figure is an estimate."""
+    run = tmp_path / "runs" / "attack-proto-fedproto"
+    run.mkdir(parents=True)
+    summary = {"mean_psnr": 11.07, "mean_psnr_ci": [10.59, 11.35], "mean_prior_psnr": 13.27, "images_scored": 24,
+               "n_targets": 8, "mis_specified_targets": 0,
+               "per_target": [{"model_unknown": True}] * 7 + [{"model_unknown": False}]}
+    (run / "summary.json").write_text(json.dumps(summary))
+    figures = results.attack_figures(tmp_path, "proto on fedproto: mean PSNR 11.07 dB → runs/attack-proto-fedproto")
+    assert figures["model_unknown_targets"] == 7
+    assert figures["headline"].endswith("n = 24 images over 8 targets (7 NO MODEL (estimate))")
+    del summary["per_target"]
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert "NO MODEL" not in results.attack_figures(tmp_path, "")["headline"]
