@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from reports.formatting import NO_MODEL  # the reports' marker (imports neither torch nor pandas)
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 PAGE = ROOT / "docs" / "results.md"
@@ -81,7 +83,7 @@ def attack_headline(f: dict) -> str:
     if f.get("not_converged_targets"):
         checks.append(f"{f['not_converged_targets']} stopped short")
     if f.get("model_unknown_targets"):  # the server holds no model of these clients: a surrogate's estimate
-        checks.append(f"{f['model_unknown_targets']} NO MODEL (estimate)")
+        checks.append(f"{f['model_unknown_targets']} {NO_MODEL}")
     return text + (f" ({', '.join(checks)})" if checks else "")
 
 
@@ -101,8 +103,9 @@ def attack_figures(out: Path, stdout: str) -> dict:
     figures = {k: summary.get(k) for k in ATTACK_KEYS if summary.get(k) is not None}
     from attacks.verdicts import model_unknown_targets  # imports torch: only once a cell has run
 
-    if model_unknown_targets(summary):
-        figures["model_unknown_targets"] = model_unknown_targets(summary)
+    unknown = model_unknown_targets(summary)
+    if unknown:
+        figures["model_unknown_targets"] = unknown
     figures["n_images"] = summary.get("images_scored")
     figures["n_targets"] = summary.get("n_targets")
     figures["line"] = next((line for line in stdout.splitlines() if " → " in line), "")
