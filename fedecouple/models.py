@@ -49,8 +49,9 @@ ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits", "mlp", 
 class Normalize(nn.Module):
     def __init__(self, mean, std):
         super().__init__()
-        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
-        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+        # the working precision (float32 unless a caller set another default, as the replay tests do)
+        self.register_buffer("mean", torch.as_tensor(mean, dtype=torch.get_default_dtype()).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.as_tensor(std, dtype=torch.get_default_dtype()).view(1, -1, 1, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.mean) / self.std

@@ -269,9 +269,14 @@ def federation(ctx: click.Context, params: dict):
     for key, default in QUIET_AT_DEFAULT.items():
         if flat.get(key) is None:
             flat[key] = default
-    if not flat["secure_aggregation"] and any(flat[k] != QUIET_AT_DEFAULT[k] for k in QUIET_AT_DEFAULT
-                                              if k.startswith("sa_")) | (flat.get("sa_neighbours") is not None):
-        raise UserError("the --sa-* options set the secure-aggregation protocol; add --secure-aggregation")
+    protocol = [k for k in TRAIN_KEYS if k.startswith("sa_")]
+    # given at all (even at its default value) or changed by a preset: a user who names a protocol option
+    # believes the protocol is on
+    named = [k for k in protocol if explicit(ctx, k) or flat.get(k) != QUIET_AT_DEFAULT.get(k)]
+    if not flat["secure_aggregation"] and named:
+        flags = ", ".join("--" + k.replace("_", "-") for k in named)
+        raise UserError(f"{flags} set{'s' if len(named) == 1 else ''} the secure-aggregation protocol, which is "
+                        "off; add --secure-aggregation or drop the option")
     config = RunConfig.of(**flat, hyperparameters=hp)
     resolved = {**params, **{k: flat[k] for k in TRAIN_KEYS}, "uniform_share": flat["s"], "s": None,
                 **{k: hp.get(k) for k in HYPERPARAMETER_FLAGS},

@@ -165,10 +165,13 @@ def test_methods_whose_server_reads_each_upload_refuse(tmp_path, capsys, method,
     assert not (tmp_path / "r").exists()
 
 
-def test_a_protocol_option_without_secure_aggregation_is_refused(tmp_path, capsys):
-    code, _, err = run_cli(["train", "--method", "fedavg", "--sa-modulus", "4294967291", *SMALL,
-                            "--out", tmp_path / "r"], capsys)
+@pytest.mark.parametrize("option", [["--sa-modulus", "4294967291"], ["--sa-clipping-range", "8"]],
+                         ids=["another-value", "the-default-value"])
+def test_a_protocol_option_without_secure_aggregation_is_refused(tmp_path, capsys, option):
+    """Named at all, even at its default value: the user believes the protocol is on."""
+    code, _, err = run_cli(["train", "--method", "fedavg", *option, *SMALL, "--out", tmp_path / "r"], capsys)
     assert code == 2 and err.startswith("error:") and "add --secure-aggregation" in err and "Traceback" not in err
+    assert option[0] in err
     assert not (tmp_path / "r").exists()
 
 

@@ -136,7 +136,7 @@ def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: lis
     notes = []
     if obs.round > 0 and not any(n in previous for n in initial):
         notes.append("no previous upload of this client: its kept model is taken to be the initial one")
-    uploaded = {n: v.to(torch.float32) for n, v in obs.upload.items() if n in initial}
+    uploaded = {n: v.to(torch.get_default_dtype()) for n, v in obs.upload.items() if n in initial}
     return ReplayContext(before=before, kept=kept, download=dict(obs.download), lr=obs.known_hyperparameters.lr,
                          uploaded=uploaded,
                          steps=steps, num_classes=obs.num_classes, notes=notes, copies=int(copies))
@@ -317,7 +317,7 @@ class GradientMatcher(ClosedFormTerms, MatchingTerms):
             # on (the uploaded one for prototypes): better conditioned than through the replayed step, and
             # of one shape for every target, so that targets of different classes share a model
             self.aux_names = []
-        self.target = [self.update.delta[n] for n in self.names] + [obs.upload[n].to(torch.float32)
+        self.target = [self.update.delta[n] for n in self.names] + [obs.upload[n].to(torch.get_default_dtype())
                                                                       for n in self.aux_names]
         # the replay computes only what is matched (FedPAC's statistics and prototypes cost a pass each)
         self.context = dataclasses.replace(self.context, outputs=frozenset(self.names) | frozenset(self.aux_names))

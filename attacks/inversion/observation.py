@@ -155,10 +155,10 @@ def update_target(obs: Observation) -> UpdateTarget:
         notes.append("threat model 'head unknown': the classifier's update is not used")
     if not names:
         raise NotApplicable(f"{obs.method.name}'s upload holds only the classifier and the threat model excludes it")
-    delta = {n: (obs.upload[n].to(torch.float32) - before[n].to(torch.float32)) for n in names}
+    delta = {n: (obs.upload[n].to(torch.get_default_dtype()) - before[n].to(torch.get_default_dtype())) for n in names}
     if all(float(d.abs().max()) == 0.0 for d in delta.values()):
         notes.append("the uploaded weights equal the before-state: the client's update is zero")
-    return UpdateTarget(before={k: v.detach().to(torch.float32) for k, v in before.items()}, delta=delta,
+    return UpdateTarget(before={k: v.detach().to(torch.get_default_dtype()) for k, v in before.items()}, delta=delta,
                         names=names, classifier_update=any(group_of(n) == "classifier" for n in names), notes=notes,
                         unknown=unknown)
 
@@ -167,7 +167,7 @@ def kept_model(obs: Observation, initial: dict[str, torch.Tensor]) -> dict[str, 
     """The client's kept model as the server can know it: each parameter from its previous upload where
     that holds it, else the initial weights (``initial``: the parameters of ``obs.make_model()``)."""
     previous = obs.previous_upload or {}
-    return {n: previous[n].to(torch.float32) if n in previous else v for n, v in initial.items()}
+    return {n: previous[n].to(torch.get_default_dtype()) if n in previous else v for n, v in initial.items()}
 
 
 def resolve_mode(obs: Observation, mode: str = "auto") -> str:

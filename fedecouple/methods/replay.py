@@ -86,7 +86,7 @@ class ReplayContext:
 
 def as_probabilities(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
     """(n, C) rows: one-hot for class ids, unchanged for probability rows."""
-    return F.one_hot(labels, num_classes).to(torch.float32) if labels.ndim == 1 else labels
+    return F.one_hot(labels, num_classes).to(torch.get_default_dtype()) if labels.ndim == 1 else labels
 
 
 def features(model: SplitModel, params: Params, x: torch.Tensor) -> torch.Tensor:
