@@ -102,7 +102,7 @@ def measure(name: str, config: dict, nodes: int, ray_cpus: int) -> None:
     p, (r_max, values) = run.recorder.secure, correlation(run, truth)
     print(f"\n{name}: {nodes} nodes, {len(rounds)} rounds, protocol: clipping {p.clipping_range:g}, "
           f"{p.quantization_range} steps, modulus {p.modulus}, max weight {p.max_weight:g}, "
-          f"{'all pairs' if p.neighbours is None else f'{p.neighbours} neighbours'}; simulation {simulated:.1f} s")
+          f"{'all pairs' if p.num_shares == 1.0 else f'{p.num_shares} shares'}; simulation {simulated:.1f} s")
     print(f"  recorded: {len(run.recorder.exchanges)} masked uploads; survivors per round "
           f"{[len(run.recorder.aggregates[r].survivors) for r in rounds]}")
     print(f"  aggregate vs true weighted average: largest error {worst:.3g} (bound {bound:.3g}; "

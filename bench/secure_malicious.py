@@ -281,7 +281,7 @@ def check_rounds(data, protocol, clients: int, rounds: int, craft: str | None, c
 
 def check_figures(data, rounds: int) -> dict:
     """Part 3: detection and false alarms under SecAgg, then the neighbourhood craft."""
-    secagg, plus = SecureAggregation(), SecureAggregation(neighbours=4)
+    secagg, plus = SecureAggregation(), SecureAggregation(num_shares=5)  # 4 neighbours
     cases = [("isolate, SecAgg, 10 clients, check on", secagg, 10, "isolate", True),
              ("honest server, SecAgg, 10 clients, check on", secagg, 10, None, True),
              ("isolate, SecAgg, 10 clients, check off", secagg, 10, "isolate", False),

@@ -40,7 +40,7 @@ from .methods.base import BatchRecord, ClientContext, Method, State, TrainConfig
 from .models import SplitModel, build_custom, build_model, check_architecture, check_fits, default_architecture
 
 BACKENDS = ("sequential", "ray")
-RAY_HINT = "pip install 'fedsec[ray]'"
+RAY_HINT = "pip install ray (from a checkout: pip install -e '.[ray]')"
 
 
 @dataclass(frozen=True)

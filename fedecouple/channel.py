@@ -13,8 +13,10 @@ Under secure aggregation (``ServerChannel(secure=SecureAggregation(...))``) the 
 round-level stage: uploads still pass the interceptors one by one (client-side hooks, e.g. a
 defense), but what leaves each client is its masked vector (``fedecouple.secure_aggregation``). The
 recorder then holds what such a server holds: the downloads, each client's masked upload (one
-``"masked"`` integer tensor, uniform over the modulus) and the round's ``AggregateRecord`` (the
-decoded sum, who took part, who dropped out); the method aggregates the decoded sum.
+``"masked"`` integer tensor, uniform over the modulus, and beside it what the protocol leaves in the
+clear: under ``clear_fields="flower"`` the client's ``sample_count`` and ``metric.*``, as Flower's
+SecAgg+ leaves its FitRes ``num_examples`` and metrics) and the round's ``AggregateRecord`` (the decoded
+sum, who took part, who dropped out, the clear fields); the method aggregates the decoded sum.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from .secure_aggregation import AggregateRecord, SecureAggregation, secure_round
+from .secure_aggregation import AggregateRecord, SecureAggregation, clear_values, secure_round
 
 def _clone_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in tensors.items()}
@@ -179,7 +181,9 @@ class Recorder(Interceptor):
             return tuple(sorted(rename.get(cid, cid) for cid in clients))
 
         self.aggregates = {rnd: replace(record, participants=ids(record.participants), survivors=ids(record.survivors),
-                                        dropped=ids(record.dropped)) for rnd, record in self.aggregates.items()}
+                                        dropped=ids(record.dropped),
+                                        clear={rename.get(cid, cid): values for cid, values in record.clear.items()})
+                           for rnd, record in self.aggregates.items()}
 
 class ServerChannel:
     """Carries downloads and uploads through the interceptor chain, in registration order."""
@@ -231,14 +235,18 @@ class ServerChannel:
     def aggregate_securely(self, round: int, participants: list[int], uploads: list[Upload],
                            summands) -> AggregateRecord:
         """The round-level stage of secure aggregation: each upload (as the interceptors left it) becomes
-        ``summands(upload)``, is masked and sent; the recorder stores the masked uploads and the round's
-        record of the decoded sum. ``participants``: the clients that got this round's download."""
+        ``summands(upload)``, is masked and sent with the fields the protocol leaves in the clear; the
+        recorder stores the masked uploads and the round's record of the decoded sum. ``participants``:
+        the clients that got this round's download."""
         if self.secure is None:
             raise RuntimeError("aggregate_securely needs a channel built with secure=SecureAggregation(...)")
         by_id = {u.client_id: u for u in uploads}
-        record, masked = secure_round(self.secure, round, participants, {c: summands(u) for c, u in by_id.items()})
+        record, masked = secure_round(self.secure, round, participants, {c: summands(u) for c, u in by_id.items()},
+                                      {c: clear_values(u.tensors, u.meta) for c, u in by_id.items()})
         for client, vector in masked.items():
-            sent = Upload(round, client, {"masked": torch.from_numpy(vector.astype(np.int64))},
+            beside = {name: torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64)
+                      for name, value in record.clear.get(client, {}).items()}
+            sent = Upload(round, client, {"masked": torch.from_numpy(vector.astype(np.int64)), **beside},
                           {"secure_aggregation": True})
             self.bytes_up += sent.nbytes
             self.recorder.on_upload(sent)

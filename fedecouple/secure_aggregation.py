@@ -2,23 +2,34 @@
 
 The protocol simulated is SecAgg+ (Bell et al. 2020, "Secure Single-Server Aggregation with
 (Poly)Logarithmic Overhead"; the double-masking scheme of Bonawitz et al. 2017, "Practical Secure
-Aggregation for Privacy-Preserving Machine Learning"), with the quantisation Flower's
-``SecAggPlusWorkflow`` uses:
+Aggregation for Privacy-Preserving Machine Learning") as Flower 1.42 runs it: its server
+``SecAggPlusWorkflow`` (``flwr/server/workflow/secure_aggregation/secaggplus_workflow.py``) and its
+client ``secaggplus_mod`` (``flwr/client/mod/secure_aggregation/secaggplus_mod.py``).
 
-1. Each client turns what its method lets the server sum (``Method.secure_summands``) into one
-   vector, clips it to ``[-clipping_range, clipping_range]`` (values beyond are *counted*: the
-   round's record says how many, as the clients would report them) and quantises it to integers in
-   ``[0, quantization_range]`` with seeded stochastic rounding (unbiased; each value off by less than
-   one step ``quantum``).
-2. It adds a self mask and, for every neighbour in the round's graph (all other participants, or a
-   random ``neighbours``-regular graph as in SecAgg+), a pairwise mask that the neighbour subtracts,
-   all uniform over ``[0, modulus)``, and sends the result modulo ``modulus``: the masked upload is
-   uniform whatever the client's values are.
-3. The server adds the masked uploads that arrived. The pairwise masks between survivors cancel; the
-   survivors' self masks and the pairwise masks shared with clients that dropped out are removed
-   with the seeds the protocol lets the server reconstruct from secret shares (a survivor's self-mask
-   seed, a dropped client's pairwise seeds), which needs at least ``reconstruction_threshold`` of the
-   participants to survive; otherwise the round is aborted and the server learns nothing.
+1. The server draws the round's neighbourhoods (``neighbourhoods``, the workflow's ``setup_stage``):
+   from ``num_shares`` and ``reconstruction_threshold`` it derives the round's share count s and
+   threshold t (``SecureAggregation.shares``), shuffles the participants onto a ring (seeded here) and
+   gives each the s // 2 nearest on both sides. A client masks with its neighbours and splits its
+   secrets into shares held by them and itself.
+2. Each client turns what its method lets the server sum (``Method.secure_summands``) into one
+   vector. A summand named ``sample_count`` is the client's weight w = n / max_weight, by which the
+   others are weighted (``weighted_summands``); it travels as Flower's weight factor
+   round(w · quantization_range), exactly, outside the clipping range, and the other values are
+   weighted by that rounded weight instead (``with_flower_weight``), as the mod does. The other values
+   are clipped to ``[-clipping_range, clipping_range]`` (values beyond are *counted*: the round's record
+   says how many, as the clients would report them) and quantised to integers in
+   ``[0, quantization_range]`` with seeded stochastic rounding (unbiased; each off by less than one step
+   ``quantum``).
+3. It adds a self mask and for every neighbour a pairwise mask that the neighbour subtracts, all
+   uniform over ``[0, modulus)``, and sends the result modulo ``modulus``: the masked upload is uniform
+   whatever the client's values are. Beside it goes what Flower's mod leaves in the clear (its FitRes
+   without the arrays): the client's sample count and training metrics (``clear_values``), unless
+   ``clear_fields`` is ``"hidden"``.
+4. The server adds the masked uploads that arrived. The round halts, and the server learns nothing,
+   where Flower's workflow halts (``halted``): fewer than two participants, or some participant's
+   neighbourhood (itself included, survivor or dropped) keeping fewer than t surviving share-holders.
+   Otherwise the pairwise masks between survivors cancel, and the survivors' self masks and their
+   pairwise masks with dropped neighbours are removed with the seeds the shares let the server rebuild.
 
 What is simulated, not computed: the key agreement and the Shamir shares. The masks' seeds are
 derived from (seed, round, the pair) and the server obtains exactly the seeds the protocol gives
@@ -27,12 +38,19 @@ it, at the step it gives them; the arithmetic of masking and unmasking is the pr
 from __future__ import annotations
 
 import math
+import numbers
+import random
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import numpy as np
 import torch
 
 from .errors import UserError
+
+CLEAR_FIELDS = ("flower", "hidden")  # what travels unmasked beside a masked upload: Flower's FitRes fields, or nothing
+WEIGHT = "sample_count"  # the summand that is the client's weight n / max_weight (``weighted_summands``)
+METRIC_PREFIX = "metric."  # a training metric sent in the clear, as ``fedsec.flower`` names FitRes metrics
 
 
 def _seed(*parts: int) -> int:
@@ -41,37 +59,65 @@ def _seed(*parts: int) -> int:
                .view(np.uint64)[0] >> 1)
 
 
+def _count_or_fraction(value, name: str) -> int | float:
+    """``value`` as Flower's workflow reads it: an integer is a count, a float a fraction; the integer 1
+    means the fraction 1.0 (``SecAggPlusWorkflow._check_init_params``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise UserError(f"{name} must be an integer or a float, got {value!r}")
+    if isinstance(value, numbers.Integral):
+        return 1.0 if int(value) == 1 else int(value)
+    return float(value)
+
+
 @dataclass(frozen=True)
 class SecureAggregation:
-    """The protocol's parameters (defaults: Flower's ``SecAggPlusWorkflow``'s).
+    """The protocol's parameters, as Flower's ``SecAggPlusWorkflow`` takes them (defaults: its own, with
+    every pair masking).
 
-    ``neighbours``: each client's degree in SecAgg+'s graph (None: every pair masks, as SecAgg);
-    ``reconstruction_threshold``: the fraction of the round's participants that must survive for the
-    server to unmask; ``max_weight``: the largest client weight (sample count) the sum is scaled for,
-    a method's weighted summands are divided by it so they fit the clipping range."""
+    ``num_shares``: into how many shares each client's secrets are split, one kept and one for each
+    neighbour: an integer (at least 3) is that count, a float that fraction of the round's participants
+    (1.0: every pair masks, as SecAgg). ``reconstruction_threshold``: how many shares rebuild a secret,
+    an integer count or a float fraction of the shares (at least 2). ``max_weight``: the largest client
+    weight (sample count) the sum is scaled for: a method's weighted summands are divided by it so they
+    fit the clipping range. ``clear_fields``: ``"flower"``, each upload's sample count and training
+    metrics travel unmasked beside it as in Flower's SecAgg+; ``"hidden"``, nothing does."""
 
     clipping_range: float = 8.0
     quantization_range: int = 2 ** 22
     modulus: int = 2 ** 32
-    neighbours: int | None = None
-    reconstruction_threshold: float = 0.5
+    num_shares: int | float = 1.0
+    reconstruction_threshold: int | float = 0.5
     max_weight: float = 1000.0
     seed: int = 0
+    clear_fields: str = "flower"
 
     def __post_init__(self) -> None:
+        shares = _count_or_fraction(self.num_shares, "num_shares")
+        threshold = _count_or_fraction(self.reconstruction_threshold, "reconstruction_threshold")
+        object.__setattr__(self, "num_shares", shares)
+        object.__setattr__(self, "reconstruction_threshold", threshold)
         if not self.clipping_range > 0:
-            raise UserError(f"--sa-clipping-range must be positive, got {self.clipping_range}")
+            raise UserError(f"clipping_range must be positive, got {self.clipping_range}")
         if self.quantization_range < 2:
-            raise UserError(f"--sa-quantization-range must be >= 2, got {self.quantization_range}")
+            raise UserError(f"quantization_range must be at least 2, got {self.quantization_range}")
         if self.modulus <= self.quantization_range or self.modulus > 2 ** 62:
-            raise UserError(f"--sa-modulus must exceed --sa-quantization-range ({self.quantization_range}) and be at "
-                            f"most 2**62, got {self.modulus}")
-        if self.neighbours is not None and self.neighbours < 1:
-            raise UserError(f"--sa-neighbours must be >= 1, got {self.neighbours}")
-        if not 0 < self.reconstruction_threshold <= 1:
-            raise UserError(f"--sa-threshold must be in (0, 1], got {self.reconstruction_threshold}")
+            raise UserError(f"modulus must exceed quantization_range ({self.quantization_range}) and be at most "
+                            f"2**62, got {self.modulus}")
+        # Flower's own checks (``_check_init_params``), and a threshold of at least one share
+        if isinstance(shares, int) and shares <= 2:
+            raise UserError(f"num_shares as an integer must be at least 3 (or 1: every pair), got {shares}")
+        if isinstance(shares, float) and not shares > 0:
+            raise UserError(f"num_shares as a fraction must be positive, got {shares}")
+        if isinstance(threshold, int) and threshold < 1:
+            raise UserError(f"reconstruction_threshold as an integer must be at least 1, got {threshold}")
+        if isinstance(threshold, int) and isinstance(shares, int) and threshold >= shares:
+            raise UserError(f"reconstruction_threshold ({threshold}) must be less than num_shares ({shares})")
+        if isinstance(threshold, float) and not 0 < threshold <= 1:
+            raise UserError(f"reconstruction_threshold as a fraction must be in (0, 1], got {threshold}")
         if not self.max_weight > 0:
-            raise UserError(f"--sa-max-weight must be positive, got {self.max_weight}")
+            raise UserError(f"max_weight must be positive, got {self.max_weight}")
+        if self.clear_fields not in CLEAR_FIELDS:
+            raise UserError(f"clear_fields must be one of {', '.join(CLEAR_FIELDS)}, got {self.clear_fields!r}")
 
     @property
     def quantum(self) -> float:
@@ -82,27 +128,58 @@ class SecureAggregation:
         """The most survivors whose quantised values sum below the modulus (no wrap-around)."""
         return (self.modulus - 1) // self.quantization_range
 
+    def shares(self, participants: int) -> tuple[int, int]:
+        """(s, t) for a round of ``participants``: each neighbourhood's share-holders and the shares that
+        rebuild a secret, as ``SecAggPlusWorkflow.setup_stage`` derives them. A fraction of shares is
+        round(fraction · participants), made odd when below the participants, and all of them when that
+        leaves 2 or fewer; a fraction of threshold is round(fraction · shares) (Python's round: halves to
+        even, so 0.5 of 5 shares is 2) and at least 2; the threshold is taken before an even share count
+        below the participants is made odd."""
+        if isinstance(self.num_shares, float):
+            shares = round(self.num_shares * participants)
+            if shares < participants and shares % 2 == 0:
+                shares += 1
+            if shares <= 2:
+                shares = participants
+        else:
+            shares = self.num_shares
+        if isinstance(self.reconstruction_threshold, float):
+            threshold = max(round(self.reconstruction_threshold * shares), 2)
+        else:
+            threshold = self.reconstruction_threshold
+        if participants != shares and shares % 2 == 0:
+            shares += 1
+        return shares, threshold
+
     def describe(self) -> dict:
         return {"clipping_range": self.clipping_range, "quantization_range": self.quantization_range,
-                "modulus": self.modulus, "neighbours": self.neighbours,
-                "reconstruction_threshold": self.reconstruction_threshold, "max_weight": self.max_weight}
+                "modulus": self.modulus, "num_shares": self.num_shares,
+                "reconstruction_threshold": self.reconstruction_threshold, "max_weight": self.max_weight,
+                "clear_fields": self.clear_fields}
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The order and shapes of the named tensors that make one summand vector."""
+    """The order and shapes of the named tensors that make one summand vector: the weight first (Flower's
+    weight factor leads its vector), then the others by name."""
 
     fields: tuple[tuple[str, tuple[int, ...]], ...]
 
     @classmethod
-    def of(cls, tensors: dict[str, torch.Tensor]) -> "Layout":
-        return cls(tuple((name, tuple(tensors[name].shape)) for name in sorted(tensors)))
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> "Layout":
+        names = sorted(tensors, key=lambda name: (name != WEIGHT, name))
+        return cls(tuple((name, tuple(tensors[name].shape)) for name in names))
 
     @property
     def size(self) -> int:
         return sum(math.prod(shape) for _, shape in self.fields)
 
-    def flatten(self, tensors: dict[str, torch.Tensor]) -> np.ndarray:
+    @property
+    def weighted(self) -> bool:
+        """Whether the vector leads with a weight (``WEIGHT``), which travels as Flower's weight factor."""
+        return bool(self.fields) and self.fields[0][0] == WEIGHT
+
+    def flatten(self, tensors: Mapping[str, torch.Tensor]) -> np.ndarray:
         if Layout.of(tensors) != self:
             raise ValueError("a client's summands differ in names or shapes from the round's layout")
         return np.concatenate([tensors[name].detach().cpu().to(torch.float64).reshape(-1).numpy()
@@ -124,9 +201,11 @@ class AggregateRecord:
     ``participants``: the clients that joined the round's key agreement; ``survivors``: those whose
     masked upload arrived and is in the sum; ``dropped``: the others. ``total``: the decoded sum of the
     survivors' summands (``Method.secure_summands``), each value within ``len(survivors) * quantum`` of
-    the true sum; empty when ``aborted`` says why the round could not be unmasked. ``clipped``: values
-    beyond the clipping range, summed over the survivors (counted client-side and reported; they were
-    clipped before masking)."""
+    the sum of what they sent (their weighted values at Flower's rounded weights, ``with_flower_weight``);
+    empty when ``aborted`` says why the round could not be unmasked. ``clipped``: values beyond the
+    clipping range, summed over the survivors (counted client-side and reported; they were clipped before
+    masking). ``clear``: survivor → the fields its upload carried unmasked (``clear_values``: its
+    ``sample_count`` and ``metric.*``), empty under ``clear_fields="hidden"``."""
 
     round: int
     participants: tuple[int, ...]
@@ -137,24 +216,92 @@ class AggregateRecord:
     clipped: int = 0
     aborted: str | None = None
     layout: Layout | None = field(default=None, repr=False)
+    clear: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
-def neighbours(protocol: SecureAggregation, round: int, participants: list[int]) -> dict[int, set[int]]:
-    """The round's masking graph: every pair (SecAgg), or SecAgg+'s sparse graph: the participants on a
-    seeded random ring, each joined to its ``neighbours // 2`` nearest on both sides (the degree rounded
-    down to an even number, at least 2), which the server draws and every client knows."""
-    ids = sorted(int(c) for c in participants)
-    k = protocol.neighbours
-    if k is None or k >= len(ids) - 1:
-        return {c: set(ids) - {c} for c in ids}
-    ring = np.random.default_rng(_seed(protocol.seed, round, 0x5EC)).permutation(ids).tolist()
-    graph: dict[int, set[int]] = {c: set() for c in ids}
-    for pos, c in enumerate(ring):
-        for step in range(1, max(1, k // 2) + 1):
-            other = ring[(pos + step) % len(ring)]
-            graph[c].add(other)
-            graph[other].add(c)
-    return graph
+def clear_values(tensors: Mapping[str, torch.Tensor], meta: Mapping) -> dict[str, float]:
+    """What Flower's ``secaggplus_mod`` leaves unmasked of one client's reply (it clears only the arrays of
+    its FitRes): the client's sample count (``num_examples``: the upload's ``sample_count``) and its
+    training metrics (the upload's numeric metadata, as ``metric.<key>``)."""
+    out: dict[str, float] = {}
+    if WEIGHT in tensors:
+        out[WEIGHT] = int(tensors[WEIGHT])
+    for key, value in sorted(meta.items()):
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            out[METRIC_PREFIX + str(key)] = float(value)
+    return out
+
+
+def ring_order(protocol: SecureAggregation, round: int, participants) -> list[int]:
+    """The participants in the order of the round's ring: shuffled as ``SecAggPlusWorkflow.setup_stage``
+    shuffles them (``random.shuffle``), by a generator seeded with the protocol's seed and the round (the
+    server draws it; Flower's is unseeded)."""
+    ids = sorted({int(c) for c in participants})
+    random.Random(_seed(protocol.seed, round, 0x5EC)).shuffle(ids)
+    return ids
+
+
+def neighbourhoods(protocol: SecureAggregation, round: int, participants) -> dict[int, set[int]]:
+    """Each participant's neighbourhood, itself included: the clients that hold its shares. As
+    ``SecAggPlusWorkflow.setup_stage`` builds ``nid_to_neighbours``: on the ring (``ring_order``) each
+    participant is joined to the s // 2 nearest on both sides (s from ``shares``; every participant when
+    that covers the ring)."""
+    ids = ring_order(protocol, round, participants)
+    if not ids:
+        return {}
+    shares, _ = protocol.shares(len(ids))
+    half = shares >> 1
+    return {c: {ids[(pos + offset) % len(ids)] for offset in range(-half, half + 1)} for pos, c in enumerate(ids)}
+
+
+def neighbours(protocol: SecureAggregation, round: int, participants) -> dict[int, set[int]]:
+    """The round's masking graph: each participant's neighbourhood without itself (every other
+    participant under SecAgg, SecAgg+'s ring neighbours otherwise)."""
+    return {c: hood - {c} for c, hood in neighbourhoods(protocol, round, participants).items()}
+
+
+def halted(protocol: SecureAggregation, round: int, participants, survivors) -> str | None:
+    """Why Flower's workflow halts the round, or None where it unmasks. The rule of
+    ``SecAggPlusWorkflow``: ``setup_stage`` halts with fewer than two participants; ``_check_threshold``,
+    run after every stage, halts when some participant's neighbourhood (``neighbourhoods``, itself
+    included; a survivor or a dropped client alike) holds fewer than t surviving share-holders; and
+    ``unmask_stage`` needs t shares of every participant's secret, which the same rule guarantees."""
+    participants = sorted({int(c) for c in participants})
+    alive = {int(c) for c in survivors}
+    if len(participants) < 2:
+        return (f"{len(participants)} participant{'' if len(participants) == 1 else 's'}: SecAgg+ needs at least "
+                f"2, so the server cannot unmask")
+    shares, threshold = protocol.shares(len(participants))
+    hoods = neighbourhoods(protocol, round, participants)
+    for client in participants:
+        kept = len(hoods[client] & alive)
+        if kept < threshold:
+            return (f"{len(alive)} of {len(participants)} participants survived; client {client}'s neighbourhood "
+                    f"kept {kept} of its {len(hoods[client])} share-holders, below the reconstruction threshold of "
+                    f"{threshold}: the server cannot unmask")
+    return None
+
+
+def weight_factor(protocol: SecureAggregation, weight: float) -> int:
+    """Flower's weight factor: round(weight · quantization_range), sent unmodified at the head of the
+    client's vector (``secaggplus_mod``'s ``q_ratio``, with weight = num_examples / max_weight)."""
+    factor = round(float(weight) * protocol.quantization_range)
+    if factor < 0:
+        raise ValueError(f"a client's weight is negative ({weight})")
+    return factor
+
+
+def with_flower_weight(protocol: SecureAggregation, summands: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The summands as Flower's mod quantises them (float64): the weight rounded to its factor over the
+    quantisation range, and every other summand (weighted by the exact weight) reweighted by that rounded
+    weight. Summands without a weight are returned as they are."""
+    if WEIGHT not in summands:
+        return {name: value.to(torch.float64) for name, value in summands.items()}
+    weight = float(summands[WEIGHT])
+    rounded = weight_factor(protocol, weight) / protocol.quantization_range
+    scale = rounded / weight if weight else 0.0
+    return {name: (torch.full_like(value, rounded, dtype=torch.float64) if name == WEIGHT
+                   else value.to(torch.float64) * scale) for name, value in summands.items()}
 
 
 def _mask(protocol: SecureAggregation, size: int, *parts: int) -> np.ndarray:
@@ -216,31 +363,62 @@ def dequantize_sum(protocol: SecureAggregation, total: np.ndarray, count: int) -
     return total.astype(np.float64) * (2 * c / protocol.quantization_range) - count * c
 
 
+def encode(protocol: SecureAggregation, layout: Layout, summands: Mapping[str, torch.Tensor], round: int,
+           client: int) -> tuple[np.ndarray, int]:
+    """(the client's integer vector before masking, its values beyond the clipping range): under a
+    weighted layout Flower's weight factor, then the reweighted values (``with_flower_weight``)
+    quantised; otherwise every value quantised."""
+    if not layout.weighted:
+        return quantize(protocol, layout.flatten(summands), round, client)
+    values = layout.flatten(with_flower_weight(protocol, summands))
+    quantised, beyond = quantize(protocol, values[1:], round, client)
+    factor = np.array([weight_factor(protocol, float(summands[WEIGHT]))], dtype=np.uint64)
+    return np.concatenate([factor, quantised]), beyond
+
+
+def decode(protocol: SecureAggregation, layout: Layout, total: np.ndarray, count: int) -> np.ndarray:
+    """The float sum of ``count`` clients' summands from the sum of their integer vectors (``encode``):
+    the summed weight factor over the quantisation range (exact), the other values dequantised."""
+    if not layout.weighted:
+        return dequantize_sum(protocol, total, count)
+    weight = np.array([float(total[0]) / protocol.quantization_range])
+    return np.concatenate([weight, dequantize_sum(protocol, total[1:], count)])
+
+
 def secure_round(protocol: SecureAggregation, round: int, participants: list[int],
-                 summands: dict[int, dict[str, torch.Tensor]]) -> tuple[AggregateRecord, dict[int, np.ndarray]]:
+                 summands: dict[int, dict[str, torch.Tensor]],
+                 clear: Mapping[int, Mapping[str, float]] | None = None
+                 ) -> tuple[AggregateRecord, dict[int, np.ndarray]]:
     """Run one round of the protocol: ``participants`` joined the key agreement, ``summands`` holds
-    what each survivor sends (client → named tensors). Returns the server's record and each survivor's
-    masked upload."""
+    what each survivor sends (client → named tensors), ``clear`` what each survivor's reply carries
+    unmasked (``clear_values``; kept under ``clear_fields="flower"``). Returns the server's record and
+    each survivor's masked upload."""
     participants = sorted(int(c) for c in participants)
     survivors = sorted(summands)
     dropped = tuple(c for c in participants if c not in summands)
     if len(survivors) > protocol.max_clients():
-        raise UserError(f"{len(survivors)} clients would overflow the modulus {protocol.modulus} at quantisation "
-                        f"range {protocol.quantization_range}; raise --sa-modulus or lower --sa-quantization-range")
+        raise UserError(f"{len(survivors)} clients would overflow the modulus {protocol.modulus} at quantization_range "
+                        f"{protocol.quantization_range}; raise modulus or lower quantization_range")
     layout = Layout.of(summands[survivors[0]]) if survivors else Layout(())
+    if layout.weighted:
+        factors = sum(weight_factor(protocol, float(summands[c][WEIGHT])) for c in survivors)
+        if factors >= protocol.modulus:
+            raise UserError(f"the survivors' weight factors sum to {factors}, beyond the modulus {protocol.modulus}: "
+                            f"raise max_weight (a weight n / max_weight above 1 needs more than quantization_range "
+                            f"per client) or modulus")
     graph = neighbours(protocol, round, participants)
     masked, clipped = {}, 0
     for client in survivors:
-        q, beyond = quantize(protocol, layout.flatten(summands[client]), round, client)
+        vector, beyond = encode(protocol, layout, summands[client], round, client)
         clipped += beyond
-        masked[client] = mask(protocol, q, round, client, graph)
+        masked[client] = mask(protocol, vector, round, client, graph)
+    shown = {c: dict(clear[c]) for c in survivors if clear.get(c)} if clear and protocol.clear_fields == "flower" \
+        else {}
     record = AggregateRecord(round, tuple(participants), tuple(survivors), dropped, {}, protocol.quantum, clipped,
-                             None, layout)
-    needed = math.ceil(protocol.reconstruction_threshold * len(participants))
-    if not survivors or len(survivors) < needed:
-        record.aborted = (f"{len(survivors)} of {len(participants)} participants survived, below the reconstruction "
-                          f"threshold of {needed}: the server cannot unmask")
+                             None, layout, shown)
+    record.aborted = halted(protocol, round, participants, survivors)
+    if record.aborted is not None:
         return record, masked
-    total = dequantize_sum(protocol, unmask(protocol, masked, round, graph, layout.size), len(survivors))
+    total = decode(protocol, layout, unmask(protocol, masked, round, graph, layout.size), len(survivors))
     record.total = layout.unflatten(total)
     return record, masked

@@ -238,7 +238,7 @@ def audit_recorded(run: RecordedRun, out: str | Path | None, rounds: int, eviden
     findings.append(_communication_finding(traffic, run.dataset.num_classes))
     findings.sort(key=lambda f: SEVERITIES.index(f["severity"]))
     summary = {"method": run.method.name, "run": run.label, "rounds": rounds, **traffic,
-               "secure_aggregation": secure_aggregation_status(run.method),
+               "secure_aggregation": secure_aggregation_status(run.method, run.recorder),
                "findings_by_severity": {s: sum(f["severity"] == s for f in findings) for s in SEVERITIES},
                "evidence": {kind: _brief(ev) for kind, ev in evidence.items()} | ({"labels": sum_brief} if sum_brief
                                                                                    else {}),
@@ -256,15 +256,23 @@ def write_audit(out: Path, rows, findings: list[dict], summary: dict) -> None:
     io.write_json(out / "summary.json", summary)
 
 
-def secure_aggregation_status(method) -> str:
+def secure_aggregation_status(method, recorder=None) -> str:
     """How the method meets secure aggregation, from its declaration (``Method.aggregates_securely``,
     ``secure_variant_note``, ``per_client_fields``): "runs on the sum", "secure variant: <how it differs>",
-    "refuses: <the fields its server reads one client at a time>", or "sends nothing"."""
+    "refuses: <the fields its server reads one client at a time>", or "sends nothing". For a run
+    recorded under secure aggregation (``recorder.secure`` set), followed by the fields its masked
+    uploads carried in the clear ("; in the clear: sample_count"), or "; nothing in the clear"."""
     if not method.communicates:
         return "sends nothing"
     if not method.aggregates_securely():
         return "refuses: " + (", ".join(method.per_client_fields) or "every upload field")
-    return f"secure variant: {method.secure_variant_note}" if method.secure_variant_note else "runs on the sum"
+    status = f"secure variant: {method.secure_variant_note}" if method.secure_variant_note else "runs on the sum"
+    if recorder is None or getattr(recorder, "secure", None) is None:
+        return status
+    clear = sorted({name for up in recorder.uploads() if up.meta.get("secure_aggregation")
+                    for name in up.tensors if name != "masked"})
+    mode = recorder.secure.clear_fields
+    return status + (f"; in the clear: {', '.join(clear)}" if clear else f"; nothing in the clear ({mode})")
 
 
 def _protocol_findings(run: RecordedRun, frame: pd.DataFrame, kinds: set[str]) -> list[dict]:

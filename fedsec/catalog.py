@@ -67,8 +67,9 @@ ATTACKS: dict[str, AttackEntry] = {
                                       "aggregate", 300, 1, 0),
 }
 # fedecouple.secure_aggregation.SecureAggregation's defaults (Flower's SecAggPlusWorkflow's): the options' defaults
-SECURE_AGGREGATION = {"clipping_range": 8.0, "quantization_range": 2 ** 22, "modulus": 2 ** 32, "neighbours": None,
-                      "reconstruction_threshold": 0.5, "max_weight": 1000.0}
+SECURE_AGGREGATION = {"clipping_range": 8.0, "quantization_range": 2 ** 22, "modulus": 2 ** 32, "num_shares": 1.0,
+                      "reconstruction_threshold": 0.5, "max_weight": 1000.0, "clear_fields": "flower"}
+SECURE_AGGREGATION_CLEAR_FIELDS = ("flower", "hidden")  # fedecouple.secure_aggregation.CLEAR_FIELDS
 MEMBERSHIP_ATTACKS = ("lira", "loss", "entropy", "population", "rmia")  # attacks.MEMBERSHIP
 METHODS = ("fedecouple", "fedavg", "ft-fedavg", "fedper", "fedrep", "fedpac", "fedproto", "local")
 DATASETS = ("mnist5k", "digits", "cifar10", "cifar100", "fmnist", "emnist", "cinic10")

@@ -12,7 +12,8 @@ import click
 from . import catalog
 from .flower.cli import flower  # the group imports Flower only when a command runs
 from .options import (ATTACK, ATTACK_ROUNDS, ATTACK_SEED, COUNT, EVIDENCE, EVIDENCE_ITERATIONS, IMAGES, ITERATIONS,
-                      MODE_OPTION, NON_NEGATIVE, POSITIVE, RESTARTS, SEED, TARGETS, VICTIM_BATCH, VICTIM_STEPS, Number,
+                      MODE_OPTION, NON_NEGATIVE, POSITIVE, RESTARTS, SEED, TARGETS, VICTIM_BATCH, VICTIM_STEPS,
+                      CountOrFraction, Number,
                       device_option, hide, run_options, threat_model_options)
 
 HYPERPARAMETER_FLAGS = ("lam", "mu", "tau", "teacher", "center_reduction")
@@ -43,26 +44,35 @@ class Listed(click.Option):
 
 
 SECURE = catalog.SECURE_AGGREGATION  # the protocol's defaults (Flower SecAgg+'s)
-SECURE_AGGREGATION_OPTIONS = [  # the protocol (fedecouple.secure_aggregation)
+
+
+SECURE_AGGREGATION_OPTIONS = [  # the protocol (fedecouple.secure_aggregation), as Flower's SecAggPlusWorkflow takes it
     click.option("--dropout", type=Number(float, 0, 1, high_open=True), default=0.0, show_default=True,
                  help="Each round, each client drops out before uploading with this probability (seeded)."),
     click.option("--secure-aggregation", is_flag=True, default=False,
-                 help="The server holds only the sum of each round's uploads (SecAgg+ pairwise masking with "
-                      "Flower's quantisation); a method whose server reads uploads one by one refuses."),
+                 help="The server holds only the sum of each round's uploads (SecAgg+ as Flower's SecAggPlusWorkflow "
+                      "runs it); a method whose server reads uploads one by one refuses."),
     click.option("--sa-clipping-range", type=POSITIVE, default=SECURE["clipping_range"], show_default=True,
                  help="--secure-aggregation: values beyond +-this are clipped before quantising (and counted)."),
     click.option("--sa-quantization-range", type=Number(int, 2), default=SECURE["quantization_range"],
                  show_default=True, help="--secure-aggregation: the clipping range is quantised to integers 0..this."),
     click.option("--sa-modulus", type=Number(int, 3), default=SECURE["modulus"], show_default=True,
                  help="--secure-aggregation: masks are uniform over 0..this-1, sums taken modulo it."),
-    click.option("--sa-neighbours", type=COUNT, default=None,
-                 help="--secure-aggregation: each client masks with this many neighbours (SecAgg+) [every "
-                      "other client, as SecAgg]."),
-    click.option("--sa-threshold", type=Number(float, 0, 1, low_open=True),
-                 default=SECURE["reconstruction_threshold"], show_default=True,
-                 help="--secure-aggregation: the fraction of a round's clients that must survive to unmask."),
+    click.option("--sa-num-shares", type=CountOrFraction(3), default=SECURE["num_shares"], show_default=True,
+                 help="--secure-aggregation: Flower's num_shares: each client's secrets go to this many share-holders "
+                      "(itself and its ring neighbours, SecAgg+), an integer, or a fraction of the round's clients "
+                      "(1.0: every pair, as SecAgg)."),
+    click.option("--sa-threshold", type=CountOrFraction(2), default=SECURE["reconstruction_threshold"],
+                 show_default=True,
+                 help="--secure-aggregation: Flower's reconstruction_threshold: the surviving share-holders every "
+                      "client's neighbourhood needs, an integer, or a fraction of the shares (at least 2); below it "
+                      "the round is aborted."),
     click.option("--sa-max-weight", type=POSITIVE, default=SECURE["max_weight"], show_default=True,
                  help="--secure-aggregation: the largest sample count a client's weighted values are scaled for."),
+    click.option("--sa-clear-fields", type=click.Choice(catalog.SECURE_AGGREGATION_CLEAR_FIELDS),
+                 default=SECURE["clear_fields"], show_default=True,
+                 help="--secure-aggregation: flower: each upload's sample count and training metrics reach the "
+                      "server in the clear beside the masked sum, as in Flower's SecAgg+; hidden: nothing does."),
 ]
 
 
@@ -112,7 +122,7 @@ def train_options(func):
         click.option("--threads", type=click.IntRange(min=1), default=None,
                      help="torch CPU threads [torch's default; attack, and the attacks of report and defend: 1]."),
         click.option("--backend", type=click.Choice(["sequential", "ray"]), default="sequential", show_default=True,
-                     help="Where client updates run: in this process, or as Ray tasks (pip install 'fedsec[ray]'). "
+                     help="Where client updates run: in this process, or as Ray tasks (needs Ray: pip install -e '.[ray]' from a checkout). "
                           "Same seed and --threads give the same numbers under both."),
         click.option("--ray-address", default=None,
                      help="--backend ray: join this Ray cluster (e.g. ray://head:10001 or auto) "
@@ -373,7 +383,9 @@ def report(ctx, **_):
 @click.option("--defense", type=click.Choice(catalog.DEFENSES), required=True,
               help="dp: DP-SGD (Opacus) in every client's local training and a Gaussian mechanism for its "
                    "whole-data statistics; download-check: every client tests each download and refuses a crafted "
-                   "one (use --attacks trap); the others filter each upload's update before it leaves the client.")
+                   "one (use --attacks trap); consistency-check: under --secure-aggregation every client compares a digest of "
+                   "its download with its neighbours' and withholds its upload on a mismatch (use --attacks "
+                   "inconsistency); the others filter each upload's update before it leaves the client.")
 @click.option("--values", required=True,
               help="Comma-separated values, one sweep point each. dp: noise multiplier; noise: variance of the noise "
                    "on the gradient -delta/lr (DLG paper's unit); clip: L2 bound on the update; prune: percent of the "

@@ -78,12 +78,15 @@ def train_protocol_lines(summary: dict, out) -> list[str]:
     lines, secure = [], summary.get("secure_aggregation")
     if secure is not None:
         p = secure["protocol"]
-        graph = "every other client" if p["neighbours"] is None else f"{p['neighbours']} neighbours (SecAgg+)"
-        lines.append(f"  secure aggregation: the server held only each round's sum, never one client's upload "
-                     f"(masks with {graph}; clipping ±{p['clipping_range']:g}, "
+        clear = secure.get("in_the_clear")
+        hidden = " (hidden: stricter than Flower's SecAgg+)" if p.get("clear_fields") == "hidden" else ""
+        beside = ("" if clear is None else f"; in the clear beside it: {', '.join(clear)}" if clear
+                  else f"; nothing in the clear{hidden}")
+        lines.append(f"  secure aggregation: the server held only each round's sum of the summands, never one "
+                     f"client's{beside} (masks with {_share_words(p)}; clipping ±{p['clipping_range']:g}, "
                      f"{_power_of_two(p['quantization_range'])} quantisation steps of {p['quantum']:.3g}, modulus "
-                     f"{_power_of_two(p['modulus'])}, unmasking needs {100 * p['reconstruction_threshold']:g} % of "
-                     f"a round's clients, weights n / {p['max_weight']:g})")
+                     f"{_power_of_two(p['modulus'])}, weights n / {p['max_weight']:g}"
+                     f"{' sent as exact factors' if 'num_shares' in p else ''})")
     where = f"  → {out}/rounds.csv" if out is not None else ""
     dropout = f"dropout {summary['dropout']:g}: " if summary.get("dropout") else ""
     lines.append(f"  {dropout}{log['survivors']} of {log['participants']} uploads arrived over {log['rounds']} "
@@ -95,10 +98,27 @@ def train_protocol_lines(summary: dict, out) -> list[str]:
                      f"in round(s) {', '.join(map(str, log['clipped_rounds']))}: those sums are biased; raise "
                      f"--sa-clipping-range or --sa-max-weight")
     if log["aborted_rounds"]:
-        lines.append(f"warning: round(s) {', '.join(map(str, log['aborted_rounds']))} aborted: fewer clients "
-                     f"survived than --sa-threshold needs, so the server could not unmask and kept its model; lower "
-                     f"--dropout or --sa-threshold")
+        lines.append(f"warning: round(s) {', '.join(map(str, log['aborted_rounds']))} aborted: some client's "
+                     f"neighbourhood kept fewer surviving share-holders than --sa-threshold needs (or a round had "
+                     f"fewer than 2 clients), so the server could not unmask and kept its model; lower --dropout or "
+                     f"--sa-threshold, or raise --sa-num-shares")
     return lines
+
+
+def _share_words(p: dict) -> str:
+    """The masking graph and unmasking threshold of a protocol's ``describe()`` (a summary written before
+    the shares were recorded names ``neighbours`` and a fraction of the round's clients instead)."""
+    if "num_shares" not in p:
+        graph = "every other client" if p.get("neighbours") is None else f"{p['neighbours']} neighbours (SecAgg+)"
+        return f"{graph}; unmasking needs {100 * p['reconstruction_threshold']:g} % of a round's clients"
+    shares, threshold = p["num_shares"], p["reconstruction_threshold"]
+    if isinstance(shares, float):
+        graph = ("every other client" if shares >= 1 else
+                 f"its ring neighbours, {100 * shares:g} % of a round's clients sharing its secrets (SecAgg+)")
+    else:
+        graph = f"its {shares - 1} ring neighbours (SecAgg+)"
+    need = (f"{100 * threshold:g} % of them (at least 2)" if isinstance(threshold, float) else f"{threshold} of them")
+    return f"{graph}; unmasking needs every client's share-holders, itself included, to keep {need} alive"
 
 
 def mia_lines(method: str, summary: dict, out) -> list[str]:

@@ -280,3 +280,35 @@ EVIDENCE_ITERATIONS = click.option(
     "--evidence-iterations", type=COUNT, default=300, show_default=True,
     help="Optimisation steps for each evidence attack, and for inverting the uploads towards a private value "
          "(e.g. FedeCouple's anchors).")
+
+
+class CountOrFraction(click.ParamType):
+    """A SecAgg+ setting Flower's ``SecAggPlusWorkflow`` takes as an integer (a count) or a float (a
+    fraction): written without a decimal point it is a count of at least ``least``, with one a fraction in
+    (0, 1]; 1 is the fraction 1.0, as Flower reads it. A bad value is one ``UserError`` line."""
+
+    name = "count-or-fraction"
+
+    def __init__(self, least: int):
+        self.least = least
+
+    def convert(self, value, param, ctx):
+        flag = param.opts[0] if param is not None else "value"
+        wanted = f"an integer of at least {self.least} (a count) or a fraction in (0, 1]"
+        number = value
+        if isinstance(value, str):
+            text = value.strip()
+            try:
+                number = int(text) if text.lstrip("+-").isdigit() else float(text)
+            except ValueError:
+                raise UserError(f"{flag} expects {wanted}, got {value!r}") from None
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise UserError(f"{flag} expects {wanted}, got {value!r}")
+        if isinstance(number, int):
+            if number == 1:
+                return 1.0
+            if number >= self.least:
+                return number
+        elif 0 < number <= 1:
+            return number
+        raise UserError(f"{flag} must be {wanted}, got {value}")

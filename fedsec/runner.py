@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -71,22 +72,38 @@ class ExecutionConfig:
 
 @dataclass
 class SecureConfig:
-    """``--secure-aggregation`` and the protocol's parameters (``fedecouple.secure_aggregation``;
-    defaults: Flower's ``SecAggPlusWorkflow``'s). Off: the server sees every upload."""
+    """``--secure-aggregation`` and the protocol's parameters (``fedecouple.secure_aggregation``, with the
+    meaning Flower's ``SecAggPlusWorkflow`` gives them; defaults: its own, every pair masking). Off: the
+    server sees every upload."""
 
     secure_aggregation: bool = False
     sa_clipping_range: float = SecureAggregation.clipping_range
     sa_quantization_range: int = SecureAggregation.quantization_range
     sa_modulus: int = SecureAggregation.modulus
-    sa_neighbours: int | None = SecureAggregation.neighbours
-    sa_threshold: float = SecureAggregation.reconstruction_threshold
+    sa_num_shares: int | float = SecureAggregation.num_shares
+    sa_threshold: int | float = SecureAggregation.reconstruction_threshold
     sa_max_weight: float = SecureAggregation.max_weight
+    sa_clear_fields: str = SecureAggregation.clear_fields
 
     def protocol(self, seed: int) -> SecureAggregation | None:
+        """The protocol (None: off); a bad combination of values is a one-line error naming the flags."""
         if not self.secure_aggregation:
             return None
-        return SecureAggregation(self.sa_clipping_range, self.sa_quantization_range, self.sa_modulus,
-                                 self.sa_neighbours, self.sa_threshold, self.sa_max_weight, seed)
+        try:
+            return SecureAggregation(clipping_range=self.sa_clipping_range,
+                                     quantization_range=self.sa_quantization_range, modulus=self.sa_modulus,
+                                     num_shares=self.sa_num_shares, reconstruction_threshold=self.sa_threshold,
+                                     max_weight=self.sa_max_weight, seed=seed, clear_fields=self.sa_clear_fields)
+        except UserError as exc:  # the engine names its own fields; the user gave flags
+            raise UserError(_PROTOCOL_FIELD.sub(lambda m: PROTOCOL_FLAGS[m.group(0)], str(exc))) from None
+
+
+# the protocol's fields (``SecureAggregation``) and the flags that set them
+PROTOCOL_FLAGS = {"clipping_range": "--sa-clipping-range", "quantization_range": "--sa-quantization-range",
+                  "modulus": "--sa-modulus", "num_shares": "--sa-num-shares",
+                  "reconstruction_threshold": "--sa-threshold", "max_weight": "--sa-max-weight",
+                  "clear_fields": "--sa-clear-fields"}
+_PROTOCOL_FIELD = re.compile(r"\b(" + "|".join(PROTOCOL_FLAGS) + r")\b")
 
 
 # the settings that never change a result: where the data lives and how (where) it is computed
@@ -288,12 +305,31 @@ def round_summary(fed: Federation, config: RunConfig) -> tuple[dict, pd.DataFram
         "clipped_rounds": frame.loc[frame["clipped"] > 0, "round"].astype(int).tolist(),
         "aborted_rounds": frame.loc[frame["aborted"].astype(bool), "round"].astype(int).tolist()}}
     if protocol is not None:
+        clear = in_the_clear(protocol, fed.method.upload_kinds(fed.model), fed.channel.recorder.aggregates.values())
+        beside = (f"; in the clear beside each masked upload: {', '.join(clear)} (as Flower's SecAgg+ leaves a "
+                  f"FitRes' num_examples and metrics)" if clear else
+                  "; nothing in the clear" + (" (clear_fields hidden: stricter than Flower's SecAgg+, which sends "
+                                              "each FitRes' num_examples and metrics unmasked)"
+                                              if protocol.clear_fields == "hidden" else ""))
         entries["secure_aggregation"] = {
-            "server_held": "the sum of each round's arrived uploads, never one upload (masked uploads are uniform "
-                           "over the modulus)",
+            "server_held": "the sum of each round's arrived summands, never one client's (masked uploads are "
+                           "uniform over the modulus)" + beside,
+            "in_the_clear": clear,
             "protocol": {**protocol.describe(), "quantum": protocol.quantum},
-            "decoding_bound": "each summed value within (survivors x quantum) of the true sum"}
+            "decoding_bound": "each summed value within (survivors x quantum) of the sum of what the survivors "
+                              "sent; a client's weight n / max_weight is sent as round(weight x quantization_range), "
+                              "exactly"}
     return entries, frame
+
+
+def in_the_clear(protocol: SecureAggregation, upload_kinds: set[str], records) -> list[str]:
+    """The fields a run's masked uploads carried unmasked: under ``clear_fields="flower"`` the sample
+    count when the method uploads one (``upload_kinds``: its manifest's, so a resumed run whose records
+    cover only its new rounds says the same) and the training metrics the records hold; none when hidden."""
+    if protocol.clear_fields != "flower":
+        return []
+    return sorted(({"sample_count"} if "sample_count" in upload_kinds else set())
+                  | {name for record in records for values in record.clear.values() for name in values})
 
 
 def write_metrics(out: Path, fed: Federation, config: RunConfig, seconds: float) -> dict:

@@ -35,8 +35,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower_secagg"
 NODES = 4
 CONFIG = {"num-server-rounds": 2, "victim-batch": 4, "victim-steps": 1, "victim-rounds": "1", "max-weight": 1200.0,
           "quantization-range": 2 ** 26}
-PROTOCOL = SecureAggregation(clipping_range=8.0, quantization_range=2 ** 26, modulus=2 ** 32, neighbours=2,
-                             reconstruction_threshold=2 / 3, max_weight=1200.0)
+PROTOCOL = SecureAggregation(clipping_range=8.0, quantization_range=2 ** 26, modulus=2 ** 32, num_shares=3,
+                             reconstruction_threshold=2, max_weight=1200.0)
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +229,7 @@ def test_a_round_halted_before_the_strategy_is_recorded_as_aborted(server_identi
                         message_type="train") for node in (10, 20, 30)]
     assert recording.sent(messages) == Stage.SETUP
     recording.end()
-    assert recording.recorder.secure == SecureAggregation(neighbours=None, reconstruction_threshold=2 / 3)
+    assert recording.recorder.secure == SecureAggregation(num_shares=1.0, reconstruction_threshold=2)
     record = recording.recorder.aggregates[0]
     assert record.participants == record.dropped == (0, 1, 2) and record.survivors == () and record.total == {}
     assert record.aborted == "SecAgg+ halted in its setup stage: the server unmasked nothing"

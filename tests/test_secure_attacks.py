@@ -20,6 +20,35 @@ def test_the_round_histogram_of_ten_one_image_clients_is_exact_at_round_0(tmp_pa
     assert summary["histogram"]["exact_rounds"] == summary["histogram"]["rounds"] == 1
     rows = pd.read_csv(out / "attack.csv")
     assert rows["true_count"].sum() == 10 and (rows["predicted_count"] == rows["true_count"]).all()
+    # by default the clients' sample counts travel in the clear, as in Flower's SecAgg+: the reading says so
+    assert "sample count and training metrics" in summary["threat_model"]["server_sees"]
+    assert any("sample counts travel in the clear" in note for note in summary["notes"])
+    hidden = tmp_path / "hidden"
+    code, _, err = run_cli(["attack", "sum-labels", *SECURE, "--clients", "10", "--train-images", "1",
+                            "--sa-clear-fields", "hidden", "--out", hidden], capsys)
+    assert code == 0, err[-2000:]
+    kept = json.loads((hidden / "summary.json").read_text())
+    assert "nothing in the clear" in kept["threat_model"]["server_sees"]
+    assert not any("in the clear" in note for note in kept["notes"])
+    assert pd.read_csv(hidden / "attack.csv")["predicted_count"].tolist() == rows["predicted_count"].tolist()
+
+
+def test_binning_through_the_sum_writes_each_images_input_error_as_its_per_client_twin(tmp_path, capsys):
+    """sum-binning's attack.csv holds one row per image of the round, each with the relative error of its
+    recovered first-linear-layer input (``input_error``, as binning's per-client rows), and summary.json the
+    share recovered exactly (relative error <= 1e-3): the figure bench/secure_malicious.py measures."""
+    out = tmp_path / "binning"
+    code, _, err = run_cli(["attack", "sum-binning", *SECURE, "--dataset", "digits", "--partition", "iid",
+                            "--clients", "4", "--train-images", "5", "--victim-batch", "0", "--iterations", "2",
+                            "--out", out], capsys)
+    assert code == 0, err[-2000:]
+    rows = pd.read_csv(out / "attack.csv")
+    assert len(rows) == 20 and sorted(rows["client"].value_counts().to_dict().items()) == [(c, 5) for c in range(4)]
+    assert rows["input_error"].notna().all() and (rows["input_error"] >= 0).all()
+    summary = json.loads((out / "summary.json").read_text())
+    exact = float((rows["input_error"] <= 1e-3).mean())
+    assert summary["inputs_exact_share"] == exact > 0
+    assert summary["inputs_median_error"] == float(rows["input_error"].median())
 
 
 def test_disaggregation_recovers_every_clients_label_counts(tmp_path, capsys):

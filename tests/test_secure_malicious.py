@@ -3,6 +3,7 @@ isolating one update in it, and the clients' download-consistency check."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from fedecouple.engine import Federation, FederationConfig, GroundTruth
 from fedecouple.errors import UserError
 from fedecouple.methods import make_method
 from fedecouple.methods.base import TrainConfig
-from fedecouple.secure_aggregation import SecureAggregation
+from fedecouple.secure_aggregation import SecureAggregation, weight_factor
 from fedsec.malicious import MaliciousServer, public_images
 
 CLIENTS, IMAGES = 6, 5
@@ -84,7 +85,10 @@ def test_inconsistency_leaves_only_the_targets_update_in_the_attacked_layer_of_t
     fed, server, plain, make = federation(inconsistency.SPEC, "isolate")
     aggregate = fed.channel.recorder.aggregates[0]
     target, record = inconsistency.target_record({c: r for (_, c), r in server.records.items()})
-    layer, w = record.layer, float(plain.uploads[target]["sample_count"]) / fed.channel.secure.max_weight
+    protocol = fed.channel.secure
+    # the target's weight as the protocol sends it: Flower's factor round(n / W · Q), over Q
+    n = int(plain.uploads[target]["sample_count"])
+    layer, w = record.layer, weight_factor(protocol, n / protocol.max_weight) / protocol.quantization_range
     for client, upload in plain.uploads.items():
         if client != target:  # a silenced client's attacked layer never leaves zero
             assert not upload[f"{layer}.weight"].any() and not upload[f"{layer}.bias"].any()
@@ -97,6 +101,11 @@ def test_inconsistency_leaves_only_the_targets_update_in_the_attacked_layer_of_t
     assert weight == pytest.approx(w, rel=1e-3)
     truths = true_inputs(make(), record, client_images(fed, [target]))
     assert bool((relative_errors(inputs, truths).min(0).values <= 1e-3).any())
+    # the target's sample count travels in the clear (Flower's SecAgg+): its weight is read there, exactly
+    assert aggregate.clear[target] == {"sample_count": n}
+    assert inconsistency.clear_weight(SimpleNamespace(clear=aggregate.clear, protocol=protocol), target) == w
+    inputs, weight = inconsistency.read_isolated(record, aggregate.total, following, bound, w)
+    assert weight == w and bool((relative_errors(inputs, truths).min(0).values <= 1e-3).any())
 
 
 def test_the_consistency_check_flags_an_inconsistent_round_and_passes_a_consistent_one():

@@ -16,7 +16,10 @@ What is constant across rounds, and so recovered:
   for FedProto's summed class counts, the classifier-bias rule for the FedAvg family), least squares
   gives each client's (C,) counts, rounded to integers (exact when every round's histogram is, and the
   client's data set is fixed: ``--train-images N``, not the victim setting, whose batch changes per round);
-* the per-client weight wᵢ = nᵢ/max_weight (FedAvg's summed ``sample_count``), hence nᵢ;
+* the per-client weight wᵢ = nᵢ/max_weight (FedAvg's summed ``sample_count``), hence nᵢ. Where the
+  clients' sample counts travel in the clear (``clear_fields="flower"``, as in Flower's SecAgg+, which
+  leaves each FitRes' num_examples unmasked) the server reads nᵢ there instead, exactly, and the weight
+  each client's update carries in the sum is Flower's ŵᵢ = round(nᵢ/max_weight · Q)/Q;
 * the per-client weighted update wᵢ·Δθᵢ: it changes as the global model trains, so least squares returns
   a combination of each client's updates over the window, plus what the other clients' changes leave
   behind; how much of the client survives that is what the per-client attack below measures.
@@ -41,6 +44,8 @@ import time
 import numpy as np
 import torch
 from torch import nn
+
+from fedecouple.secure_aggregation import weight_factor
 
 from ..base import AttackResult, Budget, NotApplicable
 from ..inversion.closed_form import last_linear_layer, linear_input
@@ -88,7 +93,8 @@ def client_counts(obs: RoundObservation, rounds: list[RoundSum], matrix: np.ndar
                   clients: list[int], notes: list[str]) -> tuple[dict, float | None]:
     """({client: its (C,) label counts, None where unresolved}, the residual) from the rounds' histograms."""
     try:
-        histograms = np.stack([round_counts(obs, s.total, s.sent).counts.numpy() for s in rounds]).astype(np.float64)
+        histograms = np.stack([round_counts(obs, s.total, s.sent, s.sample_counts()).counts.numpy()
+                               for s in rounds]).astype(np.float64)
     except NotApplicable as exc:
         notes.append(f"no per-client label counts: {exc}")
         return {}, None
@@ -105,6 +111,26 @@ def client_updates(rounds: list[RoundSum], matrix: np.ndarray) -> tuple[list[str
     updates, residual = solve(matrix, flat)
     weights, _ = solve(matrix, np.array([weight_of(s.total) for s in rounds], dtype=np.float64))
     return names, updates, weights, residual
+
+
+def clear_counts(rounds: list[RoundSum]) -> dict[int, int]:
+    """{client: nᵢ} for every client whose sample count travelled in the clear in the window, and was the
+    same in every round it did (a changing count is left to least squares)."""
+    seen: dict[int, set[int]] = {}
+    for s in rounds:
+        for client, fields in s.clear.items():
+            if SAMPLE_COUNT in fields and client in s.survivors:
+                seen.setdefault(int(client), set()).add(int(fields[SAMPLE_COUNT]))
+    return {c: next(iter(values)) for c, values in seen.items() if len(values) == 1}
+
+
+def flower_weight(obs: RoundObservation, n: int) -> float:
+    """The weight nᵢ's update carries in the sum: n / max_weight as Flower's rounded factor over Q (the
+    exact ratio where the round's protocol was not handed over)."""
+    protocol = obs.protocol
+    if protocol is None:
+        return n / obs.max_weight
+    return weight_factor(protocol, n / protocol.max_weight) / protocol.quantization_range
 
 
 def unflatten(vector: np.ndarray, like: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
@@ -187,10 +213,17 @@ def _images(obs: RoundObservation, rounds: list[RoundSum], matrix: np.ndarray, o
         return [], [], []
     names, updates, weights, residual = client_updates(rounds, matrix)
     trace["update_residual"] = residual
+    known = clear_counts(rounds)
+    if known:
+        notes.append(f"{len(known)} of {len(clients)} clients' sample counts read in the clear (Flower's SecAgg+ "
+                     f"leaves num_examples unmasked), not solved for")
+        for i, c in enumerate(clients):
+            if c in known:
+                weights[i] = flower_weight(obs, known[c])
     params = mean_model(rounds)
     images, labels, image_clients, per_client = [], [], [], {}
     for i, c in enumerate(clients):
-        n = int(round(weights[i] * obs.max_weight))
+        n = known[c] if c in known else int(round(weights[i] * obs.max_weight))
         if not ok[i] or n != 1 or not weights[i] > 0:
             per_client[c] = {"images": n, "attacked": False}
             continue

@@ -18,6 +18,11 @@ it is scored:
   (one-to-one, ``attacks.metrics.score_images``), beside the mean-image prior and the class prior;
   one ``attacks.harness.IMAGE_COLUMNS`` row per image, its ``client`` the owner of the matched image;
   the leakage statistics (``attacks.metrics.leakage_statistics``) over them;
+* a malicious server's read-back of crafted-layer inputs (``variables["inputs"]``: ``sum-binning``,
+  ``inconsistency``, ``sybil``) is scored as its per-client twin (``binning``) scores it
+  (``AttackSpec.score_target``): one row per ground-truth image, its true input matched one-to-one to a
+  recovered one with the relative error as ``input_error`` and the image rebuilt from that input scored
+  against it, and the attack's own statistics (the share of inputs recovered exactly);
 * ``trace["label_counts"]``: the round's histogram (C,) against the survivors' true one: exact or not,
   and the count error Σₖ|n̂ₖ − nₖ| (the summary's ``histogram``); one ``ROUND_LABEL_COLUMNS`` row per
   class with client −1;
@@ -39,12 +44,13 @@ from fedecouple.engine import derive_seed
 
 from ..base import AttackResult, Budget, NotApplicable
 from ..harness import IMAGE_COLUMNS, MAX_PANELS, AttackSummary, check_summary
-from ..metrics import (SUMMARY_KEYS, leakage_statistics, prediction_accuracy, score_images,
+from ..metrics import (SUMMARY_KEYS, leakage_statistics, prediction_accuracy, psnr, score_images,
                        score_label_distribution, summarize_scores)
 from ..recorded import RecordedRun, ThreatModel, auxiliary_data
 from ..registry import AttackSpec, get
 from ..statistics import bootstrap_mean, clopper_pearson
 from .observation import observe_round
+from .sized_binning import scored_record
 
 ROUND_LABEL_COLUMNS = ["method", "attack", "mode", "round", "client", "class", "true_count", "predicted_count",
                        "true_proportion", "predicted_proportion"]
@@ -54,6 +60,17 @@ TRACE_KEYS = ("rank", "count_residual", "update_residual", "per_client", "data_t
               "count_error_bound")
 SERVER_SEES = ("the decoded sum of each round's surviving summands, the masked uploads (uniform noise), who took "
                "part and who dropped out, the downloads it sent, the initial model")
+
+
+def server_sees(protocol) -> str:
+    """What the server held (``SERVER_SEES``), with the fields that travelled in the clear under
+    ``protocol`` (a ``SecureAggregation``; None: not recorded)."""
+    if protocol is None:
+        return SERVER_SEES
+    if getattr(protocol, "clear_fields", "flower") == "flower":
+        return (SERVER_SEES + "; in the clear beside each masked upload, as Flower's SecAgg+ leaves them: each "
+                "survivor's sample count and training metrics")
+    return SERVER_SEES + "; nothing in the clear (clear fields hidden, stricter than Flower's SecAgg+)"
 
 
 @dataclass
@@ -182,10 +199,12 @@ def score_round(run: RecordedRun, spec: AttackSpec, job: RoundTarget, prior: tor
                                    **score_label_distribution(predicted.double(), true)}
     if "client_label_counts" in result.trace:
         job.scores["client_counts"] = _client_counts(run, job, base, result.trace["client_label_counts"])
-    if spec.rebuilds_images and len(result.images):
+    record = scored_record(obs.crafted) if spec.score_target is not None and "inputs" in result.variables else None
+    if spec.rebuilds_images and (len(result.images) or record is not None):
         clients = result.trace.get("clients", obs.survivors)
         idx, owners = ground_truth(run, job.round, clients)
-        job.rows = _image_rows(run, base, result, idx, owners, prior, panels)
+        job.rows = (_image_rows(run, base, result, idx, owners, prior, panels) if record is None else
+                    _recovered_rows(run, spec, base, result, record, idx, owners, prior, panels))
     job.check = forward_check(run, spec, job)
 
 
@@ -233,12 +252,7 @@ def _image_rows(run: RecordedRun, base: dict, result: AttackResult, idx: torch.T
                 prior: torch.Tensor, panels: list) -> list[dict]:
     dataset = run.dataset
     truths, truth_labels = dataset.images[idx], dataset.labels[idx]
-    keep = torch.ones(len(dataset), dtype=torch.bool)
-    keep[idx] = False  # the class prior: class means of every image but the ones scored against
-    sums = torch.zeros(dataset.num_classes, *dataset.images.shape[1:]).index_add_(0, dataset.labels[keep],
-                                                                                  dataset.images[keep])
-    counts = torch.bincount(dataset.labels[keep], minlength=dataset.num_classes).clamp_min(1)
-    priors = sums / counts.view(-1, *([1] * (dataset.images.dim() - 1)))
+    priors = _class_priors(dataset, idx)
     rows = []
     for i, j, row in score_images("images", result.images, result.labels, truths, truth_labels, prior, priors):
         rows.append({**base, "client": int(owners[j]), "image": i, "psnr": row["psnr"], "ssim": row["ssim"],
@@ -247,6 +261,35 @@ def _image_rows(run: RecordedRun, base: dict, result: AttackResult, idx: torch.T
                      "label_pred": int(result.labels[i]) if i < len(result.labels) else -1})
         if len(panels) < MAX_PANELS:
             panels.append((truths[j], result.images[i], row["psnr"], f"r{base['round']} c{int(owners[j])}"))
+    return rows
+
+
+def _class_priors(dataset, idx: torch.Tensor) -> torch.Tensor:
+    """(C, ...) class-mean images of every image but those scored against (``idx``)."""
+    keep = torch.ones(len(dataset), dtype=torch.bool)
+    keep[idx] = False
+    sums = torch.zeros(dataset.num_classes, *dataset.images.shape[1:]).index_add_(0, dataset.labels[keep],
+                                                                                  dataset.images[keep])
+    counts = torch.bincount(dataset.labels[keep], minlength=dataset.num_classes).clamp_min(1)
+    return sums / counts.view(-1, *([1] * (dataset.images.dim() - 1)))
+
+
+def _recovered_rows(run: RecordedRun, spec: AttackSpec, base: dict, result: AttackResult, record, idx: torch.Tensor,
+                    owners: np.ndarray, prior: torch.Tensor, panels: list) -> list[dict]:
+    """One row per ground-truth image, as the per-client harness scores a malicious read-back
+    (``attacks.harness._score_malicious``): ``spec.score_target``'s row (its recovered input's relative
+    error as ``input_error``), its owner as ``client``, the class prior's PSNR."""
+    dataset = run.dataset
+    truths, truth_labels = dataset.images[idx], dataset.labels[idx]
+    priors = _class_priors(dataset, idx)
+    rows = []
+    for row in spec.score_target(run.make_model, record, result, truths, truth_labels, prior):
+        j = row.pop("truth_index")
+        rows.append({**base, "client": int(owners[j]), "image": j, "label_pred": -1, **row,
+                     "class_prior_psnr": float(psnr(priors[int(row["label_true"])], truths[j]))})
+        if len(panels) < MAX_PANELS and row["reconstruction"] >= 0:
+            panels.append((truths[j], result.images[row["reconstruction"]], row["psnr"],
+                           f"r{base['round']} c{int(owners[j])}"))
     return rows
 
 
@@ -266,6 +309,8 @@ def round_statistics(jobs: list[RoundTarget], rows: list[dict], spec: AttackSpec
     Clopper–Pearson interval and the mean count error with a bootstrap interval) and the per-client
     counts' exactness."""
     out = leakage_statistics(rows, seed=seed) if spec.rebuilds_images else {}
+    if spec.rebuilds_images and spec.statistics is not None:
+        out.update(spec.statistics(rows, seed))  # e.g. a malicious read-back's share of exact inputs
     hist = [j.scores["histogram"] for j in jobs if "histogram" in j.scores]
     if hist:
         errors = np.array([h["count_error"] for h in hist], dtype=float)
@@ -306,8 +351,8 @@ def _summary(run: RecordedRun, spec: AttackSpec, jobs: list[RoundTarget], threat
         threat_model={"hyperparameters_known": threat.hyperparameters_known, "head_known": threat.head_known,
                       "mode_requested": threat.mode,
                       "modes_used": sorted({str(j.result.trace.get("mode", "n/a")) for j in scored}),
-                      "server_sees": SERVER_SEES, "public_data": threat.aux_data or "the pooled data set without "
-                      "any client's training images",
+                      "server_sees": server_sees(getattr(run.recorder, "secure", None)),
+                      "public_data": threat.aux_data or "the pooled data set without any client's training images",
                       **({"server": f"malicious: crafts the attacked rounds' downloads ({threat.craft})"}
                          if spec.malicious else {})},
         per_target=[{"round": j.round, "client": -1, "survivors": len(j.observation.survivors),

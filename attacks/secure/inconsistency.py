@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from attacks.malicious.craft import CraftRecord, first_linear, load, next_linear, not_reachable
-from fedecouple.secure_aggregation import neighbours
+from fedecouple.secure_aggregation import neighbours, weight_factor
 
 from ..base import AttackResult, Budget, NotApplicable
 from ..registry import AttackSpec, CraftRequest, register
@@ -95,15 +95,27 @@ def isolated_weight(record: CraftRecord, total: dict[str, torch.Tensor], followi
 
 
 def read_isolated(record: CraftRecord, total: dict[str, torch.Tensor], following: str,
-                  error: float = 0.0) -> tuple[torch.Tensor, float]:
+                  error: float = 0.0, weight: float | None = None) -> tuple[torch.Tensor, float]:
     """(candidate inputs of the target's crafted layer, its weight w_t) from a round's sum in which
     every other survivor was silenced; ``following``: the linear layer after the crafted one;
-    ``error``: how far each summed value may lie from the exact sum (``sized_binning.denoise``)."""
-    weight = isolated_weight(record, total, following)
+    ``error``: how far each summed value may lie from the exact sum (``sized_binning.denoise``);
+    ``weight``: w_t where the server knows it (from the target's sample count in the clear), else read
+    from the sum (``isolated_weight``)."""
+    weight = isolated_weight(record, total, following) if weight is None else float(weight)
     if not weight > 0:
         raise NotApplicable("the target's update is not in the sum (it did not survive, or withheld it)")
     names = {f"{record.layer}.weight", f"{record.layer}.bias"}  # the crafted layer: all the readout reads
     return read_sum(record, {k: v for k, v in total.items() if k in names}, weight, error), weight
+
+
+def clear_weight(observation, client: int) -> float | None:
+    """The weight ``client``'s summands carry in the sum, from its sample count in the clear: Flower's
+    round(n / max_weight · Q) / Q (None: its count was hidden, or the protocol not handed over)."""
+    count = observation.clear.get(int(client), {}).get("sample_count")
+    protocol = observation.protocol
+    if count is None or protocol is None:
+        return None
+    return weight_factor(protocol, int(count) / protocol.max_weight) / protocol.quantization_range
 
 
 def inconsistency_craft(request: CraftRequest) -> tuple[dict[str, torch.Tensor], RoundCraft]:
@@ -129,10 +141,14 @@ def inconsistency(observation, budget: Budget, seed: int) -> AttackResult:
     if target not in observation.survivors:
         raise NotApplicable(f"the target (client {target}) withheld its upload or dropped out: it is not in the sum")
     following = next_linear(observation.make_model(), record.layer)
+    known = clear_weight(observation, target)
     inputs, weight = read_isolated(record, observation.total, following,
-                                   len(observation.survivors) * observation.quantum)
+                                   len(observation.survivors) * observation.quantum, known)
     roles = [getattr(r, "role", "") for r in observation.crafted.values()]
     notes = list(record.notes)
+    if known is not None:
+        notes.append("the target's weight is its sample count in the clear (Flower's SecAgg+ leaves num_examples "
+                     "unmasked) at Flower's rounding, not read from the silenced layer")
     if "neighbour" in roles:
         notes.append("the target's neighbours got its model too: their surviving updates share its bins")
     return rebuilt(observation, record, inputs.float(), budget, seed,

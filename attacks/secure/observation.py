@@ -11,15 +11,20 @@ client's upload: each masked upload is uniform noise. What it holds, per round, 
   FedProto Σ nᵢₖ·cᵢₖ / max_weight and Σ nᵢₖ / max_weight per class k. Each value lies within
   ``len(survivors) * quantum`` of the exact sum (the protocol's quantisation); empty when the round was
   ``aborted`` (too few survivors to unmask);
+* ``clear``: what each survivor's upload carried unmasked beside its masked vector. Under the default
+  ``clear_fields="flower"`` that is what Flower's SecAgg+ leaves in the clear, the client's sample count
+  nᵢ (``sample_count``, its FitRes num_examples) and its training metrics (``metric.*``); under
+  ``"hidden"`` nothing. ``sample_counts()`` reads the nᵢ where every survivor reported one;
 * what it sent each participant (``downloads``, the tensors as sent), and its own initial model
   (``make_model``);
 * every earlier round the same way (``history``: one ``RoundSum`` per recorded round up to and
   including this one), which is what a multi-round attack (gradient disaggregation) reads.
 
 Beside the traffic, the threat model may hand the attacker the clients' local training settings
-(``known_hyperparameters``: lr, steps, batch size, epochs; never a client's own sample count, which the
-sum hides), public data of the same domain (``auxiliary``: images in [0, 1] and their labels) and, for a
-malicious server, its record of what it crafted for each client (``crafted``: client → record, as
+(``known_hyperparameters``: lr, steps, batch size, epochs, for a client of the round's mean size; each
+client's own size is known only where it travels in the clear, ``clear``), public data of the same
+domain (``auxiliary``: images in [0, 1] and their labels) and, for a malicious server, its record of
+what it crafted for each client (``crafted``: client → record, as
 ``attacks.registry.AttackSpec.craft_download`` returns it; empty for an honest server). It never holds
 a client's data: the harness (``attacks.secure.harness``) scores a result against the survivors'
 training images only after the attack returned.
@@ -33,7 +38,8 @@ docstring.
 ``observe_round(run, round, ...)`` builds the observation from an ``attacks.recorded.RecordedRun``
 whose recorder has ``secure`` set (``fedsec attack --secure-aggregation``). The helpers below
 (``summed_update``, ``weight_of``, ``sample_total``) read the sum the way FedAvg-family sums are built
-(``fedecouple.methods.base.weighted_summands``).
+(``fedecouple.methods.base.weighted_summands``, each weight sent as Flower's rounded factor, so that the
+sum is Σ ŵᵢ·θᵢ and Σ ŵᵢ with ŵᵢ = round(wᵢ·Q)/Q: ``fedecouple.secure_aggregation.with_flower_weight``).
 """
 from __future__ import annotations
 
@@ -64,6 +70,11 @@ class RoundSum:
     total: dict[str, torch.Tensor]
     aborted: str | None = None
     sent: dict[str, torch.Tensor] | None = None
+    clear: dict[int, dict[str, float]] = field(default_factory=dict)  # survivor -> its unmasked fields
+
+    def sample_counts(self) -> dict[int, int] | None:
+        """Each survivor's nᵢ as it travelled in the clear (None: some survivor's did not)."""
+        return clear_sample_counts(self.clear, self.survivors)
 
 
 @dataclass
@@ -89,10 +100,24 @@ class RoundObservation:
     crafted: dict[int, object] = field(default_factory=dict)  # a malicious server's record per client
     history: dict[int, RoundSum] = field(default_factory=dict)  # every recorded round <= ``round``
     device: str = "cpu"
+    clear: dict[int, dict[str, float]] = field(default_factory=dict)  # survivor -> its unmasked fields
+    protocol: object = None  # the ``SecureAggregation`` the round ran under (None: not handed over)
 
     def sent(self) -> dict[str, torch.Tensor] | None:
         """The download every participant got this round when it was one for all, else None."""
         return common_download(self.downloads)
+
+    def sample_counts(self) -> dict[int, int] | None:
+        """Each survivor's nᵢ as it travelled in the clear (None: some survivor's did not)."""
+        return clear_sample_counts(self.clear, self.survivors)
+
+
+def clear_sample_counts(clear: dict[int, dict[str, float]], survivors) -> dict[int, int] | None:
+    """{survivor: nᵢ} from the fields in the clear, or None unless every survivor sent its count."""
+    counts = {int(c): clear.get(int(c), {}).get(SAMPLE_COUNT) for c in survivors}
+    if not counts or any(n is None for n in counts.values()):
+        return None
+    return {c: int(n) for c, n in counts.items()}
 
 
 def common_download(downloads: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
@@ -177,30 +202,36 @@ def public_prediction(model: SplitModel, sent: dict[str, torch.Tensor], auxiliar
 
 
 def round_counts(obs: RoundObservation, total: dict[str, torch.Tensor] | None = None,
-                 sent: dict[str, torch.Tensor] | None = None) -> RoundCounts:
-    """The survivors' label histogram from one round's sum (``total``/``sent``: another round's, default
-    this one's), by the first rule that applies:
+                 sent: dict[str, torch.Tensor] | None = None,
+                 sizes: dict[int, int] | None = None) -> RoundCounts:
+    """The survivors' label histogram from one round's sum (``total``/``sent``/``sizes``: another round's,
+    default this one's; ``sizes``: its survivors' nᵢ where they travelled in the clear), by the first rule
+    that applies:
 
     * summed class counts (FedProto): Σᵢ nᵢₖ exactly, up to the quantisation;
     * a FedAvg-family sum with the classifier's bias: one plain SGD step on a client's nᵢ images moves
       the bias by Δbᵢ = −lr·(1/nᵢ)·Σⱼ (pⱼ − yⱼ), so with wᵢ = nᵢ/max_weight the summed weighted update is
       ΔB = −(lr/max_weight)·Σⱼ (pⱼ − yⱼ) over every survivor's image: the counts are
-      Σⱼ yⱼ = Σⱼ pⱼ + max_weight·ΔB/lr, with Σⱼ pⱼ estimated as N·p̂ (N = Σ nᵢ from the summed weight, p̂
-      the sent model's mean prediction on public data: ``public_prediction``) and rounded to N by
-      largest remainders. Exact where |Σⱼ pⱼ − N·p̂ₖ| < ½ (an untrained model's near-uniform
-      predictions); for clients taking several local steps it is an approximation (noted).
+      Σⱼ yⱼ = Σⱼ pⱼ + max_weight·ΔB/lr, with Σⱼ pⱼ estimated as N·p̂ (N = Σ nᵢ, from the clear sample
+      counts where they travel in the clear, else from the summed weight; p̂ the sent model's mean
+      prediction on public data: ``public_prediction``) and rounded to N by largest remainders. Exact
+      where |Σⱼ pⱼ − N·p̂ₖ| < ½ (an untrained model's near-uniform predictions); for clients taking
+      several local steps it is an approximation (noted): each image's weight in the bias update
+      depends on its client's size, taken from the clear counts where the server has them (their
+      image-weighted mean), else as the round's mean size.
 
     Raises ``NotApplicable`` when the sum holds neither."""
     from ..inversion.closed_form import round_to_total  # largest-remainder rounding to a total
 
-    total = obs.total if total is None else total
+    if total is None:
+        total, sizes = obs.total, obs.sample_counts()
     sent = obs.sent() if sent is None else sent
     model = obs.make_model()
     raw = summed_class_counts(obs.method, model, total, obs.max_weight, obs.num_classes)
     if raw is not None:
         return RoundCounts(raw.round().clamp_min(0).to(torch.int64), raw, "summed class counts",
                            [f"{obs.method.name} sums its clients' class counts: the round's histogram is read exactly"])
-    n = sample_total(total, obs.max_weight)
+    n = sample_total(total, obs.max_weight) if sizes is None else sum(sizes.values())
     hp = obs.known_hyperparameters
     if "classifier.bias" not in total or sent is None or "classifier.bias" not in sent or n is None:
         raise NotApplicable(f"{obs.method.name}'s secure sum holds no class counts and no update of a classifier "
@@ -210,12 +241,20 @@ def round_counts(obs: RoundObservation, total: dict[str, torch.Tensor] | None = 
                             "(drop --hyperparameters-unknown)")
     delta = summed_update(total, sent, ["classifier.bias"])["classifier.bias"]
     predicted, how = public_prediction(model, sent, obs.auxiliary, obs.image_shape)
-    raw = n * predicted + obs.max_weight * delta / (hp.lr * image_weight(hp, n / max(len(obs.survivors), 1)))
+    clients = max(len(sizes) if sizes is not None else len(obs.survivors), 1)
+    weight = (image_weight(hp, n / clients) if sizes is None else
+              sum(c * image_weight(hp, c) for c in sizes.values()) / max(n, 1))
+    raw = n * predicted + obs.max_weight * delta / (hp.lr * weight)
     notes = [f"label histogram from the summed classifier-bias update of {n} images, Σp estimated from {how}"]
+    if sizes is not None:
+        notes.append("the survivors' sample counts travel in the clear (Flower's SecAgg+ leaves num_examples "
+                     "unmasked): the round's image count is their sum")
     if hp.steps != 1:
+        sizes_note = ("each image weighted by its client's size, read in the clear" if sizes is not None else
+                      f"clients are taken to hold the round's mean of {n / clients:.0f} images (their sizes are "
+                      f"hidden)")
         notes.append(f"the clients take {hp.steps} local steps, not one: the bias rule is an approximation (the "
-                     f"predictions move between steps, and clients are taken to hold the round's mean of "
-                     f"{n / max(len(obs.survivors), 1):.0f} images)")
+                     f"predictions move between steps, and {sizes_note})")
     return RoundCounts(round_to_total(raw, n), raw, "summed classifier-bias update", notes)
 
 
@@ -251,7 +290,7 @@ def round_sums(recorder, upto: int) -> dict[int, RoundSum]:
                      if (ex := recorder.get(r, c)) is not None}
         sent = common_download(downloads) if len(downloads) == len(record.participants) else None
         out[r] = RoundSum(r, tuple(record.participants), tuple(record.survivors), dict(record.total), record.aborted,
-                          sent)
+                          sent, {int(c): dict(v) for c, v in getattr(record, "clear", {}).items()})
     return out
 
 
@@ -271,7 +310,9 @@ def observe_round(run, round: int, *, hyperparameters_known: bool = True,
     history = round_sums(recorder, round)
     downloads = {c: to_device(dict(ex.download.tensors), device) for c in record.participants
                  if (ex := recorder.get(round, c)) is not None}
-    samples = sample_total(record.total, protocol.max_weight)
+    clear = {int(c): dict(v) for c, v in getattr(record, "clear", {}).items()}
+    counts = clear_sample_counts(clear, record.survivors)
+    samples = sample_total(record.total, protocol.max_weight) if counts is None else sum(counts.values())
     model = run.make_model
     return RoundObservation(
         method=run.method, round=round, participants=tuple(record.participants), survivors=tuple(record.survivors),
@@ -281,4 +322,4 @@ def observe_round(run, round: int, *, hyperparameters_known: bool = True,
         known_hyperparameters=(known_hyperparameters(run, samples, len(record.survivors))
                                if hyperparameters_known else None),
         quantum=float(record.quantum), aborted=record.aborted, auxiliary=auxiliary, crafted=dict(crafted or {}),
-        history=history, device=str(device))
+        history=history, device=str(device), clear=clear, protocol=protocol)

@@ -42,6 +42,7 @@ from torch import nn
 
 from attacks.malicious.craft import CraftRecord, craft, layer_before, layer_inputs, layer_module, load, next_linear
 from attacks.malicious.readout import rebuild_images, recover_inputs
+from attacks.malicious.scoring import input_statistics, score_recovered
 from fedecouple.secure_aggregation import SecureAggregation
 
 from ..base import AttackResult, Budget, NotApplicable
@@ -61,12 +62,15 @@ _LATEST: list = []
 # seconds per L-BFGS step and image rebuilt (``attacks.malicious``'s rate for the per-client binning)
 STEP_SECONDS = 0.0025
 # what the malicious server's round-level attacks declare alike in their ``AttackSpec`` (each adds its
-# name, summary, crafts, craft and attack)
+# name, summary, crafts, craft and attack); their read-back is scored as the per-client binning's, one row
+# per image of the clients read with its recovered input's relative error (``score_recovered``), and
+# summed up the same way (``input_statistics``: the share of inputs recovered exactly)
 SPEC_COMMON = dict(kind="aggregate", attack_one=None, plan=None, default_iterations=INVERSION_STEPS,
                    default_victim_batch=0, applies_to=frozenset({"extractor"}), scoring="images",
                    needs="model weights in the sum",
                    hint="a crafted download is read back from the summed weights; try `fedsec attack sum-labels "
-                        "--method {method}`", estimate_rate=STEP_SECONDS, estimate_per="image")
+                        "--method {method}`", estimate_rate=STEP_SECONDS, estimate_per="image",
+                   score_target=score_recovered, statistics=input_statistics)
 
 
 @dataclass(frozen=True)
@@ -229,7 +233,9 @@ def read_sum(record: CraftRecord, total: dict[str, torch.Tensor], weight: float 
 def request_plan(request: CraftRequest) -> tuple[object, ClientPlan, list[str]]:
     """(protocol, plan, notes) a craft request sizes for: the protocol the server runs (the defaults
     when the request carries none) and clients of one batch of the configured local training, the only
-    ones whose update reads exactly (a server that knows the clients' sizes plans for those)."""
+    ones whose update reads exactly. The craft goes out before the round, so the sample counts that
+    travel in the clear with this round's uploads (``clear_fields="flower"``) come too late for it; a
+    server that knows the clients' sizes (from earlier rounds' clear counts) could plan for those."""
     notes = []
     protocol = request.secure
     if protocol is None:
@@ -265,7 +271,8 @@ def rebuild_each(make_model, record: CraftRecord, inputs: torch.Tensor, image_sh
 
 def rebuilt(observation, record: CraftRecord, inputs: torch.Tensor, budget: Budget, seed: int, trace: dict,
             notes: list[str]) -> AttackResult:
-    """The images rebuilt from ``inputs`` (the crafted layer's), unlabelled (``rebuild_each``)."""
+    """The images rebuilt from ``inputs`` (the crafted layer's), unlabelled (``rebuild_each``); the result
+    keeps the inputs, which the harness scores against the true ones (``scored_record``)."""
     images = rebuild_each(observation.make_model, record, inputs, observation.image_shape, budget.iterations, seed)
     result = AttackResult(images, torch.full((len(images),), -1, dtype=torch.long),
                           trace={"candidates": len(inputs), **trace}, notes=list(dict.fromkeys(notes)))
@@ -303,6 +310,15 @@ def pick_target(clients, round: int) -> int:
     if not ids:
         raise ValueError("a round with no participant has no target")
     return ids[int(np.random.default_rng([int(round), 0x150]).integers(len(ids)))]
+
+
+def scored_record(crafted: dict[int, object]) -> CraftRecord | None:
+    """The binning record a round's read-back was made under (None: none was crafted): the target's under a
+    round crafted as a whole (``RoundCraft``), else the one every participant got (``sum_binning``)."""
+    for record in crafted.values():
+        if getattr(record, "role", None) == "target":
+            return record.binning
+    return next((r for r in crafted.values() if isinstance(r, CraftRecord)), None)
 
 
 def target_record(crafted: dict[int, object]) -> tuple[int, CraftRecord]:

@@ -44,7 +44,9 @@ MAX_BATCH = 64  # a larger union is one optimisation the attack refuses (its mem
 def union_client(obs: RoundObservation) -> Observation:
     """The round's survivors as one virtual client that took one step on the union of their images: the
     sent model as its download, the weighted-average model (Σ wᵢθᵢ / Σ wᵢ) as its upload."""
-    sent, weight, n = obs.sent(), weight_of(obs.total), sample_total(obs.total, obs.max_weight)
+    sent, weight, counts = obs.sent(), weight_of(obs.total), obs.sample_counts()
+    # N: the sum of the clear sample counts where they travel in the clear, else read from the summed weight
+    n = sample_total(obs.total, obs.max_weight) if counts is None else sum(counts.values())
     if sent is None or weight is None or not weight > 0:
         raise NotApplicable(f"{obs.method.name}'s secure sum is not a weighted sum of one model every client was "
                             f"sent: there is no union batch gradient to invert")

@@ -21,6 +21,7 @@ from torch import nn
 
 from attacks.malicious.craft import first_linear, load, not_reachable
 from fedecouple.channel import Upload
+from fedecouple.secure_aggregation import with_flower_weight
 
 from ..base import AttackResult, Budget, NotApplicable
 from ..registry import AttackSpec, CraftRequest, register
@@ -54,9 +55,11 @@ def without_sybils(total: dict[str, torch.Tensor], sybil_summands: list[dict[str
 
 
 def sybil_summands(method, crafted: dict[int, RoundCraft], survivors, round: int, max_weight: float,
-                   num_classes: int) -> list[dict[str, torch.Tensor]]:
+                   num_classes: int, protocol=None) -> list[dict[str, torch.Tensor]]:
     """What each surviving sybil added to the sum (``Method.secure_summands`` of the upload its record
-    kept); ``NotApplicable`` when a survivor is neither a sybil with its upload nor the target."""
+    kept, weighted at Flower's rounded weight as the protocol sends it, ``with_flower_weight``, where
+    ``protocol`` is given); ``NotApplicable`` when a survivor is neither a sybil with its upload nor the
+    target."""
     out = []
     for client in survivors:
         record = crafted.get(int(client))
@@ -67,7 +70,8 @@ def sybil_summands(method, crafted: dict[int, RoundCraft], survivors, round: int
             raise NotApplicable(f"client {client} survived the round but is not a sybil whose upload the server "
                                 f"holds: the sum cannot be stripped down to the target")
         upload = Upload(round, int(client), {k: v for k, v in record.upload.items()}, {})
-        out.append(method.secure_summands(upload, max_weight, num_classes))
+        summands = method.secure_summands(upload, max_weight, num_classes)
+        out.append(summands if protocol is None else with_flower_weight(protocol, summands))
     return out
 
 
@@ -99,7 +103,7 @@ def sybil(observation, budget: Budget, seed: int) -> AttackResult:
     """``AttackSpec.attack_round``: the target's summand (the sum minus the sybils'), read and rebuilt."""
     target, record = target_record(observation.crafted)
     summands = sybil_summands(observation.method, observation.crafted, observation.survivors, observation.round,
-                              observation.max_weight, observation.num_classes)
+                              observation.max_weight, observation.num_classes, observation.protocol)
     inputs, weight = read_target(record, observation.total, summands,
                                  len(observation.survivors) * observation.quantum)
     notes = list(record.notes) + ["sybils: every other participant is the server's, an upper bound on one round's "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import click
 
+from . import SECAGG_DEFENSES
 from ..options import (ATTACK_ROUNDS, ATTACK_SEED, COUNT, EVIDENCE, EVIDENCE_ITERATIONS, IMAGES, ITERATIONS, RESTARTS,
                        SEED, TARGETS, VICTIM_BATCH, VICTIM_STEPS, device_option, run_options, threat_model_options)
 
@@ -45,19 +46,41 @@ def flower():
     hook wrapped in, then attack or audit what its server received.
 
     The app describes itself to fedsec in its pyproject.toml ([tool.fedsec]: model, data set, protocol,
-    local SGD settings; the documentation's "Auditing a Flower app" page). Needs pip install 'fedsec[flower]'.
+    local SGD settings; the documentation's "Auditing a Flower app" page). Needs Flower (from a checkout: pip install -e '.[flower]').
     """
 
 
 class FlowerAttackCommand(click.Command):
-    """``flower attack``'s help lists every registered attack with its one-line summary."""
+    """``flower attack``'s help lists every registered attack with its one-line summary, then the attacks of a
+    SecAgg+ server that deviates from the protocol."""
 
     def format_help_text(self, ctx, formatter):
         from .. import catalog
+        from . import SECAGG_SERVER_ATTACKS
 
         super().format_help_text(ctx, formatter)
         with formatter.section("Attacks"):
             formatter.write_dl(list(catalog.attack_summaries().items()))
+        with formatter.section("SecAgg+ server attacks (an app under secaggplus_mod, in simulation)"):
+            formatter.write_dl(list(SECAGG_SERVER_ATTACKS.items()))
+
+
+SERVER_OPTIONS = ("client_defense", "image_attack", "sybils")  # taken only by the SecAgg+ server attacks
+
+
+def _refuse_server_options(ctx: click.Context) -> None:
+    """A one-line error when an option of the SecAgg+ server attacks is given to another attack."""
+    from click.core import ParameterSource
+
+    from fedecouple.errors import UserError
+
+    defaults = {p.name: p.default for p in ctx.command.params}
+    given = [n for n in SERVER_OPTIONS if ctx.params.get(n) != defaults[n] and ctx.get_parameter_source(n) in
+             (ParameterSource.COMMANDLINE, ParameterSource.DEFAULT_MAP)]
+    if given:
+        flags = ", ".join("--" + n.replace("_", "-") for n in given)
+        raise UserError(f"{flags}: only the SecAgg+ server attacks take {'it' if len(given) == 1 else 'them'} "
+                        f"(unmask-dropout, split-view, sybil, key-substitution)")
 
 
 @flower.command(cls=FlowerAttackCommand, short_help="Run a Flower app and attack what its server received.")
@@ -80,18 +103,43 @@ class FlowerAttackCommand(click.Command):
                    "app's own training seed is its run-config's.")
 @ATTACK_SEED
 @threat_model_options
+@click.option("--client-defense", type=click.Choice(SECAGG_DEFENSES), default="none", show_default=True,
+              help="SecAgg+ server attacks: the client mod every node runs before secaggplus_mod: unmask-check "
+                   "(refuses inconsistent unmask lists), signed-consistency (keys and survivor list signed, "
+                   "as in Practical Secure Aggregation for Privacy-Preserving Machine Learning); the app's own "
+                   "mods run as well.")
+@click.option("--image-attack", default="ig", show_default=True, metavar="ATTACK|none",
+              help="SecAgg+ server attacks: the image attack run on each unmasked update and, paired, on the node's "
+                   "true update; none skips it.")
+@click.option("--sybils", type=click.IntRange(min=1), default=2, show_default=True,
+              help="sybil: the server's own nodes among the federation (the last partitions); round r places r of "
+                   "them next to the target, rounds 0 to N.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output folder [runs/flower-attack-<attack>-<app>]: attack.csv, summary.json, reconstructions.png, "
-                   "config.toml.")
+                   "config.toml (SecAgg+ server attacks: recovery.csv, summary.json, unmasked-update/, plain-update/).")
 @run_options
 @click.pass_context
 def attack(ctx, **_):
     """Run APP_DIR in Flower's simulation engine and attack what its server received.
 
     Example: fedsec flower attack ig examples/flower_mnist   (round 0, one image, one step)
-    """
-    from . import require_flwr
 
+    On an app under Flower's SecAgg+, the SecAgg+ server attacks run the app's ServerApp with a server that
+    deviates from the protocol in place of its SecAggPlusWorkflow (simulation only: to audit one's own
+    deployment), compare each update it unmasks with the node's true one, and run an image attack on it.
+    Example: fedsec flower attack unmask-dropout examples/flower_secagg
+    """
+    from . import SECAGG_SERVER_ATTACKS, require_flwr
+
+    if ctx.params.get("attack") in SECAGG_SERVER_ATTACKS:
+        require_flwr()
+        from .harness import server_attack_command
+
+        server_attack_command(ctx)
+        return
+    _refuse_server_options(ctx)
+    for name in SERVER_OPTIONS:  # not settings of the other attacks: kept out of their config.toml and folder record
+        ctx.params.pop(name, None)
     require_flwr()
     from .secagg import check_attack_command
 
@@ -118,12 +166,14 @@ def audit(ctx, **_):
 
     An app under Flower's secure aggregation (its ClientApp behind secaggplus_mod, its server running
     SecAggPlusWorkflow) is audited for what that server holds: each round's sum, and the fields SecAgg+
-    leaves in the clear. Example: fedsec flower audit examples/flower_secagg
+    leaves in the clear; and for what a server that deviates from the protocol can do against the app's
+    client mods under the installed Flower (demonstrated in this process). Example: fedsec flower audit
+    examples/flower_secagg
     """
     from . import require_flwr
 
     require_flwr()
-    from .secagg import audit_command
+    from .harness import secure_audit_command
 
-    if not audit_command(ctx):
+    if not secure_audit_command(ctx):
         _run(ctx)

@@ -16,10 +16,12 @@ it sees every message that server sends and receives) and taps the strategy's ``
 fedsec round r - 1; client ids as ``fedsec.flower.recording`` documents them):
 
 * ``recorder.secure``: a ``fedecouple.secure_aggregation.SecureAggregation`` with the protocol values
-  the setup stage sends (clipping range, quantisation range, modulus, max weight; ``neighbours`` is
-  ``num_shares - 1``, or None when every pair masks; ``reconstruction_threshold`` is the share
-  threshold over ``num_shares``; its ``seed`` is 0 and unused: Flower's masks come from real key
-  agreement);
+  the first setup stage sends, in the workflow's own terms: clipping range, quantisation range, modulus,
+  max weight, ``num_shares`` (the share count the workflow derived, or 1.0 when it covers every node:
+  every pair masks) and ``reconstruction_threshold`` (the share threshold t, an integer), so that the
+  engine applies the same neighbourhoods and abort rule (``fedecouple.secure_aggregation.halted``);
+  ``clear_fields`` is ``"flower"``; its ``seed`` is 0 and unused: Flower's masks come from real key
+  agreement;
 * each node's download: the FitIns the masking stage carries, its unnamed legacy arrays named after
   the declared model's ``named_parameters()`` in order (``array.<i>`` when they do not match in number),
   its config values as ``config.<key>``;
@@ -29,7 +31,8 @@ fedsec round r - 1; client ids as ``fedsec.flower.recording`` documents them):
   clear: ``sample_count`` (FitRes ``num_examples``) and every FitRes metric as ``metric.<key>``;
 * ``recorder.aggregates[round]``: an ``AggregateRecord`` whose ``participants`` are the nodes sent the
   setup stage, ``survivors`` those whose masked vector arrived (the unmasked sum is over them),
-  ``dropped`` the others. Its ``total`` is in the engine's form, a SUM: ``total[name] = Σ w_i θ_i`` and
+  ``dropped`` the others; ``clear`` each survivor's unmasked fields (as its upload carries them). Its
+  ``total`` is in the engine's form, a SUM: ``total[name] = Σ w_i θ_i`` and
   ``total["sample_count"] = Σ w_i`` over the survivors, with Flower's weights
   ``w_i = round(num_examples_i / max_weight · quantization_range) / quantization_range`` (the engine's
   ``n_i / max_weight``, quantised). What the strategy receives, the weighted average, is
@@ -77,13 +80,18 @@ WEIGHT_FACTOR = SAMPLE_COUNT  # the masked vector's first entry: Flower's quanti
 
 
 def protocol_of(setup: dict) -> SecureAggregation:
-    """The ``SecureAggregation`` of a SecAgg+ setup stage's config (``Key`` names)."""
+    """The ``SecureAggregation`` of a SecAgg+ setup stage's config (``Key`` names): the share count and
+    threshold as the workflow sent them (the share count 1.0 where it covers every node, and as its
+    fraction of the nodes where a threshold of as many shares, which the workflow accepts from a fractional
+    ``num_shares``, would fail the check that integer settings get)."""
     samples, shares = int(setup[Key.SAMPLE_NUMBER]), int(setup[Key.SHARE_NUMBER])
+    threshold = int(setup[Key.THRESHOLD])
+    num_shares = 1.0 if shares >= samples else shares if threshold < shares else shares / samples
     return SecureAggregation(clipping_range=float(setup[Key.CLIPPING_RANGE]),
                              quantization_range=int(setup[Key.TARGET_RANGE]), modulus=int(setup[Key.MOD_RANGE]),
-                             neighbours=None if shares >= samples else shares - 1,
-                             reconstruction_threshold=min(1.0, int(setup[Key.THRESHOLD]) / shares),
-                             max_weight=float(setup[Key.MAX_WEIGHT]))
+                             num_shares=num_shares,
+                             reconstruction_threshold=threshold,
+                             max_weight=float(setup[Key.MAX_WEIGHT]), clear_fields="flower")
 
 
 def flower_weight(num_examples: int, protocol: SecureAggregation) -> int:
@@ -136,11 +144,13 @@ class SecAggRecording:
         self.round: int | None = None
         self.participants: list[int] = []  # node ids of this round, as the stages reach them
         self.survivors: list[int] = []
+        self.clear: dict[int, dict[str, float]] = {}  # node id -> what its masking-stage reply carried unmasked
         self.halted: str | None = None  # the last stage that was sent this round
 
     # -- the round, as the workflow runs it ----------------------------------------------------
     def begin(self, flower_round: int, node_ids: Iterable[int]) -> None:
         self.round, self.participants, self.survivors, self.halted = int(flower_round) - 1, [], [], None
+        self.clear = {}
         self.client_ids.see(node_ids)
 
     def end(self) -> None:
@@ -151,7 +161,8 @@ class SecAggRecording:
         why = f"SecAgg+ halted in its {self.halted or 'setup'} stage: the server unmasked nothing"
         quantum = 0.0 if self.recorder.secure is None else flower_quantum(self.recorder.secure)
         self.recorder.on_aggregate(AggregateRecord(self.round, cids, survivors,
-                                                   tuple(c for c in cids if c not in survivors), {}, quantum, 0, why))
+                                                   tuple(c for c in cids if c not in survivors), {}, quantum, 0, why,
+                                                   clear=self._clear(self.survivors)))
 
     def sent(self, messages: list[Message]) -> str | None:
         """Record the requests of one stage; returns the stage (None: not a SecAgg+ stage)."""
@@ -193,10 +204,12 @@ class SecAggRecording:
         total[SAMPLE_COUNT] = torch.tensor(weight, dtype=torch.float64)
         layout = Layout(((WEIGHT_FACTOR, (1,)),) + tuple((n, tuple(np.shape(a))) for n, a in zip(names, arrays)))
         cids = self._cids(self.participants)
-        survivors = self._cids(int(proxy.node_id) for proxy, _ in results)
+        nodes = [int(proxy.node_id) for proxy, _ in results]
+        survivors = self._cids(nodes)
         self.recorder.on_aggregate(AggregateRecord(int(flower_round) - 1, cids, survivors,
                                                    tuple(c for c in cids if c not in survivors), total,
-                                                   flower_quantum(protocol), 0, None, layout))
+                                                   flower_quantum(protocol), 0, None, layout,
+                                                   self._clear(nodes)))
 
     # -- ids, names and messages ---------------------------------------------------------------
     def _protocol(self) -> SecureAggregation:
@@ -206,6 +219,10 @@ class SecAggRecording:
 
     def _cids(self, node_ids: Iterable[int]) -> tuple[int, ...]:
         return tuple(sorted(self.client_ids[int(n)] for n in node_ids))
+
+    def _clear(self, node_ids: Iterable[int]) -> dict[int, dict[str, float]]:
+        """{client: its unmasked fields} of the nodes whose masking-stage reply arrived."""
+        return {self.client_ids[int(n)]: dict(self.clear[int(n)]) for n in node_ids if int(n) in self.clear}
 
     def _names(self, count: int) -> list[str]:
         if self.names is not None and len(self.names) == count:
@@ -225,7 +242,9 @@ class SecAggRecording:
     def _upload(self, reply: Message) -> None:
         node = int(reply.metadata.src_node_id)
         self.survivors.append(node)
-        tensors = {"masked": torch.from_numpy(masked_vector(reply)), **clear_fields(reply)}
+        unmasked = clear_fields(reply)
+        self.clear[node] = {name: (int(t) if name == SAMPLE_COUNT else float(t)) for name, t in unmasked.items()}
+        tensors = {"masked": torch.from_numpy(masked_vector(reply)), **unmasked}
         self.recorder.on_upload(Upload(self.round, self.client_ids[node], tensors, meta={
             "secure_aggregation": True, "flower_round": self.round + 1, "node_id": node,
             "reply_to_message_id": reply.metadata.reply_to_message_id}))
@@ -381,11 +400,15 @@ def secure_findings(recorder: Recorder) -> list[dict]:
     return out
 
 
-def protocol_line(protocol: SecureAggregation, nodes: int) -> str:
-    graph = "every other node" if protocol.neighbours is None else f"{protocol.neighbours} neighbours"
-    return (f"Flower SecAgg+ (masks with {graph} of {nodes}; clipping ±{protocol.clipping_range:g}, "
-            f"{protocol.quantization_range} quantisation steps, modulus {protocol.modulus}, max weight "
-            f"{protocol.max_weight:g}): the server held only each round's sum, never one node's parameters")
+def protocol_line(protocol: SecureAggregation, nodes: int, clear: list[str]) -> str:
+    """What the server of a SecAgg+ app held, with the protocol's values and the fields in the clear."""
+    shares, threshold = protocol.shares(nodes)
+    graph = "every other node" if shares >= nodes else f"{shares - 1} neighbours"
+    beside = f"; in the clear beside it: {', '.join(clear)}" if clear else "; nothing in the clear"
+    return (f"Flower SecAgg+ (masks with {graph} of {nodes}, unmasking needs {threshold} surviving share-holders "
+            f"in every node's neighbourhood; clipping ±{protocol.clipping_range:g}, {protocol.quantization_range} "
+            f"quantisation steps, modulus {protocol.modulus}, max weight {protocol.max_weight:g}): the server held "
+            f"only each round's sum of the parameters, never one node's{beside}")
 
 
 def audit_secure_app(app_dir, *, nodes: int | None = None, run_config: dict | None = None, rounds: int | None = None,
@@ -417,45 +440,13 @@ def audit_secure_app(app_dir, *, nodes: int | None = None, run_config: dict | No
     label, brief = sum_label_evidence(recorded, run.rounds(), progress) if evidence else (None, None)
     findings = [f for f in base["findings"] if f["code"] != "SECURE_AGGREGATION"] + secure_findings(run.recorder)
     findings = sorted(findings + ([label] if label else []), key=lambda f: SEVERITIES.index(f["severity"]))
-    summary = {**base["summary"], "secure_aggregation": protocol_line(run.recorder.secure, run.nodes),
+    clear = sorted({n for up in run.recorder.uploads() for n in up.tensors if n != "masked"})
+    summary = {**base["summary"], "secure_aggregation": protocol_line(run.recorder.secure, run.nodes, clear),
                "findings_by_severity": {s: sum(f["severity"] == s for f in findings) for s in SEVERITIES},
                "evidence": {"labels": brief} if brief else {}, "seconds": round(time.perf_counter() - start, 2)}
     if out is not None:
         write_audit(Path(out), rows, findings, summary)
     return {"summary": summary, "findings": findings, "rows": rows}
-
-
-def audit_command(ctx) -> bool:
-    """``fedsec flower audit`` when the app runs Flower's secure aggregation (``is_secure_app``): the
-    audit above, in the command's output folder (the same folder record and config.toml as every
-    command), its lines printed. False, doing nothing, for any other app."""
-    import click
-
-    from .. import console, io
-    from ..api import identity
-    from ..config_file import write_config
-    from ..resumable import RunFolder
-    from .app import parse_run_config
-    from .harness import default_out
-
-    p = dict(ctx.params)
-    if not is_secure_app(p["app_dir"]):
-        return False
-    out = Path(p["out"] or default_out("audit", p["app_dir"]))
-    folder = RunFolder(out, identity({**p, "app_dir": Path(p["app_dir"]).resolve().name}),
-                       required=("audit.csv", "summary.json", "findings.json"))
-    if folder.claim(p["force"]) == "done":
-        result = {"summary": io.read_json(out / "summary.json"), "findings": io.read_json(out / "findings.json")}
-    else:
-        result = audit_secure_app(p["app_dir"], nodes=p["nodes"], run_config=parse_run_config(p["run_config"]),
-                                  rounds=p["rounds"], evidence=p["evidence"], out=out, ray_cpus=p["ray_cpus"],
-                                  threads=p["threads"], quiet=not p["flower_log"], device=p["device"])
-        write_config(out, "flower audit", p)
-        folder.done()
-    name = f"{result['summary']['run']} ({result['summary']['method']})"
-    for line in console.audit_lines(name, result, out):
-        click.echo(line)
-    return True
 
 
 def attack_secure_app(app_dir, settings, *, nodes: int | None = None, run_config: dict | None = None, out=None,

@@ -68,6 +68,9 @@ class FlowerRun:
     nodes: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    # replies carrying an error ({"round", "client", "node_id", "reason"}), kept when ``simulate`` was
+    # told to expect refusals (a deviating server's run); otherwise a failure is an error
+    failures: list[dict] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -82,11 +85,20 @@ class FlowerRun:
 
 
 class AuditClientApp(ClientApp):
-    """The app's ClientApp behind ``mod`` (outermost), run with the audit's run config and torch threads."""
+    """The app's ClientApp behind ``mod`` (outermost), then ``mods`` (outermost first), run with the
+    audit's run config and torch threads."""
 
-    def __init__(self, app: ClientApp, mod: GroundTruthMod, run_config: dict, threads: int = 1) -> None:
+    def __init__(self, app: ClientApp, mod: GroundTruthMod, run_config: dict, threads: int = 1,
+                 mods: Iterable = ()) -> None:
         super().__init__()
         self.app, self.mod, self.run_config, self.threads = app, mod, dict(run_config), int(threads)
+        self.mods = list(mods)
+
+    def _inner(self, message, context):
+        call = self.app
+        for mod in reversed(self.mods):
+            call = (lambda m, inner: lambda msg, ctx: m(msg, ctx, inner))(mod, call)
+        return call(message, context)
 
     def __call__(self, message, context):
         torch.set_num_threads(self.threads)
@@ -94,7 +106,7 @@ class AuditClientApp(ClientApp):
         # the simulation engine checks that a node's run config is unchanged after each message
         context.run_config = dict(self.run_config)
         try:
-            return self.mod(message, context, self.app)
+            return self.mod(message, context, self._inner if self.mods else self.app)
         finally:
             context.run_config = given
 
@@ -188,12 +200,18 @@ def reused_simulations() -> Iterator[None]:
 
 def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict | None = None,
              interceptors: Iterable = (), record_rounds: Iterable[int] | None = None, threads: int = 1,
-             ray_cpus: int | None = None, quiet: bool = True) -> FlowerRun:
+             ray_cpus: int | None = None, quiet: bool = True, secagg_workflow=None, client_mods: Iterable = (),
+             expect_refusals: bool = False) -> FlowerRun:
     """Run the app at ``app_dir`` in Flower's simulation engine with ``nodes`` nodes (default: the node
     count of its default federation) and ``run_config`` overrides; record rounds ``record_rounds``
     (fedsec numbering, default all) and the ground truth of the same rounds. ``interceptors`` act on
     every reply before the app's strategy aggregates it (refused for an app under Flower's SecAgg+,
-    whose replies are masked)."""
+    whose replies are masked).
+
+    For a deviating SecAgg+ server (``fedsec.flower.malicious_workflow``): ``secagg_workflow`` maps the
+    app's ``SecAggPlusWorkflow`` object to the workflow its ServerApp runs instead (recorded the same
+    way); ``client_mods`` run on every node around the app's ClientApp, inside the ground-truth mod;
+    ``expect_refusals`` keeps the nodes' error replies in ``FlowerRun.failures`` instead of failing."""
     start = time.perf_counter()
     app = read_app(app_dir)
     config = app.run_config(run_config)
@@ -210,12 +228,15 @@ def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict 
     interceptors = list(interceptors)
     key = (str(app.directory), repr(sorted(config.items())), nodes, None if rounds is None else tuple(rounds),
            int(threads), ray_cpus)
-    if _reused is not None and not interceptors and key in _reused:
+    client_mods = list(client_mods)
+    reusable = not interceptors and secagg_workflow is None and not client_mods
+    if _reused is not None and reusable and key in _reused:
         return replace(_reused[key], notes=list(_reused[key].notes))
     recorder = Recorder(rounds=rounds)
     with tempfile.TemporaryDirectory(prefix="fedsec-flower-") as ground_truth_dir:
         strategies, records = _run(app, config, server_app, client_app, nodes, recorder, interceptors,
-                                   ground_truth_dir, threads, ray_cpus, quiet, list(declaration.model_parameters()))
+                                   ground_truth_dir, threads, ray_cpus, quiet, list(declaration.model_parameters()),
+                                   secagg_workflow, client_mods)
     if not strategies:
         raise UserError(f"{app.serverapp} started no Message-API strategy (strategy.start(...)) and ran no "
                         f"SecAggPlusWorkflow, or its strategy overrides start(): fedsec records the rounds of "
@@ -228,7 +249,7 @@ def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict 
             raise UserError("under Flower's SecAgg+ the server receives masked vectors only: fedsec's interceptors "
                             "(defenses, filters) cannot act on them; run without them")
         check_secure_traffic(recorder, len(declaration.model_parameters()))
-    if strategy.failures:
+    if strategy.failures and not expect_refusals:
         first = strategy.failures[0]
         reason = " ".join(first["reason"].split())
         raise UserError(f"the app's ClientApp failed on client {first['client']} in round {first['round']} "
@@ -244,8 +265,8 @@ def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict 
     if not any(ground_truth.batches.values()):
         notes.append("the app reported no training batches to fedsec.flower.log_batch: attacks cannot be scored")
     run = FlowerRun(app, config, declaration, recorder, ground_truth, clients, nodes, time.perf_counter() - start,
-                    notes)
-    if _reused is not None and not interceptors:
+                    notes, list(strategy.failures))
+    if _reused is not None and reusable:
         _reused[key] = run
     return replace(run, notes=list(notes))
 
@@ -274,8 +295,21 @@ def _name_clients_by_partition(recorder: Recorder, nodes: dict[int, int], record
     return {cid: {"node_id": node_of[cid], "partition_id": partition_of.get(node_of[cid])} for cid in recorded}
 
 
+@contextmanager
+def _swapping(secagg_workflow) -> Iterator[None]:
+    """Inside the recording: the app's SecAgg+ workflow replaced, when a replacement is given."""
+    if secagg_workflow is None:
+        yield
+        return
+    from .malicious_workflow import swapping_secagg_workflows
+
+    with swapping_secagg_workflows(secagg_workflow):
+        yield
+
+
 def _run(app: FlowerApp, config: dict, server_app, client_app, nodes: int, recorder: Recorder, interceptors: list,
-         ground_truth_dir: str, threads: int, ray_cpus: int | None, quiet: bool, names: list[str]):
+         ground_truth_dir: str, threads: int, ray_cpus: int | None, quiet: bool, names: list[str],
+         secagg_workflow=None, client_mods: list | None = None):
     from flwr.simulation import run_simulation
 
     def wrap(strategy) -> RecordingStrategy:
@@ -292,9 +326,10 @@ def _run(app: FlowerApp, config: dict, server_app, client_app, nodes: int, recor
     # Ray workers import the app's modules: they inherit this process's sys.path as PYTHONPATH
     if str(app.directory) not in sys.path:
         sys.path.insert(0, str(app.directory))
-    audit_client = AuditClientApp(client_app, GroundTruthMod(ground_truth_dir), config, threads)
+    audit_client = AuditClientApp(client_app, GroundTruthMod(ground_truth_dir), config, threads, client_mods or ())
     with _offline_and_quiet(quiet), wrapping_started_strategies(wrap) as strategies, \
-            recording_secagg_workflows(lambda: SecAggRecording(recorder, names)) as secure:
+            recording_secagg_workflows(lambda: SecAggRecording(recorder, names)) as secure, \
+            _swapping(secagg_workflow):
         try:
             run_simulation(server_app=_audit_server_app(server_app, config, nodes), client_app=audit_client,
                            num_supernodes=nodes, backend_config=backend_config)
