@@ -11,14 +11,18 @@ it, and the page ``docs/results.md`` rendered from those records.
 A record holds the command, the commit (``dirty`` when the code the cell depends on had uncommitted
 changes), the machine (CPU model, cores, GPU), the seconds, the package versions and the summary
 figures. The page shows one value per cell; a cell measured at a commit before the last commit that
-changed the code it depends on (``git log`` of the cell's paths) is shown as **stale**. Records
-carried from an earlier measurement say so (``source``) and keep the commit of that measurement.
+changed the code it depends on (``git log`` of the cell's paths) is shown as **stale**, and the page names
+the commits and files changed since. Records carried from an earlier measurement say so (``source``) and keep
+the commit of that measurement. The page opens with how to read it and the exposure matrix of every record
+(``reports.exposure``: one verdict per method and threat, by the rule ``fedsec report`` applies too). A
+record keeps a command's print-out without progress bars, and a headline of about 120 characters.
 Unknown cell names and cells this machine cannot run end with a one-line error and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import html
 import json
 import os
@@ -34,6 +38,9 @@ from pathlib import Path
 from typing import Callable
 
 from reports.formatting import NO_MODEL  # the reports' marker (imports neither torch nor pandas)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling below, also when loaded by a test
+import results_figures  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -61,30 +68,37 @@ def _interval(ci, digits=2, scale=1.0) -> str:
 
 
 def attack_headline(f: dict) -> str:
-    """One value for an attack cell: the mean PSNR with its interval, the priors, the share recovered,
-    and the forward-model check's counts, NO MODEL included (or the class-presence accuracy of the label
-    attack)."""
+    """One value for an attack cell, in about 120 characters: the mean PSNR with its interval and prior, the
+    share recovered, the images and targets, and the forward-model check's counts, NO MODEL included (or
+    the class-presence accuracy of the label attack). The class prior and the other shares stay in the
+    record's figures and the cell's details."""
     if f.get("class_presence_accuracy") is not None and f.get("mean_psnr") is None:
         return f"class-presence accuracy {f['class_presence_accuracy']:.2f}"
-    parts = [f"{f['mean_psnr']:.2f} dB{_interval(f.get('mean_psnr_ci'))}",
-             f"prior {f['mean_prior_psnr']:.2f}" + (f", class prior {f['mean_class_prior_psnr']:.2f}"
-                                                   if f.get("mean_class_prior_psnr") is not None else "")]
-    text = f"{parts[0]} ({parts[1]})"
+    text = f"{f['mean_psnr']:.2f} dB{_interval(f.get('mean_psnr_ci'))} (prior {f['mean_prior_psnr']:.2f})"
     if f.get("success_rate") is not None:
         text += f"; recovered {_pct(f['success_rate'])}{_interval(f.get('success_rate_ci'), 0, 100)}"
-    if f.get("inputs_exact_share") is not None:
-        text += f"; inputs exact {_pct(f['inputs_exact_share'])}"
-    if f.get("fishing_success_share") is not None:
-        text += f"; fished image rebuilt in {_pct(f['fishing_success_share'])} of attacked client-rounds"
-    text += f"; n = {f['n_images']} images over {f['n_targets']} targets"
+    text += f"; {f['n_images']} images, {f['n_targets']} targets"
     checks = []
     if f.get("mis_specified_targets"):
-        checks.append(f"{f['mis_specified_targets']} mis-specified")
+        checks.append(f"{f['mis_specified_targets']} MIS-SPECIFIED")
     if f.get("not_converged_targets"):
         checks.append(f"{f['not_converged_targets']} stopped short")
     if f.get("model_unknown_targets"):  # the server holds no model of these clients: a surrogate's estimate
         checks.append(f"{f['model_unknown_targets']} {NO_MODEL}")
     return text + (f" ({', '.join(checks)})" if checks else "")
+
+
+def attack_details(f: dict) -> list[str]:
+    """What an attack cell's headline leaves out, one line each (its details)."""
+    out = []
+    if f.get("mean_class_prior_psnr") is not None:
+        out.append(f"class prior (the right class's mean image) {f['mean_class_prior_psnr']:.2f} dB")
+    if f.get("inputs_exact_share") is not None:
+        out.append(f"inputs exact {_pct(f['inputs_exact_share'])}{_interval(f.get('inputs_exact_share_ci'), 0, 100)}")
+    if f.get("fishing_success_share") is not None:
+        out.append(f"fished image rebuilt in {_pct(f['fishing_success_share'])}"
+                   f"{_interval(f.get('fishing_success_share_ci'), 0, 100)} of attacked client-rounds")
+    return out
 
 
 ATTACK_KEYS = ("mean_psnr", "mean_psnr_ci", "median_psnr", "max_psnr", "mean_prior_psnr", "mean_class_prior_psnr",
@@ -129,9 +143,16 @@ def compare_figures(out: Path, stdout: str) -> dict:
         spread = statistics.mean(100 * float(r["std_accuracy"]) for r in runs)
         std = statistics.stdev(acc) if len(acc) > 1 else 0.0
         table.append([method, f"{statistics.mean(acc):.2f} ± {std:.2f}", f"{spread:.2f}", str(len(acc))])
-    best = max(table, key=lambda r: float(r[1].split(" ")[0]))
-    return {"headline": f"best {best[0]} {best[1]} %; " + ", ".join(f"{r[0]} {r[1].split(' ')[0]}" for r in table),
+    return {"headline": compare_headline(table),
             "table": {"columns": ["method", "accuracy % (mean ± std over seeds)", "client std", "seeds"], "rows": table}}
+
+
+def compare_headline(rows: list[list[str]]) -> str:
+    """The best and the lowest method of an accuracy table (every method is in the table)."""
+    mean = lambda r: float(r[1].split(" ")[0])  # noqa: E731
+    best, low = max(rows, key=mean), min(rows, key=mean)
+    return (f"best {best[0]} {best[1]} %; lowest {low[0]} {low[1]} % ({len(rows)} methods, "
+            f"{max(int(r[3]) for r in rows)} seeds)")
 
 
 def n_curve_figures(out: Path, stdout: str) -> dict:
@@ -203,9 +224,13 @@ def fig10_figures(rows: list[dict]) -> dict:
 
 
 def malicious_figures(out: Path, stdout: str) -> dict:
-    """The report's ``malicious.csv``: per method, client size and download check, the share rebuilt."""
-    def share(value):
-        return "–" if value in ("", None) else _pct(float(value))
+    """The report's ``malicious.csv``: per method, client size and download check, the share rebuilt (with
+    its 95 % interval)."""
+    def share(value, low=None, high=None):
+        if value in ("", None):
+            return "–"
+        return _pct(float(value)) + (f" [{100 * float(low):.0f}, {100 * float(high):.0f}]"
+                                     if low not in ("", None) and high not in ("", None) else "")
 
     table = []
     for r in _csv(out, "runs/*/malicious.csv"):
@@ -215,14 +240,27 @@ def malicious_figures(out: Path, stdout: str) -> dict:
             continue
         refused = (f"{r['crafted_refused']}/{r['crafted_downloads']} / {r['honest_refused']}/{r['honest_downloads']}"
                    if r["crafted_downloads"] else "–")
-        table.append([r["method"], r["train_images"], r["download_check"], share(r["recovered_share"]),
+        table.append([r["method"], r["train_images"], r["download_check"],
+                      share(r["recovered_share"], r.get("recovered_ci_low"), r.get("recovered_ci_high")),
                       share(r["rebuilt_30db_share"]),
                       f"{_num(r['mean_psnr'])} ({_num(r['prior_psnr'])})" if r["mean_psnr"] else "nothing rebuilt",
                       share(r["inputs_exact_share"]), refused])
-    off = [row for row in table if row[2] == "off" and row[4]]
-    return {"headline": "check off: " + ", ".join(f"{row[0]} N = {row[1]} {row[3]} recovered" for row in off),
+    return {"headline": malicious_headline(table),
             "table": {"columns": ["method", "N", "check", "recovered (≥ prior + 6 dB)", "≥ 30 dB", "mean PSNR dB (prior)",
                                   "inputs exact", "crafted / honest refused"], "rows": table}}
+
+
+def malicious_headline(rows: list[list[str]]) -> str:
+    """Per method the share recovered at each client size with the download check off, and the largest
+    share with it on."""
+    off: dict[str, list[str]] = {}
+    for r in rows:
+        if r[2] == "off" and r[4]:
+            off.setdefault(r[0], []).append(r[3].split(" [")[0].removesuffix(" %"))
+    sizes = "/".join(dict.fromkeys(r[1] for r in rows if r[2] == "off" and r[4]))
+    on = [r[3].split(" [")[0] for r in rows if r[2] == "on" and r[4]]
+    text = f"check off, recovered at N = {sizes}: " + ", ".join(f"{m} {'/'.join(v)} %" for m, v in off.items())
+    return text + (f"; check on: at most {max(on, key=lambda x: float(x.removesuffix(' %')))}" if on else "")
 
 
 def mia_figures(out: Path, stdout: str) -> dict:
@@ -232,14 +270,15 @@ def mia_figures(out: Path, stdout: str) -> dict:
     for target, info in summary["targets"].items():
         lira = info.get("attacks", {}).get("lira", {}) if info.get("available") else {}
         if "auc" in lira:
-            tpr = lira.get("tpr_at_1pct_fpr")
-            rows.append([target, f"{lira['auc']:.3f}", f"{tpr:.3f}" if isinstance(tpr, float) else "refused"])
+            tpr, ci = lira.get("tpr_at_1pct_fpr"), lira.get("auc_ci")
+            auc = f"{lira['auc']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and None not in ci else "")
+            rows.append([target, auc, f"{tpr:.3f}" if isinstance(tpr, float) else "refused"])
         else:
             rows.append([target, "none", "none"])
     personal = next((r for r in rows if r[0] == "personal"), ["personal", "none", "none"])
     return {"headline": f"accuracy {summary['target_accuracy']:.4f}; personal models LiRA AUC {personal[1]}, "
                         f"TPR at 1 % FPR {personal[2]}",
-            "table": {"columns": ["model", "LiRA AUC", "TPR at 1 % FPR"], "rows": rows}}
+            "table": {"columns": ["model", "LiRA AUC [95 % CI]", "TPR at 1 % FPR"], "rows": rows}}
 
 
 def device_figures(out: Path, stdout: str) -> dict:
@@ -263,28 +302,260 @@ def start_figures(out: Path, stdout: str) -> dict:
             "median_seconds": rows}
 
 
-# the lines of bench/secure_malicious.py that answer its questions: binning on one client of 100 images and
-# through the sum at the default quantisation, the inconsistency attack's images, the check's decisions
-MALICIOUS_PHRASES = ("sized      craft,  1 x 100", "secure, quantization_range 2**22 ", "target's images, n =",
-                     "isolate, SecAgg, 10 clients, check on", "honest server, SecAgg, 10 clients, check on")
-
-
 WARNING_LINE = re.compile(r"^\S+:\d+: \w*Warning: ")
+# a progress bar (tqdm's "desc:  45%|████▌     | 9/20 [00:01<00:02,  4.86it/s]"): not a figure
+PROGRESS = re.compile(r"\d+%\|.*\|\s*\d+/\d+\s*\[.*\]\s*$")
+
+
+def printout(stdout: str) -> str:
+    """What a cell keeps of a command's print-out: without progress bars (each redraw after a carriage
+    return, or a line of its own) and without a library's warnings (they name a file of this machine)."""
+    lines = []
+    for raw in stdout.splitlines():
+        line = next((part for part in reversed(raw.split("\r")) if part.strip() and not PROGRESS.search(part)), "")
+        if line.strip() and not WARNING_LINE.match(line) and line.strip() != "warnings.warn(":
+            lines.append(line.rstrip())
+    return "\n".join(lines)
 
 
 def printed_figures(*phrases: str) -> Callable[[Path, str], dict]:
-    """A bench that prints its figures: the whole print-out (shown under the cell's details) and, as the
+    """A bench that prints its figures: the print-out (shown under the cell's details) and, as the
     headline, its lines that hold one of ``phrases``."""
     def figures(out: Path, stdout: str) -> dict:
-        # a library's warning names a file of this machine's environment: not a figure, left out
-        lines = [line.rstrip() for line in stdout.splitlines()
-                 if line.strip() and not WARNING_LINE.match(line) and line.strip() != "warnings.warn("]
+        lines = printout(stdout).splitlines()
         picked = [line.strip() for line in lines if any(p in line for p in phrases)]
         if not picked:
             raise CellError(f"the bench printed none of: {', '.join(phrases)}")
         return {"headline": "; ".join(picked), "line": "\n".join(lines)}
 
     return figures
+
+
+def _need(match, what: str):
+    if match is None:
+        raise CellError(f"the bench printed no {what}")
+    return match
+
+
+NUMBER = r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
+
+
+def _evidence(**fields) -> dict:
+    """An ``reports.exposure.Evidence`` as the record keeps it (its fields by name)."""
+    from reports.exposure import Evidence, as_dicts
+
+    rounded = {k: round(v, 6) if isinstance(v, float) else v for k, v in fields.items()}  # 0.414, not 0.41399999
+    return as_dicts([Evidence(**rounded)])[0]
+
+
+def secure_curious_figures(out: Path, stdout: str) -> dict:
+    """``bench/secure_curious.py``: per ``--sa-max-weight`` setting, a labelled table of what the curious
+    server read from the sums (the round's label histogram, the sum inverted, the updates disaggregated
+    beside the same attack on the true updates) and, for the exposure matrix, each figure with its
+    interval and chance level."""
+    text = printout(stdout)
+    settings: dict[str, dict] = {}
+    current = None
+    for line in text.splitlines():
+        command = re.match(r"\$ fedsec attack (\S+) .*--method (\S+).*--sa-max-weight (\d+)", line)
+        if command:
+            current = {"attack": command.group(1), "method": command.group(2), "lines": []}
+            settings.setdefault(command.group(3), {"rows": [], "evidence": []})["current"] = current
+            weight = command.group(3)
+            continue
+        if current is not None:
+            current["lines"].append(line)
+            _secure_curious_line(line, current, settings[weight])
+    if not settings:
+        raise CellError("the bench printed no 'fedsec attack ... --sa-max-weight' command")
+    tables, evidence, parts = [], [], []
+    for weight, found in settings.items():
+        tables.append({"title": f"--sa-max-weight {weight}: the protocol set for clients of at most {weight} "
+                                f"image{'s' if weight != '1' else ''}",
+                       "columns": ["attack", "figure", "value [95 % CI]", "n", "prior or chance", "check"],
+                       "rows": found["rows"]})
+        evidence += [{**e, "what": f"{e['what']}, max weight {weight}"} for e in found["evidence"]]
+        histogram = next((r[2].split(" [")[0] for r in found["rows"]
+                          if r[1] == "rounds with the label histogram exact"), "?")
+        parts.append(f"{histogram} ({'max weight ' if not parts else ''}{weight})")
+    rebuilt = [r for f in settings.values() for r in f["rows"] if r[1] == "PSNR of the disaggregated updates"]
+    headline = f"label histogram exact in {', '.join(parts)} rounds" + (
+        f"; disaggregated updates {', '.join(r[2].split(' [')[0] for r in rebuilt)} dB, "
+        f"{rebuilt[0][4]}" if rebuilt else "")
+    return {"headline": headline, "line": text, "tables": tables, "evidence": evidence}
+
+
+SHORT = re.compile(r"stopped short of the truth on (\d+) of (\d+) targets")
+
+
+def _secure_curious_line(line: str, current: dict, found: dict) -> None:
+    """One printed line of ``bench/secure_curious.py``: a table row (and the evidence it gives) where it
+    holds a figure."""
+    attack, method = current["attack"], current["method"]
+    # the attack's own result line (printed before its figures) says where its optimiser stopped short
+    short = next((m for m in map(SHORT.search, current["lines"]) if m), None)
+
+    def row(what, shown, n, chance, check, metric=None, value=None, low=None, high=None, prior=None, stopped=0):
+        """A table row, and the exposure matrix's evidence where ``metric`` names one."""
+        found["rows"].append([attack, what, shown, n, chance, check])
+        if metric:
+            found["evidence"].append(_evidence(method=method, threat="secure", source="secure-curious", metric=metric,
+                                               value=value, low=low, high=high, chance=prior, stopped_short=stopped,
+                                               n_targets=int(short.group(2)) if short and metric == "psnr" else None,
+                                               what=attack))
+
+    def counted(m, what):
+        k, n, low, high = int(m.group(1)), int(m.group(2)), float(m.group(3)), float(m.group(4))
+        row(what, f"{k}/{n} [{m.group(3)}, {m.group(4)}] %", str(n), "0 %", "exact counting: no optimiser",
+            "label counts exact", k / n, low / 100, high / 100)
+
+    def psnr(m, what, n, prior):
+        # without the attack's sentence the print-out does not say whether its optimiser stopped short
+        check = f"stopped short on {short.group(1)} of {short.group(2)} targets" if short else "not printed"
+        row(what, f"{m.group(1)} [{m.group(2)}, {m.group(3)}] dB", n, f"prior {prior}", check, "psnr",
+            float(m.group(1)), float(m.group(2)), float(m.group(3)), float(prior),
+            int(short.group(1)) if short else None)
+
+    if m := re.search(r"round histogram exact in (\d+) of (\d+) rounds \[(\d+), (\d+)\] %", line):
+        counted(m, "rounds with the label histogram exact")
+    elif m := re.search(rf"^\s*mean PSNR ({NUMBER}) dB \[({NUMBER}), ({NUMBER})\] \(\w+\) vs prior ({NUMBER}) dB, "
+                        rf"n = (\d+)", line):
+        psnr(m, "mean PSNR of the sum inverted", m.group(5), m.group(4))
+    elif m := re.search(r"per-client label counts exact: (\d+) of (\d+) clients \[(\d+), (\d+)\] %", line):
+        counted(m, "clients whose label counts are exact")
+    elif m := re.search(rf"recovered updates: PSNR ({NUMBER}) \[({NUMBER}), ({NUMBER})\] \(n = (\d+)\) dB, "
+                        rf"prior ({NUMBER}) dB", line):
+        psnr(m, "PSNR of the disaggregated updates", m.group(4), m.group(5))
+    elif m := re.search(rf"true updates without secure aggregation: PSNR ({NUMBER}) \[({NUMBER}), ({NUMBER})\] "
+                        rf"\(n = (\d+)\) dB", line):
+        row("PSNR of the same attack on the true updates (no secure aggregation)",
+            f"{m.group(1)} [{m.group(2)}, {m.group(3)}] dB", m.group(4), found["rows"][-1][4] if found["rows"] else "–",
+            "baseline")
+    elif m := re.search(rf"paired difference \(recovered - true\) by matched client: ({NUMBER}) \[({NUMBER}), "
+                        rf"({NUMBER})\] \(n = (\d+)\) dB", line):
+        row("paired difference, disaggregated − true", f"{m.group(1)} [{m.group(2)}, {m.group(3)}] dB", m.group(4),
+            "0", "–")
+
+
+BINNING = re.compile(rf"^\s*(per-client|sized)\s+craft,\s*(\d+) x\s*(\d+), (no secure aggregation|secure, "
+                     rf"quantization_range (\S+))\s+exact\s+({NUMBER}) % \[({NUMBER}), ({NUMBER})\]\s+n = (\d+)")
+CHECK = re.compile(r"^\s*((?:isolate|honest server|neighbourhood), SecAgg\+?(?: k=\d+)?, \d+ clients), "
+                   r"check (on|off)\s+(.*)$")
+
+
+def secure_malicious_figures(out: Path, stdout: str) -> dict:
+    """``bench/secure_malicious.py``: three labelled tables (binning through the sum, the model-inconsistency
+    attack's images, the consistency check) and, for the exposure matrix, binning's exact share per setting."""
+    text = printout(stdout)
+    binning, inconsistency, check, evidence = [], [], [], []
+    section = 0
+    for line in text.splitlines():
+        if re.match(r"^[123]\. ", line):
+            section = int(line[0])
+            continue
+        b = BINNING.match(line)
+        if b:
+            secure = b.group(4) != "no secure aggregation"
+            binning.append([b.group(1), f"{b.group(2)} × {b.group(3)}", b.group(5) if secure else "none",
+                            f"{b.group(6)} % [{b.group(7)}, {b.group(8)}]", b.group(9)])
+            evidence.append(_evidence(method="fedavg", threat="secure" if secure else "malicious",
+                                      source="secure-malicious", metric="inputs exact", value=float(b.group(6)) / 100,
+                                      low=float(b.group(7)) / 100, high=float(b.group(8)) / 100, stopped_short=0,
+                                      what=f"binning, {b.group(1)} craft, {b.group(2)} × {b.group(3)} images"
+                                           + (f", quantisation {b.group(5)}" if secure else "")))
+            continue
+        c = CHECK.match(line)
+        if c:
+            check.append([c.group(1), c.group(2), c.group(3).strip()])
+            continue
+        if section == 2 and line.startswith("  "):
+            inconsistency.append([part.strip() for part in line.strip().split(": ", 1)] if ": " in line
+                                 else [line.strip(), ""])
+    if not binning:
+        raise CellError("the bench printed no binning line")
+    sized = {(r[1], r[2]): r[3] for r in binning if r[0] == "sized"}
+    secure = next((k for k in sized if k[1] != "none"), None)
+    flagged = next((r for r in check if r[0].startswith("isolate") and r[1] == "on"), None)
+    headline = (f"binning through the sum ({secure[1]}): inputs exact {sized[secure]}"
+                if secure else f"binning: inputs exact {binning[0][3]}")
+    caught = re.search(r"flagged (\d+/\d+)", flagged[2]) if flagged else None
+    if caught:
+        headline += f"; consistency check on: {caught.group(1)} isolations flagged"
+    return {"headline": headline, "line": text, "evidence": evidence, "tables": [
+        {"title": "1. binning: share of first-linear-layer inputs recovered exactly (95 % interval over draws)",
+         "columns": ["craft", "clients × images", "secure aggregation (quantisation range)", "inputs exact", "n"],
+         "rows": binning},
+        {"title": "2. model inconsistency: the target's images, through the sum vs its own upload",
+         "columns": ["measured", "figure"], "rows": inconsistency},
+        {"title": "3. consistency check, 20 rounds each (flagged: some client saw a mismatch)",
+         "columns": ["server, protocol, clients", "check", "outcome"], "rows": check}]}
+
+
+def flower_secagg_figures(out: Path, stdout: str) -> dict:
+    """``bench/flower_secagg.py``: one labelled row per setting (the aggregate against the true average, one
+    masked upload's uniformity and correlation, the round's label histogram) and, for the exposure matrix,
+    the histogram's exact share per setting."""
+    text = printout(stdout)
+    rows, evidence = [], []
+    for line in text.splitlines():
+        head = re.match(r"^(\S[^:]*): (\d+) nodes, (\d+) rounds, protocol: .*max weight (\d+)", line)
+        if head:
+            rows.append([head.group(1), head.group(4), "", "", "", ""])
+            continue
+        if not rows or not line.startswith("  "):
+            continue
+        body = line.strip()
+        if body.startswith("aggregate vs true weighted average: "):
+            rows[-1][2] = body.split(": ", 1)[1]
+        elif body.startswith("one masked upload: "):
+            rows[-1][3] = body.split(": ", 1)[1]
+        elif body.startswith("sum-labels: "):
+            h = _need(re.search(rf"histogram exact in (\d+) of (\d+) rounds \(95 % CI ({NUMBER})-({NUMBER})\)", body),
+                      "histogram line")
+            low, high = 100 * float(h.group(3)), 100 * float(h.group(4))
+            rows[-1][4] = f"{h.group(1)} of {h.group(2)} rounds [{low:.0f}, {high:.0f}] %"
+            rows[-1][5] = body.split("; ", 1)[1] if "; " in body else ""
+            evidence.append(_evidence(method="fedavg", threat="secure", source="flower-secagg",
+                                      metric="label counts exact", value=int(h.group(1)) / int(h.group(2)),
+                                      low=float(h.group(3)), high=float(h.group(4)), stopped_short=0,
+                                      what=f"sum-labels on Flower SecAgg+, {rows[-1][0]}"))
+    if not rows:
+        raise CellError("the bench printed no setting line ('NAME: N nodes, R rounds, protocol: ...')")
+    within = sum("within" in r[2] for r in rows)
+    headline = (f"sum within its bound {within}/{len(rows)}; label histogram exact "
+                + ", ".join(f"{r[4].split(' rounds')[0].replace(' of ', '/')} ({r[0].split(', ')[-1]})" for r in rows)
+                + " rounds")
+    return {"headline": headline, "line": text, "evidence": evidence, "tables": [
+        {"title": "Per setting: the recorded sums against the true weighted average, one masked upload, and the "
+                  "round's label histogram read from the sum",
+         "columns": ["setting", "max weight", "aggregate vs true weighted average", "one masked upload",
+                     "label histogram exact [95 % CI]", "count error"], "rows": rows}]}
+
+
+def vs_breaching_figures(out: Path, stdout: str) -> dict:
+    """``bench/vs_breaching.py``: the per-image table and the means, once."""
+    text = printout(stdout)
+    mean = _need(re.search(rf"mean: ours ({NUMBER}) s ({NUMBER}) dB, breaching ({NUMBER}) s ({NUMBER}) dB "
+                           rf"\(n = (\d+) images\)", text), "'mean: ours ...' line")
+    ratio = _need(re.search(rf"ratio ({NUMBER}) .*gain_db ({NUMBER})", text), "ratio line")
+    rows = [line.split() for line in text.splitlines()[1:] if re.match(rf"^\S+\s+{NUMBER}\s+{NUMBER}\s", line)]
+    rows = [[r[0], *r[1:6], " ".join(r[6:])] for r in rows]
+    return {"headline": f"ours {mean.group(2)} dB in {mean.group(1)} s, breaching {mean.group(4)} dB in {mean.group(3)} s "
+                        f"({mean.group(5)} images; time ratio {ratio.group(1)}, +{ratio.group(2)} dB)",
+            "line": text, "tables": [{"title": "Per image", "columns": ["image", "ours s", "ours dB", "breaching s",
+                                                                        "breaching dB", "prior dB", "check"],
+                                      "rows": rows}]}
+
+
+def batched_figures(out: Path, stdout: str) -> dict:
+    """``bench/batched_attack.py``: batched against one by one, seconds and PSNR."""
+    text = printout(stdout)
+    m = _need(re.search(rf"^(\w+): (\d+) targets, (\d+) iterations, (\d+) thread\(s\): one by one ({NUMBER}) s \(PSNR "
+                        rf"({NUMBER}) dB\), batched ({NUMBER}) s \(PSNR ({NUMBER}) dB\), throughput ratio ({NUMBER})",
+                        text, re.M), "'ATTACK: N targets, ... throughput ratio' line")
+    return {"headline": f"{m.group(1)}, {m.group(2)} targets, {m.group(3)} iterations: batched {m.group(7)} s vs "
+                        f"{m.group(5)} s one by one (PSNR {m.group(8)} / {m.group(6)} dB); ratio {m.group(9)}",
+            "line": text}
 
 
 # ---------------------------------------------------------------- the cells
@@ -300,6 +571,9 @@ class Cell:
     depends: tuple[str, ...] = CODE
     needs_gpu: bool = False
     pictures: tuple[tuple[str, str], ...] = ()  # (a file the run wrote, where a small copy is kept in the repo)
+    # the exposure matrix's threat its figures stand for (``reports.exposure.THREATS``): "rows" where each
+    # row of its table says (by client size, cell or round), "evidence" where its figures list their own
+    threat: str | None = None
 
     @property
     def command(self) -> str:
@@ -326,20 +600,22 @@ GROUPS = {
 
 def _attack_cells() -> list[Cell]:
     cells = [Cell("main-job", "main", "DLG on FedeCouple (the README's first command)", MAIN, attack_figures,
-                  "about 2-4 min", pictures=(("runs/attack-dlg-fedecouple/reconstructions.png", "docs/img/main-job.png"),))]
+                  "about 2-4 min", pictures=(("runs/attack-dlg-fedecouple/reconstructions.png", "docs/img/main-job.png"),),
+                  threat="round0")]
     plan = [("dlg", ("fedper", "fedpac")), ("ig", ("fedecouple", "fedper", "fedpac")), ("proto", ("fedpac", "fedproto")),
             ("labels", ("fedecouple", "fedpac", "fedproto"))]
     for attack, methods in plan:
         for method in methods:
             cells.append(Cell(f"{attack}-{method}-r0", "round0", f"{attack} on {method}",
                               ("fedsec", "attack", attack, "--method", method, "--targets", "8", "--threads", "1"),
-                              attack_figures, "1-5 min"))
+                              attack_figures, "1-5 min", threat="round0"))
     for attack, methods in [("dlg", ("fedecouple", "fedper", "fedpac")), ("ig", ("fedecouple", "fedper", "fedpac")),
                             ("proto", ("fedpac", "fedproto")), ("labels", ("fedecouple", "fedpac", "fedproto"))]:
         for method in methods:
             cells.append(Cell(f"{attack}-{method}-r19", "trained", f"{attack} on {method}",
                               ("fedsec", "attack", attack, "--method", method, *TRAINED, "--targets", "8",
-                               "--threads", "1"), attack_figures, "3-15 min (20 rounds of training first)"))
+                               "--threads", "1"), attack_figures, "3-15 min (20 rounds of training first)",
+                              threat="trained"))
     return cells
 
 
@@ -347,28 +623,31 @@ def _other_cells() -> list[Cell]:
     cells = [
         Cell("trap-fedavg-n10", "malicious", "trap weights (binning) on FedAvg, clients of 10 images",
              ("fedsec", "attack", "trap", "--method", "fedavg", "--victim-batch", "0", "--train-images", "10",
-              "--targets", "4", "--threads", "1"), attack_figures, "about 1-2 min"),
+              "--targets", "4", "--threads", "1"), attack_figures, "about 1-2 min", threat="malicious"),
         Cell("fish-fedavg-n10", "malicious", "classifier fishing on FedAvg, clients of 10 images, round 1",
              ("fedsec", "attack", "fish", "--method", "fedavg", "--victim-batch", "0", "--train-images", "10",
-              "--targets", "10", "--attack-rounds", "1", "--threads", "1"), attack_figures, "about 1-2 min"),
+              "--targets", "10", "--attack-rounds", "1", "--threads", "1"), attack_figures, "about 1-2 min",
+             threat="malicious"),
     ]
     for method in ("fedavg", "fedper", "fedpac", "fedecouple", "fedproto"):
         cells.append(Cell(f"n-curve-{method}", "real", f"{method}: fedavg-leak (FedProto: proto) against N",
                           ("python", "bench/n_curve.py", "--methods", method, "--sizes", "4,10,25,50,100,180",
                            "--out", "n_curve.csv"), n_curve_figures,
-                          "hours (N = 50-180 at the default budget)", depends=CODE + ("bench/n_curve.py",)))
+                          "hours (N = 50-180 at the default budget)", depends=CODE + ("bench/n_curve.py",),
+                          threat="rows"))
     cells.append(Cell("audit-preset", "audit", "fedsec report --preset audit", ("fedsec", "report", "--preset", "audit",
                                                                                 "--out", "runs/audit"),
-                      audit_figures, "about 28 min", depends=CODE + ("reports",)))
+                      audit_figures, "about 28 min", depends=CODE + ("reports",), threat="rows"))
     cells.append(Cell("malicious-table", "malicious", "trap against clients of 10 and 50 images, the download check off and on",
                       ("fedsec", "report", "--methods", "fedavg,fedper,fedpac,fedecouple,fedproto", "--attacks", "trap",
                        "--malicious-sizes", "10,50", "--targets", "4", "--seed", "0", "--threads", "1", "--out",
-                       "runs/report-trap"), malicious_figures, "about 13 min", depends=CODE + ("reports",)))
+                       "runs/report-trap"), malicious_figures, "about 13 min", depends=CODE + ("reports",),
+                      threat="rows"))
     for method in ("fedecouple", "fedper", "fedpac", "fedavg", "fedproto", "local"):
         cells.append(Cell(f"mia-{method}", "mia", f"membership inference on {method}",
                           ("fedsec", "mia", "--method", method, "--clients", "20", "--rounds", "5", "--local-epochs", "5",
                            "--reference-runs", "4", "--threads", "1", "--out", f"runs/mia-{method}"), mia_figures,
-                          "3-10 min"))
+                          "3-10 min", threat="mia"))
     for partition, extra in (("pathological", ("--partition", "pathological", "--classes-per-client", "3")),
                              ("weak", ("--partition", "weak", "--uniform-share", "20")),
                              ("dirichlet", ("--partition", "dirichlet", "--beta", "0.1"))):
@@ -380,30 +659,28 @@ def _other_cells() -> list[Cell]:
     cells.append(Cell("secure-curious", "secure", "a curious server under secure aggregation: FedAvg, 10 clients of one "
                       "image; the round's label histogram, the sum inverted, disaggregation over 20 rounds",
                       ("python", "bench/secure_curious.py", "--out", "runs/secure-curious"),
-                      printed_figures("round histogram exact", "PSNR - prior per image", "label counts exact:",
-                                      "paired difference"), "about 10 min",
-                      depends=CODE + ("bench/secure_curious.py",)))
+                      secure_curious_figures, "about 10 min", depends=CODE + ("bench/secure_curious.py",),
+                      threat="evidence"))
     cells.append(Cell("secure-malicious", "secure", "a malicious server through secure aggregation: binning through "
                       "the sum, model inconsistency, the consistency check",
-                      ("python", "bench/secure_malicious.py"), printed_figures(*MALICIOUS_PHRASES), "about 10 min",
-                      depends=CODE + ("defenses", "bench/secure_malicious.py")))
+                      ("python", "bench/secure_malicious.py"), secure_malicious_figures, "about 10 min",
+                      depends=CODE + ("defenses", "bench/secure_malicious.py"), threat="evidence"))
     cells.append(Cell("flower-secagg", "secure", "Flower's SecAgg+ recorded and attacked: 10 nodes, 3 rounds",
-                      ("python", "bench/flower_secagg.py"),
-                      printed_figures("aggregate vs true", "uniformity", "sum-labels: histogram exact"),
-                      "about 2-4 min", depends=CODE + ("bench/flower_secagg.py", "examples/flower_secagg")))
+                      ("python", "bench/flower_secagg.py"), flower_secagg_figures, "about 2-4 min",
+                      depends=CODE + ("bench/flower_secagg.py", "examples/flower_secagg"), threat="evidence"))
     cells.append(Cell("vs-breaching", "speed", "our IG beside breaching's IG: the same model, gradient and 1000 "
                       "iterations, one start, 8 photographs (breaching 0.1.2 installed beside the pinned torch)",
                       ("python", "bench/vs_breaching.py", "--images", "8", "--threads", "1"),
-                      printed_figures("mean: ours", "ratio"), "about 2 min",
+                      vs_breaching_figures, "about 2 min",
                       depends=CODE + ("bench/vs_breaching.py",)))
     cells.append(Cell("batched-ig", "speed", "IG on 16 targets of one model, batched ÷ one by one",
-                      ("python", "bench/batched_attack.py", "--attacks", "ig"), printed_figures("throughput ratio"),
+                      ("python", "bench/batched_attack.py", "--attacks", "ig"), batched_figures,
                       "about 1 min", depends=CODE + ("bench/batched_attack.py", "bench/attack_speed.py")))
     cells.append(Cell("leak-small-clients", "speed", "fedavg-leak on FedAvg's smallest clients: 6 images, batches of "
                       "2, one epoch, 4 targets",
                       ("fedsec", "attack", "fedavg-leak", "--method", "fedavg", "--partition", "weak",
                        "--samples-per-client", "6", "--batch-size", "2", "--local-epochs", "1", "--targets", "4"),
-                      attack_figures, "about 5 min"))
+                      attack_figures, "about 5 min", threat="real-small"))
     cells.append(Cell("cli-start", "startup", "fedsec --help and every command's --help, each a new process",
                       ("python", "bench/cli_start.py", "--runs", "5"), start_figures, "about 10 s",
                       depends=("fedsec", "bench/cli_start.py")))
@@ -447,14 +724,16 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    gpu = None
+    gpu = kernels = None
     try:
         import torch
         if torch.cuda.is_available():
             gpu = torch.cuda.get_device_name(0)
+        # the vector kernels torch runs (AVX512, AVX2, ...): figures repeat bit for bit only on the same ones
+        kernels = torch.backends.cpu.get_cpu_capability()
     except ImportError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu}
+    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "kernels": kernels}
 
 
 def versions() -> dict:
@@ -534,7 +813,7 @@ def run_cell(cell: Cell, echo=print, keep: Path | None = None) -> dict:
             last = next((x.strip() for x in reversed(lines) if x.strip()), "no output")
             raise CellError(f"cell {cell.name} failed (exit {proc.returncode}): {last}")
         seconds = time.perf_counter() - start
-        figures = cell.figures(Path(tmp), "".join(lines))
+        figures = cell.figures(Path(tmp), printout("".join(lines)))  # no progress bar reaches a record
         for source, target in cell.pictures:
             keep_small(Path(tmp) / source, ROOT / target)
         if keep is not None:
@@ -576,9 +855,15 @@ def staleness(record: dict, cell: Cell) -> str | None:
     commit = record.get("commit")
     if not commit:
         return "measured at no recorded commit"
+    return _staleness(commit, cell.depends)
+
+
+@functools.lru_cache(maxsize=None)
+def _staleness(commit: str, depends: tuple[str, ...]) -> str | None:
+    # a render asks for each record several times; the history does not change meanwhile
     if git("merge-base", "--is-ancestor", commit, "HEAD").returncode != 0:
         return f"commit {commit[:7]} is not in this history"
-    changed = git("log", "-1", "--format=%h", f"{commit}..HEAD", "--", *cell.depends).stdout.strip()
+    changed = git("log", "-1", "--format=%h", f"{commit}..HEAD", "--", *depends).stdout.strip()
     return f"the code it depends on changed after it (last in {changed})" if changed else None
 
 
@@ -594,7 +879,7 @@ def code_text(text) -> str:
 
 
 def machine_text(m: dict) -> str:
-    text = f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores"
+    text = f"{m.get('cpu', '?')}" + (f" ({m['kernels']})" if m.get("kernels") else "") + f", {m.get('cores', '?')} cores"
     return text + (f", {m['gpu']}" if m.get("gpu") else "")
 
 
@@ -609,23 +894,319 @@ def status_text(record: dict | None, cell: Cell) -> str:
     stale = staleness(record, cell)
     carried = record.get("source") != MEASURED
     if stale:
-        return f"**stale**: {stale}" + ("; carried" if carried else "")
+        changes = stale_changes(record, cell)
+        since = f"{_commits(len(changes['commits']))} to its code since" if changes else stale
+        return f"**stale**: {since} ([which](#stale-cells))" + ("; carried" if carried else "")
     return "carried" if carried else "current"
 
 
+def stale_changes(record: dict, cell: Cell) -> dict | None:
+    """What changed in the code a stale cell depends on since its commit: the commits (newest first: short
+    hash, subject) and the files (git's status letter, path), and the files that existed at its commit and no
+    longer do (deleted or renamed since); None when its commit is not in this history."""
+    commit = record.get("commit")
+    if not commit or git("merge-base", "--is-ancestor", commit, "HEAD").returncode != 0:
+        return None
+    log = git("log", "--format=%h %s", f"{commit}..HEAD", "--", *cell.depends).stdout.splitlines()
+    diff = [line.split("\t") for line in git("diff", "--name-status", "-M", commit, "HEAD", "--",
+                                             *cell.depends).stdout.splitlines() if line.strip()]
+    files = [(parts[0][0], parts[-1] if parts[0][0] != "R" else f"{parts[1]} → {parts[2]}") for parts in diff]
+    gone = [parts[1] for parts in diff if parts[0][0] in "DR"]
+    return {"commits": [tuple(line.split(" ", 1)) for line in log], "files": files, "gone": gone}
+
+
+def _listed(items: list[str], most: int) -> str:
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
+def _commits(n: int) -> str:
+    return f"{n} commit{'s' if n != 1 else ''}"
+
+
+def _subject(text: str, most: int = 80) -> str:
+    return text if len(text) <= most else text[:most - 1].rstrip() + "…"
+
+
+def stale_section(records: dict[str, dict]) -> list[str]:
+    """The stale cells, grouped by what changed since their measurement (the same commit and the same code
+    paths): the commits (newest first) and the files, and which groups describe code that no longer exists
+    (files under the code they depend on deleted or renamed since, or their commit gone from the history)."""
+    groups: dict[tuple, list[str]] = {}
+    for cell in CELLS.values():
+        record = records.get(cell.name)
+        if record is not None and staleness(record, cell):
+            groups.setdefault((record.get("commit"), record.get("dirty"), cell.depends), []).append(cell.name)
+    if not groups:
+        return []
+    rows, gone = [], []
+    for (commit, dirty, depends), names in groups.items():
+        record, cell = records[names[0]], CELLS[names[0]]
+        changes = stale_changes(record, cell)
+        who = f"**{', '.join(names)}** (measured at {commit_text(record)})"
+        if changes is None:
+            rows.append(f"* {who}: {cell_text(staleness(record, cell))}; what changed since cannot be read from this "
+                        f"history.")
+            gone += names
+            continue
+        commits = changes["commits"]
+        newest = "; ".join(f"{h} {cell_text(_subject(subject))}" for h, subject in commits[:3])
+        files = [path for _, path in changes["files"]]
+        line = (f"* {who}: {_commits(len(commits))} to {', '.join(depends)} since ({newest}"
+                f"{'; …' if len(commits) > 3 else ''}); {len(files)} file{'s' if len(files) != 1 else ''} changed: "
+                f"{cell_text(_listed(files, 6))}")
+        if changes["gone"]:
+            gone += names
+            line += f"; no longer exist: {cell_text(_listed(changes['gone'], 6))}"
+        rows.append(line + ".")
+    verdict = (f"Of these, {', '.join(gone)} describe code that no longer exists: files under the code they depend on "
+               f"were deleted or renamed since they were measured (or their commit is gone), so rerun them before "
+               f"relying on their figures." if gone else
+               "Every file they depend on still exists; their figures may still move when rerun.")
+    return ["## Stale cells", "", "Cells measured before the code they depend on last changed (`git log` of the "
+            "cell's paths after its commit), grouped by what changed since: the commits, newest first, and the "
+            "files. " + verdict, "", *rows, ""]
+
+
+# ---------------------------------------------------------------- the exposure matrix of the records
+
+def _method_of(cell: Cell) -> str | None:
+    for flag in ("--method", "--methods"):
+        if flag in cell.argv:
+            value = cell.argv[cell.argv.index(flag) + 1]
+            return value if "," not in value else None
+    return None
+
+
+CI_TEXT = re.compile(rf"^\s*({NUMBER})\s*(?:%\s*)?(?:\[({NUMBER}), ({NUMBER})\])?")
+
+
+def _figure(text: str, scale: float = 1.0) -> tuple[float | None, float | None, float | None]:
+    """(value, low, high) of a table's "18.94 [16.68, 20.87]" or "57 % [41, 73]" ("–": all None)."""
+    m = CI_TEXT.match(str(text))
+    if not m:
+        return None, None, None
+    value, low, high = (None if x is None else float(x) / scale for x in m.groups())
+    return value, low, high
+
+
+def _count_of(text: str) -> int | None:
+    text = str(text).strip()
+    return int(text) if text.isdigit() else None
+
+
+def _checks(text: str) -> tuple[int | None, int | None]:
+    """(mis-specified, stopped short) of a "0 / 16" check column ("–": not recorded)."""
+    parts = [p.strip() for p in str(text).split("/")]
+    return (_count_of(parts[0]), _count_of(parts[1])) if len(parts) >= 2 else (None, None)
+
+
+def _attack_evidence(cell: Cell, record: dict, source: str) -> list:
+    from reports.exposure import Evidence
+
+    f, method, attack = record["figures"], _method_of(cell), cell.argv[2]
+    out = []
+    if f.get("mean_psnr") is not None:
+        low, high = (f.get("mean_psnr_ci") or (None, None))[:2]
+        out.append(Evidence(method=method, threat=cell.threat, source=source, what=attack, value=f["mean_psnr"],
+                            low=low, high=high, chance=f.get("mean_prior_psnr"),
+                            stopped_short=f.get("not_converged_targets"), n_targets=f.get("n_targets"),
+                            no_model=f.get("model_unknown_targets") or 0,
+                            mis_specified=f.get("mis_specified_targets") or 0))
+    elif f.get("class_presence_accuracy") is not None:  # no interval nor label prior recorded: n/a by the rule
+        out.append(Evidence(method=method, threat=cell.threat, source=source, what=attack, metric="class presence",
+                            value=f["class_presence_accuracy"]))
+    return out
+
+
+def _row_evidence(cell: Cell, record: dict, source: str) -> list:
+    """Evidence from a cell whose table rows each say where they belong: the client-size curve (by N), the
+    audit preset (by cell and round) and the malicious-server table (the download check off)."""
+    from reports.exposure import SMALL_CLIENT_IMAGES, Evidence, cell_threat
+
+    f, out = record["figures"], []
+    rows = (f.get("table") or {}).get("rows") or []
+    if cell.figures is n_curve_figures:
+        for n, figure, prior, _, images, checks, _ in rows:
+            value, low, high = _figure(figure)
+            wrong, short = _checks(checks)
+            out.append(Evidence(method=_method_of(cell), threat="real-small" if int(n) <= SMALL_CLIENT_IMAGES
+                                else "real-default", source=source, what=f"N = {n}", value=value, low=low, high=high,
+                                chance=float(prior), stopped_short=short, mis_specified=wrong or 0,
+                                n_targets=_count_of(images.split("(")[-1].rstrip(")"))))
+    elif cell.figures is audit_figures:
+        no_model = {}  # the Fig. 10 rows flag the clients whose server holds no model
+        for r in (f.get("fig10") or {}).get("rows") or []:
+            m = re.search(rf"{re.escape(NO_MODEL)} (\d+)/", r[-1])
+            if m and " − " not in r[1]:
+                no_model[(r[1], r[2], r[0])] = int(m.group(1))
+        for method, key, rnd, images, figure, prior, _, checks in rows:
+            value, low, high = _figure(figure)
+            wrong, short = _checks(checks)
+            out.append(Evidence(method=method, threat=cell_threat(key, int(rnd)), source=source,
+                                what=f"{key}, round {rnd}", value=value, low=low, high=high,
+                                chance=float(prior) if prior not in ("–", "") else None, stopped_short=short,
+                                mis_specified=wrong or 0, no_model=no_model.get((method, key, rnd), 0),
+                                n_targets=_count_of(images.split("(")[-1].rstrip(")"))))
+    elif cell.figures is malicious_figures:
+        for method, n, check, recovered, *_ in rows:
+            if check != "off":  # the matrix shows the methods without a defence
+                continue
+            what = f"trap, N = {n}"
+            if recovered.startswith("refused"):
+                reason = recovered.removeprefix("refused: ").split(" (")[0].split(":")[0]
+                out.append(Evidence(method=method, threat="malicious", source=source, what=what, refused=reason))
+                continue
+            value, low, high = _figure(recovered, 100.0)
+            out.append(Evidence(method=method, threat="malicious", source=source, what=what, metric="recovered",
+                                value=value, low=low, high=high))
+    return out
+
+
+def _mia_evidence(cell: Cell, record: dict, source: str) -> list:
+    from reports.exposure import Evidence
+
+    rows = (record["figures"].get("table") or {}).get("rows") or []
+    personal = next((r for r in rows if r[0] == "personal"), None)
+    value, low, high = _figure(personal[1]) if personal else (None, None, None)
+    return [Evidence(method=_method_of(cell), threat="mia", source=source, what="LiRA, personal models",
+                     metric="auc", value=value, low=low, high=high, stopped_short=0,
+                     missing=None if personal else "no personal model")]
+
+
+def declared_refusals(methods: list[str]) -> list:
+    """What the methods' own declarations refuse (``fedecouple.methods``): secure aggregation where the server
+    reads each client's upload, every server threat where the method sends nothing."""
+    from fedecouple.methods import METHODS
+    from reports.exposure import Evidence
+
+    out = []
+    for name in methods:
+        method = METHODS.get(name)
+        if method is None:
+            continue
+        if not method.communicates:
+            out += [Evidence(method=name, threat=t, source="its declaration", refused="sends nothing to the server")
+                    for t in ("round0", "trained", "real-small", "real-default", "malicious", "secure")]
+        elif not method.aggregates_securely():
+            out.append(Evidence(method=name, threat="secure", source="its declaration",
+                                refused=f"its server reads {', '.join(method.per_client_fields)} of each client"))
+    return out
+
+
+def page_evidence(records: dict[str, dict]) -> list:
+    """Every record's figures as ``reports.exposure`` evidence (a stale source says so), and the methods'
+    declared refusals."""
+    from reports.exposure import evidence_of
+
+    out = []
+    for cell in CELLS.values():
+        record = records.get(cell.name)
+        if record is None or cell.threat is None:
+            continue
+        source = cell.name + (" (stale)" if staleness(record, cell) else "")
+        if cell.threat == "evidence":
+            out += [evidence_of({**e, "source": source}) for e in record["figures"].get("evidence") or []]
+        elif cell.threat == "rows":
+            out += _row_evidence(cell, record, source)
+        elif cell.threat == "mia":
+            out += _mia_evidence(cell, record, source)
+        else:
+            out += _attack_evidence(cell, record, source)
+    return out + declared_refusals(list(dict.fromkeys(e.method for e in out)))
+
+
+def page_matrix(records: dict[str, dict]):
+    from reports.exposure import exposure_matrix
+
+    return exposure_matrix(page_evidence(records))
+
+
+TRAINED_LABEL = {"trained": "curious server, trained (round 19)"}
+MATRIX_NOTE = ("What leaks, for which method, under which threat: each cell is the worst verdict among the records "
+               "that measured that method under that threat, with its figure and 95 % interval; \"≥\": the optimiser "
+               "stopped short, so the true figure can only be higher. The last column is each method's worst exposure. "
+               "Under the table, each cell's evidence: the prior, the checks behind the word, the attack or setting "
+               "and the record it comes from ((stale): measured before its code last changed), and how many of the "
+               "cell's other figures could not be judged (\"k more n/a\"). Small clients: at most 10 training images; "
+               "default-size clients: more (the curve's N = 25–180 and the audit's N = 50 stand for the clients' own "
+               "size where it was not measured).")
+
+HOW_TO_READ = [
+    "## How to read", "",
+    "Each verdict follows one rule, the same on this page and in `fedsec report` "
+    "([reading a result](reading-results.md#verdicts)):", "",
+    "* **EXPOSED**: the figure's 95 % interval lies above the prior (or chance level): leakage shown. "
+    "\"(at least)\": the optimiser also stopped short, so the true leakage can only be higher.",
+    "* **LOWER BOUND**: not above the prior, while the optimiser stopped short on some target: the true leakage "
+    "may be higher. Not evidence of safety.",
+    "* **NOT SHOWN**: at the prior, with the optimiser reaching the truth's objective level on every target.",
+    "* **NO MODEL**: the method uploads no model the attack can use (FedProto against weight attacks); its figure, "
+    "where there is one, is a surrogate model's estimate, marked NO MODEL (estimate).",
+    "* **REFUSED**: the attack does not apply, or the method refuses the setting (a server that reads each "
+    "client's upload cannot run under secure aggregation).",
+    "* **n/a**: the record lacks what a verdict needs (no interval, no prior, a MIS-SPECIFIED attack, or no word "
+    "on whether the optimiser stopped short); the reason is given, never a guess.", "",
+    "The figures:", "",
+    "* **PSNR** (dB) compares a reconstruction with the image the client trained on, on pixels in [0, 1] "
+    "(10·log10 of 1 over the mean squared error). About 12 dB is what a grey blur scores on a digit; at 17–20 dB "
+    "the digit is recognisable under speckle noise (the main job's picture); at 30 dB and above it is a clean copy.",
+    "* **prior**: that non-informative guess, the data set's mean image, scored the same way; leakage means above "
+    "it. **class prior**: the mean image of the right class. An image counts as **recovered** at prior + 6 dB.",
+    "* **[a, b]**: a 95 % interval that resamples the attacked clients (images of one client are not independent); "
+    "n: the images scored.",
+    "* **class-presence accuracy**: the share of (client, class) pairs whose presence in the client's data the "
+    "label attack called right; its chance level is the label prior (always guessing the more frequent answer).",
+    "* **LiRA AUC** (*Membership Inference Attacks From First Principles*): how well the likelihood-ratio attack "
+    "tells a client's training records from its held-out ones (0.5: chance); **TPR at 1 % FPR**: the members it "
+    "finds while wrongly flagging 1 % of non-members.",
+    "* **inputs exact**: the share of first-linear-layer inputs a malicious server's crafted layer read back "
+    "exactly (chance: 0 %).",
+    "* **fishing share** (\"fished image rebuilt\"): the share of attacked client-rounds in which classifier "
+    "fishing isolated and rebuilt its chosen image.",
+    "* **stopped short**: the attack's own objective prefers the truth to its reconstruction, so the optimiser, "
+    "not the method, set the number: a lower bound on leakage. **MIS-SPECIFIED**: the objective prefers the "
+    "reconstruction, so the attack models the client wrongly and the number says nothing about privacy.",
+    "* **NO MODEL (estimate)**: the server holds no model of the client; the figure is what a surrogate reaches.",
+    "* **carried**: a record kept from an earlier measurement (hours on two CPU cores, or a GPU), with the commit "
+    "it was made at. **stale**: the code the cell depends on changed after that commit; "
+    "[Stale cells](#stale-cells) names the commits and files, and which stale cells describe code that no longer "
+    "exists.", ""]
+
+GROUP_NOTES = {
+    "main": "The README's first command: DLG against FedeCouple's textbook one-step upload at round 0.",
+    "round0": "Each attack against each method's upload at the initial weights (labels and proto read the real "
+              "local training).",
+    "trained": "The same attacks after 19 rounds of training, on 20 clients.",
+    "malicious": "A malicious server's crafted downloads against clients of 10 (and 50) images.",
+    "real": "fedavg-leak (FedProto: proto) against clients that train one epoch on N images, per method and N.",
+    "audit": "`fedsec report --preset audit`: every method, image cell and round in one run (its table and Fig. 10 "
+             "below).",
+    "accuracy": "What each method gives the clients: mean client test accuracy over three seeds.",
+    "mia": "LiRA against each method's models after 5 rounds of 5 local epochs.",
+    "device": "The same work on one GPU and on one CPU thread.",
+    "startup": "How long the command line takes to answer `--help`.",
+    "secure": "A curious and a malicious server that see only each round's sum, and Flower's own SecAgg+.",
+    "speed": "Our attacks' speed and strength beside another implementation, and batched against one by one.",
+}
+
+
 def render(records: dict[str, dict]) -> str:
+    from reports.exposure import matrix_markdown, verdict_counts
+
     out = ["# Current results", "",
            "<!-- Generated by `python bench/results.py --render` from results/*.json: do not edit by hand. -->", "",
            "One value per cell, each written by the run that measured it: its command, the commit (*dirty*: the "
-           "code had uncommitted changes), the machine and the seconds. A cell is **stale** when the code it "
-           "depends on changed after the commit it was measured at; *carried* cells keep an earlier measurement "
-           "with the commit it was made at (these runs take hours on two CPU cores, or need a GPU). Rerun a cell "
-           "with `python bench/results.py --cell NAME` and render this page with `python bench/results.py "
-           "--render`. What each figure means is [below](#how-to-read-these-figures).", ""]
+           "code had uncommitted changes), the machine and the seconds. Rerun a cell with `python bench/results.py "
+           "--cell NAME` and render this page with `python bench/results.py --render`.", "", *HOW_TO_READ]
+    matrix = page_matrix(records)
+    counts = ", ".join(f"{w} {n}" for w, n in verdict_counts(matrix).items() if n)
+    out += ["## Exposure matrix", "", MATRIX_NOTE, "", matrix_markdown(matrix, TRAINED_LABEL), "",
+            f"Cells by verdict: {counts}.", ""]
+    out += results_figures.markdown(results_figures.pictures(records, fig10_rows))
     details = []
     for group, title in GROUPS.items():
-        out += [f"## {title}", "", "| cell | result | status | command | commit | machine | seconds |",
-                "|---|---|---|---|---|---|---|"]
+        out += [f"## {title}", "", GROUP_NOTES[group], "",
+                "| cell | result | status | command | commit | machine | seconds |", "|---|---|---|---|---|---|---|"]
         for cell in (c for c in CELLS.values() if c.group == group):
             record = records.get(cell.name)
             if record is None:
@@ -634,20 +1215,19 @@ def render(records: dict[str, dict]) -> str:
                 continue
             seconds = "–" if record.get("seconds") is None else f"{record['seconds']:.0f}"
             out.append(f"| {cell.name} | {cell_text(record['figures']['headline'])} | "
-                       f"{cell_text(status_text(record, cell))} | `{code_text(record['command'])}` | "
+                       f"{status_text(record, cell)} | `{code_text(record['command'])}` | "
                        f"{commit_text(record)} | {cell_text(machine_text(record['machine']))} | {seconds} |")
             details += _details(cell, record)
         out.append("")
+    out += stale_section(records)
     out += ["## Details", "", "What each cell printed or tabulated, and the notes its record carries.", "", *details]
-    out += EXPLANATIONS
+    out += SETTINGS
     return "\n".join(out).rstrip("\n") + "\n"
 
 
 def with_sample_line(text: str, line: str) -> str:
     """``text`` with the main job's sample line (the ``text`` code block that starts with the main job's
     attack and method) replaced by ``line``."""
-    import re
-
     pattern = re.compile(r"(```text\n)dlg on fedecouple \(.*?\n(```)")
     if not pattern.search(text):
         raise CellError("no sample line of the main job (a ```text block starting 'dlg on fedecouple (') found")
@@ -664,81 +1244,125 @@ def rendered_files(records: dict[str, dict]) -> dict[Path, str]:
     return files
 
 
+def _table(columns: list, rows: list) -> list[str]:
+    return ["| " + " | ".join(cell_text(c) for c in columns) + " |", "|" + "---|" * len(columns),
+            *["| " + " | ".join(cell_text(v) for v in row) + " |" for row in rows], ""]
+
+
+PAIR = re.compile(rf"^({NUMBER}) \[({NUMBER}), ({NUMBER})\]")
+REJUDGED = ("holds", "does not hold", "undetermined: the interval straddles", "undetermined (lower bound)")
+
+
+def fig10_rows(f: dict) -> tuple[list[list[str]], list[str]]:
+    """The audit record's Fig. 10 table with each paired verdict judged by the one rule
+    (``reports.exposure.paired_verdict``: the stopped-short counts of each side from the audit's table), and
+    per round the verdict on "FedeCouple leaks least"."""
+    from reports.exposure import FAILS, HOLDS, paired_verdict
+    from reports.fig10 import LEAKS_LEAST, claim_word
+
+    from reports.exposure import Evidence, cell_threat, judge
+
+    audit = {(r[0], r[1], r[2]): r for r in (f.get("table") or {}).get("rows") or []}
+    stopped = {key: _checks(r[7])[1] for key, r in audit.items()}
+    rows, claims = [], {}
+    for r in f["fig10"]["rows"]:
+        r = list(r)
+        row = audit.get((r[1], r[2], r[0]))
+        if " − " not in r[1] and row is not None:  # a method's own row: its verdict by the same rule
+            value, low, high = _figure(r[4])
+            wrong, short = _checks(row[7])
+            unknown = re.search(rf"{re.escape(NO_MODEL)} (\d+)/", r[6])
+            n = _count_of(row[3].split("(")[-1].rstrip(")"))
+            word = judge(Evidence(method=r[1], threat=cell_threat(r[2], int(r[0])), source="", value=value, low=low,
+                                  high=high, chance=float(row[5]), stopped_short=short, n_targets=n,
+                                  mis_specified=wrong or 0, no_model=int(unknown.group(1)) if unknown else 0)).word
+            flags = [x for x in r[6].split(", ") if x not in ("–", "LOWER BOUND")]
+            flags += [f"{short}/{n} stopped short"] if short else []
+            r[6] = "; ".join([word, *flags])
+        if " − " in r[1]:
+            a, b = r[1].split(" − ")
+            m = PAIR.match(r[4])
+            old = r[6]
+            if m and (old.startswith(REJUDGED) or old.endswith(" leaks more") or " is a lower bound" in old):
+                word, why = paired_verdict(m.group(2), m.group(3), a, b, stopped.get((a, r[2], r[0])),
+                                           stopped.get((b, r[2], r[0])))
+                if r[5] in ("–", "") and word in (HOLDS, FAILS):  # no claim: say which one leaks more
+                    word = f"{a if word == HOLDS else b} leaks more"
+                r[6] = f"{word}: {why}" if why else word
+            if b == "fedecouple":
+                claims.setdefault(r[0], {})[a] = r[6]
+        rows.append(r)
+    return rows, [f"Round {rnd}: {LEAKS_LEAST}: {claim_word(v)}" for rnd, v in claims.items()]
+
+
 def _details(cell: Cell, record: dict) -> list[str]:
     f = record["figures"]
-    if not (f.get("line") or f.get("table") or record.get("notes")):
+    extra = attack_details(f) if cell.figures is attack_figures else []
+    if not (f.get("line") or f.get("table") or f.get("tables") or record.get("notes") or extra):
         return []
     lines = [f"### {cell.name}", "", f"{cell_text(cell.title)}.", ""]
-    if f.get("line"):
+    if f.get("line") and not f.get("tables"):
         lines += ["It printed:", "", "```text", f["line"], "```", ""]
-    for table in (f.get("table"), f.get("fig10")):
-        if not table:
-            continue
-        if table is f.get("fig10"):
-            lines += ["The FedeCouple paper's Fig. 10 (the report's section of that name: each method's headline "
-                      "cell, then paired comparisons over the same clients' images):", ""]
-        lines += ["| " + " | ".join(cell_text(c) for c in table["columns"]) + " |",
-                  "|" + "---|" * len(table["columns"])]
-        lines += ["| " + " | ".join(cell_text(v) for v in row) + " |" for row in table["rows"]]
-        lines.append("")
+    lines += [f"* {cell_text(x)}" for x in extra] + ([""] if extra else [])
+    if f.get("table"):
+        lines += _table(f["table"]["columns"], f["table"]["rows"])
+    if f.get("fig10"):
+        rows, claims = fig10_rows(f)
+        lines += ["The FedeCouple paper's Fig. 10 (the report's section of that name: each method's headline cell, "
+                  "then paired comparisons over the same clients' images; each verdict by the rule above, so a "
+                  "comparison whose lower side stopped short is undetermined (lower bound)):", ""]
+        lines += _table(f["fig10"]["columns"], rows) + [f"* {cell_text(c)}" for c in claims] + [""]
+    for table in f.get("tables") or []:
+        lines += [f"{cell_text(table['title'])}:", ""] + _table(table["columns"], table["rows"])
+    if f.get("line") and f.get("tables"):  # the whole print-out stays in the record, folded away here
+        lines += ['<details markdown="1"><summary>The whole print-out</summary>', "", "```text", f["line"], "```", "",
+                  "</details>", ""]
     lines += [f"* {cell_text(note)}" for note in record.get("notes", [])]
     return lines + ([""] if record.get("notes") else [])
 
 
-EXPLANATIONS = ["## How to read these figures", "",
-                "* **PSNR** (dB) compares a reconstruction with the image the client trained on, per image, on "
-                "pixels in [0, 1] (10·log10 of 1 over the mean squared error). About 12 dB is what a grey blur "
-                "scores on a digit (the data set's mean image); at 17–20 dB the digit is recognisable under speckle "
-                "noise (the main job's picture); at 30 dB and above it is a clean copy.",
-                "* **prior** is that non-informative guess (the data set's mean image) scored the same way; "
-                "**class prior** is the mean image of the right class, from data the server could hold. Leakage "
-                "means above the prior, and an image counts as **recovered** at prior + 6 dB.",
-                "* **[a, b]** is a 95 % interval that resamples the attacked clients (images of one client are not "
-                "independent); n is the number of images scored.",
-                "* **stopped short**: the attack's own objective prefers the truth to its reconstruction, so the "
-                "optimiser, not the method, set the number: a lower bound on leakage. **mis-specified**: the "
-                "objective prefers the reconstruction, so the attack models the client wrongly and the number says "
-                "nothing about privacy.",
-                "* Rounding: the same command repeats bit for bit on the same machine with the same thread count; "
-                "across CPUs an attack's optimisation can end elsewhere, so compare machines by the intervals.",
-                "",
-                "The settings behind each group, unless a command says otherwise: mnist5k (5,000 real MNIST "
-                "digits), pathological partition with 3 classes per client, seed 0, the paper's 28×28 CNN without "
-                "padding (`cnn28`), SGD with lr 0.05 and batches of 10, one thread.",
-                "",
-                "* **The main job and round 0**: 10 clients; the attacked clients train one local step on one image "
-                "at the federation's initial weights (the textbook setting); the server knows the hyperparameters "
-                "and the classifier, and replays each method's own local training. `labels` and `proto` attack the "
-                "clients' real local training.",
-                "* **The trained round**: 20 clients trained for 19 rounds, then the attacked clients take the "
-                "textbook step on the trained model.",
-                "* **Malicious server**: clients of exactly 10 (and 50) training images on their real local "
-                "training; the server crafts the attacked clients' download at round 0 (fishing: round 1, from the "
-                "label counts it read at round 0).",
-                "* **Real local training**: one-round federations of 10 clients of exactly N images, one epoch in "
-                "batches of 10, 4 clients attacked, every image they trained on rebuilt.",
-                "* **The audit preset**: 20 clients, 20 rounds, attacks at round 0 and round 19 (see the attacks "
-                "page for its cells).",
-                "* **Accuracy**: 20 clients, 5 rounds of 1 local epoch, three seeds; the mean over clients of each "
-                "client's test accuracy after the last round, mean ± sample std over seeds.",
-                "* **Membership inference**: 20 clients, 5 rounds of 5 local epochs, 4 reference federations; LiRA "
-                "(online, global variance) per model; members 3,740, non-members 1,260.",
-                "* **Devices**: one FedeCouple round of 10 clients and batched IG on 16 one-step targets (50 Adam "
-                "steps), images per second on each device of one machine.",
-                "",
-                "The attacks, by the papers they follow: DLG (*Deep Leakage from Gradients*), iDLG (*iDLG: Improved "
-                "Deep Leakage from Gradients*), IG (*Inverting Gradients — How easy is it to break privacy in "
-                "federated learning?*), fedavg-leak (*Data Leakage in Federated Averaging*), trap/binning (*When the "
-                "Curious Abandon Honesty: Federated Learning Is Not Private*; *Robbing the Fed: Directly Obtaining "
-                "Private Data in Federated Learning with Modified Models*), fish (*Fishing for User Data in "
-                "Large-Batch Federated Learning via Gradient Magnification*). The methods: *FedeCouple: Fine-Grained "
-                "Balancing of Global-Generalization and Local-Adaptability in Federated Learning*, FedPer "
-                "(*Federated Learning with Personalization Layers*), FedRep (*Exploiting Shared Representations "
-                "for Personalized Federated Learning*), FedPAC (*Personalized Federated Learning with Feature "
-                "Alignment and Classifier Collaboration*), FedProto (*FedProto: Federated Prototype Learning across "
-                "Heterogeneous Clients*). Each topic page explains its cells: [attacks](attacks.md), "
-                "[malicious server](malicious-server.md), [real local training](real-training.md), "
-                "[devices](devices.md).", ""]
+SETTINGS = ["## Settings and sources", "",
+            "* Rounding: the same command repeats bit for bit on the same machine with the same thread count; "
+            "across CPUs an attack's optimisation can end elsewhere, so compare machines by the intervals.",
+            "",
+            "The settings behind each group, unless a command says otherwise: mnist5k (5,000 real MNIST "
+            "digits), pathological partition with 3 classes per client, seed 0, the paper's 28×28 CNN without "
+            "padding (`cnn28`), SGD with lr 0.05 and batches of 10, one thread.",
+            "",
+            "* **The main job and round 0**: 10 clients; the attacked clients train one local step on one image "
+            "at the federation's initial weights (the textbook setting); the server knows the hyperparameters "
+            "and the classifier, and replays each method's own local training. `labels` and `proto` attack the "
+            "clients' real local training.",
+            "* **The trained round**: 20 clients trained for 19 rounds, then the attacked clients take the "
+            "textbook step on the trained model.",
+            "* **Malicious server**: clients of exactly 10 (and 50) training images on their real local "
+            "training; the server crafts the attacked clients' download at round 0 (fishing: round 1, from the "
+            "label counts it read at round 0).",
+            "* **Real local training**: one-round federations of 10 clients of exactly N images, one epoch in "
+            "batches of 10, 4 clients attacked, every image they trained on rebuilt.",
+            "* **The audit preset**: 20 clients, 20 rounds, attacks at round 0 and round 19 (see the attacks "
+            "page for its cells).",
+            "* **Accuracy**: 20 clients, 5 rounds of 1 local epoch, three seeds; the mean over clients of each "
+            "client's test accuracy after the last round, mean ± sample std over seeds.",
+            "* **Membership inference**: 20 clients, 5 rounds of 5 local epochs, 4 reference federations; LiRA "
+            "(online, global variance) per model; members 3,740, non-members 1,260.",
+            "* **Devices**: one FedeCouple round of 10 clients and batched IG on 16 one-step targets (50 Adam "
+            "steps), images per second on each device of one machine.",
+            "",
+            "The attacks, by the papers they follow: DLG (*Deep Leakage from Gradients*), iDLG (*iDLG: Improved "
+            "Deep Leakage from Gradients*), IG (*Inverting Gradients — How easy is it to break privacy in "
+            "federated learning?*), fedavg-leak (*Data Leakage in Federated Averaging*), trap/binning (*When the "
+            "Curious Abandon Honesty: Federated Learning Is Not Private*; *Robbing the Fed: Directly Obtaining "
+            "Private Data in Federated Learning with Modified Models*), fish (*Fishing for User Data in "
+            "Large-Batch Federated Learning via Gradient Magnification*), LiRA (*Membership Inference Attacks From "
+            "First Principles*). The methods: *FedeCouple: Fine-Grained "
+            "Balancing of Global-Generalization and Local-Adaptability in Federated Learning*, FedPer "
+            "(*Federated Learning with Personalization Layers*), FedRep (*Exploiting Shared Representations "
+            "for Personalized Federated Learning*), FedPAC (*Personalized Federated Learning with Feature "
+            "Alignment and Classifier Collaboration*), FedProto (*FedProto: Federated Prototype Learning across "
+            "Heterogeneous Clients*). Each topic page explains its cells: [attacks](attacks.md), "
+            "[malicious server](malicious-server.md), [real local training](real-training.md), "
+            "[devices](devices.md).", ""]
 
 
 # ---------------------------------------------------------------- command line
@@ -776,6 +1400,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 for path in stale:
                     write_atomic(path, files[path])
+                results_figures.write(results_figures.pictures(load_records(), fig10_rows), PAGE.parent)
                 print(f"rendered from {len(load_records())} records; rewrote "
                       f"{', '.join(str(p.relative_to(ROOT)) for p in stale) or 'nothing (all in step)'}")
     except CellError as exc:

@@ -11,9 +11,9 @@ Inputs
              ``a_status`` (``done`` or ``not applicable: <reason>`` / ``unavailable: <reason>``),
              ``a_mean_psnr, a_median_psnr, a_max_psnr, a_prior_psnr, a_ssim, a_label_accuracy``
              (the reconstructions' predicted labels), ``a_class_presence_accuracy`` (label
-             attacks), ``a_images``, ``a_lower_bound`` (the caller's LOWER BOUND verdict: at or below the
-             prior while the optimiser stopped short); then ``findings_high, findings_medium, findings_low,
-             findings_info``; optionally ``secure_aggregation`` (the audit's "runs on the sum", "secure
+             attacks), ``a_images``, ``a_lower_bound`` (the caller's LOWER BOUND verdict, the exposure matrix's
+             rule: not above the prior by its interval while the optimiser stopped short); then
+             ``findings_high, findings_medium, findings_low, findings_info``; optionally ``secure_aggregation`` (the audit's "runs on the sum", "secure
              variant: ..." or "refuses: ...", a column of the headline table when present).
 ``results``  one row per scored image (and, for ``labels``, per class): at least ``method,
              attack, psnr, prior_psnr`` for image attacks.
@@ -23,7 +23,8 @@ Inputs
 ``meta``     ``title, command, methods, attacks, image_attacks`` (the attacks that rebuild images),
              ``label_attacks``, ``psnr_cap_db`` (what an infinite PSNR counts as), ``leak_gap_db`` (the
              audit's "at chance" margin), ``config, method_hyperparameters, seeds, attack_settings,
-             versions, psnr_definition, notes, stages, findings_note`` (see ``render``).
+             versions, psnr_definition, notes, stages, findings_note`` (see ``render``); ``exposure``: the
+             ``reports.exposure`` evidence (dicts) of the exposure matrix shown first.
 
 Outputs (``render`` returns ``{filename: str | bytes}``)
 -------------------------------------------------------
@@ -77,9 +78,9 @@ HEADLINE_NOTE = (
     "about the method's privacy. NO MODEL (estimate): the method uploads no model of the client (FedProto: "
     "prototypes only), so the server inverted with one of its own (a surrogate trained on public data, or the "
     "initial model): the PSNR is what that attacker reaches, an estimate, and no forward check applies. "
-    "LOWER BOUND: at or below the prior while, on some target, the truth matched "
-    "better than the reconstruction: the optimiser stopped short, so the PSNR is set by the attack's budget, not "
-    "by the method. Upload: all clients' uploads per round.")
+    "LOWER BOUND (the exposure matrix's rule): not above the prior by its interval while, on some target, the "
+    "truth matched better than the reconstruction: the optimiser stopped short, so the PSNR is set by the attack's "
+    "budget, not by the method, and the true leakage may be higher. Upload: all clients' uploads per round.")
 
 
 def fmt(x: Any, digits: int = 1, unit: str = "") -> str:
@@ -374,8 +375,9 @@ def _json_block(obj: Any) -> str:
 COMPARISON_NOTE = ("Paired over the images both methods' attacks scored (same partition, seed and attacked "
                    "clients), over all attacked rounds and per round: the mean difference of PSNR above the prior with "
                    "a 95 % interval that resamples the attacked clients. A difference is called only when the "
-                   "interval excludes zero; a mis-specified attack, or one that stopped short of the truth below "
-                   "the prior (a lower bound), is compared with nothing; a NO MODEL attack (the server holds no "
+                   "interval excludes zero; a mis-specified attack is compared with nothing, and where the side that "
+                   "leaks less stopped short of the truth on some target the order is undetermined (lower bound): "
+                   "its true leakage may be higher; a NO MODEL attack (the server holds no "
                    "model of the client) is compared as the estimate it is, and the sentence says so. "
                    "\"Recovered\": {rule}.")
 MIA_NOTE = ("Membership inference (`fedsec mia`): can a model tell a client's training records from its own "
@@ -431,11 +433,52 @@ def _mia_html(meta: Mapping) -> list[str]:
             html_table(method_rows(meta["mia"]), METHOD_COLUMNS)]
 
 
+EXPOSURE_NOTE = ("What leaks, for which method, under which threat: one verdict per cell, the worst of the cell's "
+                 "figures, with the figure and its 95 % interval (\"≥\": the optimiser stopped short, so the true "
+                 "figure can only be higher); the last column is each method's worst exposure, and each cell's "
+                 "evidence follows the table. ")
+
+
+def exposure_matrix(meta: Mapping):
+    """The exposure matrix of the report's evidence (``meta["exposure"]``, ``fedsec.report``), or None."""
+    from .exposure import exposure_matrix as build
+
+    evidence = meta.get("exposure")
+    return build(evidence, meta.get("methods") or ()) if evidence else None
+
+
+def exposure_labels(meta: Mapping) -> dict[str, str]:
+    """The trained column's header with the rounds this report attacked after round 0."""
+    rounds = sorted({int(r) for s in (meta.get("attack_settings") or {}).values() for r in (s or {}).get("rounds") or ()
+                     if finite_or_none(r) is not None and int(r) > 0})
+    return {"trained": f"curious server, trained (round {', '.join(map(str, rounds))})"} if rounds else {}
+
+
+def _exposure_markdown(meta: Mapping) -> list[str]:
+    from .exposure import RULE, matrix_markdown
+
+    matrix = exposure_matrix(meta)
+    if matrix is None:
+        return []
+    return ["## Exposure matrix", "", EXPOSURE_NOTE + RULE, "", matrix_markdown(matrix, exposure_labels(meta)), ""]
+
+
+def _exposure_html(meta: Mapping) -> list[str]:
+    from .exposure import RULE, matrix_html
+
+    matrix = exposure_matrix(meta)
+    if matrix is None:
+        return []
+    return ["<h2>Exposure matrix</h2>", f'<p class="muted">{e(EXPOSURE_NOTE + RULE)}</p>',
+            matrix_html(matrix, exposure_labels(meta))]
+
+
 def render_markdown(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, meta: Mapping) -> str:
     header, rows = headline_rows(summary, meta)
     out = [f"# {meta.get('title', 'Privacy comparison')}", ""]
     if meta.get("command"):
         out += ["```", str(meta["command"]), "```", ""]
+    out += _exposure_markdown(meta)
     out += ["## Headline", "", md_table(header, rows), "",
             headline_note(meta), ""]
     skips = skipped(summary, meta)
@@ -498,6 +541,7 @@ img{max-width:100%;border:1px solid #ddd;margin:4px 0}
 figure{margin:8px 0 18px}figcaption{font-size:0.85em;color:#555}
 .sev-high{color:#fff;background:#b3261e}.sev-medium{background:#f6c26b}.sev-low{background:#e6eef7}
 .sev-info{background:#eee}.muted{color:#666;font-size:0.9em}
+.verdict-exposed{background:#f4c7c3}.verdict-lower-bound{background:#fce8b2}.verdict-not-shown{background:#d9ead3}
 """
 
 
@@ -542,6 +586,7 @@ def render_html(summary: pd.DataFrame, findings: pd.DataFrame, grids: Mapping, m
          f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>"]
     if meta.get("command"):
         h.append(f"<pre>{e(meta['command'])}</pre>")
+    h += _exposure_html(meta)
     h += ["<h2>Headline</h2>", html_table(header, rows),
           f'<p class="muted">{e(headline_note(meta))}</p>']
     skips = skipped(summary, meta)

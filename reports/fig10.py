@@ -13,15 +13,18 @@ over the attacked clients (images of one client are not independent).
 A claim "A leaks more than B" holds where the interval lies above 0 and does not hold where it lies
 below; it stays undetermined where the interval straddles 0 or is missing (too few clients), where
 either side's attack was MIS-SPECIFIED or lacked the model the client trained (the server holds none),
-where the two methods were measured by different cells (nothing to pair), and where a side that the
-interval puts lower is a LOWER BOUND (its optimiser stopped short of the truth at or below the prior:
-its real leakage may be higher, so the ranking could flip). A lower bound on the side the interval puts
-higher does not change the answer: its true figure is higher still.
+and where the two methods were measured by different cells (nothing to pair). Where the side the
+interval puts lower, the side said to leak less, stopped short on some client (its optimiser ended with
+its objective above the truth's), the comparison is "undetermined (lower bound)", never "holds": that
+side's true leakage may be higher, so the order could flip (``reports.exposure.paired_verdict``, the
+exposure matrix's rule). A higher side that stopped short changes nothing: its true figure is higher
+still. Each method's own row carries its exposure verdict by the same rule (``reports.exposure.judge``).
 
 Input rows: ``by_round`` (``fedsec.report.tables.leakage_by_round``: method, attack, round, n_images,
-n_targets, mean_psnr, mean_psnr_ci_low/high, prior_psnr, mis_specified_targets, plus ``lower_bound``
-from the LOWER BOUND rule and, where recorded, ``model_unknown_targets``) and ``results`` (one row per
-scored image: method, attack, round, client, image, psnr, mis_specified, model_unknown)."""
+n_targets, mean_psnr, mean_psnr_ci_low/high, prior_psnr, mis_specified_targets, not_converged_targets
+(the targets whose optimiser stopped short) and, where recorded, ``model_unknown_targets``) and
+``results`` (one row per scored image: method, attack, round, client, image, psnr, mis_specified,
+model_unknown)."""
 from __future__ import annotations
 
 import html
@@ -31,6 +34,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from . import exposure
 from .comparison import html_table, md_table
 from .formatting import NO_MODEL, finite_or_none, interval_text, is_true
 
@@ -40,17 +44,20 @@ ANCHORS = ("fedecouple", "fedavg")  # the methods every other method is compared
 CLAIMS = {("fedper", "fedavg"): "FedPer > FedAvg", ("fedpac", "fedecouple"): "FedPAC > FedeCouple",
           ("fedproto", "fedecouple"): "FedProto > FedeCouple"}
 LEAKS_LEAST = "FedeCouple leaks least"
-HOLDS, FAILS, UNDETERMINED = "holds", "does not hold", "undetermined"
+HOLDS, FAILS, UNDETERMINED = exposure.HOLDS, exposure.FAILS, exposure.UNDETERMINED
 COLUMNS = ["kind", "round", "method", "versus", "cell", "n", "n_targets", "mean", "ci_low", "ci_high", "prior_psnr",
-           "lower_bound", "mis_specified_targets", "model_unknown_targets", "claim", "verdict"]
+           "lower_bound", "stopped_short_targets", "mis_specified_targets", "model_unknown_targets", "claim", "verdict"]
 NOTE = ("The FedeCouple paper's Fig. 10 (mean PSNR under a gradient-inversion attack): FedeCouple leaks least, "
         "FedPer more than FedAvg, FedPAC and FedProto more than FedeCouple. First each method's mean PSNR per attacked "
         "round in the report's headline image cell, with its 95 % interval and n images (clients); then paired "
         "comparisons against FedeCouple and against FedAvg over the same clients' same images: the mean PSNR "
-        "difference A − B with a 95 % interval over the attacked clients. A claim holds where the interval lies "
-        "above 0, does not hold where it lies below, and is undetermined where it straddles 0, where either attack "
-        "was MIS-SPECIFIED or the server lacks the client's model (NO MODEL), where the methods were measured by "
-        "different cells, or where the side the interval puts lower is a LOWER BOUND (its real leakage may be higher).")
+        "difference A − B with a 95 % interval over the attacked clients. Each method's row carries its exposure "
+        "verdict (EXPOSED, LOWER BOUND, NOT SHOWN, NO MODEL, n/a: the rule of the exposure matrix). A claim holds "
+        "where the interval lies above 0, does not hold where it lies below, and is undetermined where it straddles "
+        "0, where either attack was MIS-SPECIFIED or the server lacks the client's model (NO MODEL), or where the "
+        "methods were measured by different cells. Where the side the interval puts lower (the side said to leak "
+        "less) stopped short on some client, it is undetermined (lower bound): that side's true leakage may be "
+        "higher, so a lower bound never makes a claim hold.")
 Interval = Callable[[np.ndarray, np.ndarray], "Sequence[float] | None"]
 
 
@@ -80,6 +87,23 @@ def _flag_count(row: Mapping, column: str) -> int:
     return 0 if number is None else int(number)
 
 
+def _recorded_count(row: Mapping, column: str) -> int | None:
+    """A count that may be missing (None: not recorded, which is not 0)."""
+    number = finite_or_none(row.get(column))
+    return None if number is None else int(number)
+
+
+def method_verdict(row: Mapping) -> str:
+    """A method row's exposure verdict (``reports.exposure.judge``): EXPOSED, LOWER BOUND, NOT SHOWN, NO MODEL
+    or n/a."""
+    return exposure.judge(exposure.Evidence(
+        method=str(row["method"]), threat=exposure.cell_threat(str(row["cell"]), int(row["round"])),
+        source=str(row["cell"]), value=finite_or_none(row["mean"]), low=finite_or_none(row["ci_low"]),
+        high=finite_or_none(row["ci_high"]), chance=finite_or_none(row["prior_psnr"]),
+        stopped_short=row["stopped_short_targets"], n_targets=row["n_targets"],
+        no_model=row["model_unknown_targets"], mis_specified=row["mis_specified_targets"])).word
+
+
 def method_rows(by_round: pd.DataFrame, methods: Iterable[str], preferred: str = HEADLINE_CELL) -> list[dict]:
     """One row per method and attacked round: its cell's mean PSNR, interval, n, prior and flags."""
     out = []
@@ -88,12 +112,16 @@ def method_rows(by_round: pd.DataFrame, methods: Iterable[str], preferred: str =
         if cell is None:
             continue
         for r in by_round[(by_round["method"] == m) & (by_round["attack"] == cell)].to_dict("records"):
-            out.append({"kind": "method", "round": int(r["round"]), "method": m, "versus": "", "cell": cell,
-                        "n": int(r["n_images"]), "n_targets": int(r["n_targets"]), "mean": r["mean_psnr"],
-                        "ci_low": r.get("mean_psnr_ci_low"), "ci_high": r.get("mean_psnr_ci_high"),
-                        "prior_psnr": r.get("prior_psnr"), "lower_bound": is_true(r.get("lower_bound")),
-                        "mis_specified_targets": _flag_count(r, "mis_specified_targets"),
-                        "model_unknown_targets": _flag_count(r, "model_unknown_targets"), "claim": "", "verdict": ""})
+            row = {"kind": "method", "round": int(r["round"]), "method": m, "versus": "", "cell": cell,
+                   "n": int(r["n_images"]), "n_targets": int(r["n_targets"]), "mean": r["mean_psnr"],
+                   "ci_low": r.get("mean_psnr_ci_low"), "ci_high": r.get("mean_psnr_ci_high"),
+                   "prior_psnr": r.get("prior_psnr"),
+                   "stopped_short_targets": _recorded_count(r, "not_converged_targets"),
+                   "mis_specified_targets": _flag_count(r, "mis_specified_targets"),
+                   "model_unknown_targets": _flag_count(r, "model_unknown_targets"), "claim": ""}
+            row["verdict"] = method_verdict(row)
+            row["lower_bound"] = row["verdict"] == exposure.LOWER_BOUND
+            out.append(row)
     return sorted(out, key=lambda r: r["round"])
 
 
@@ -145,12 +173,8 @@ def judge(d: dict, a: dict, b: dict) -> tuple[str, str]:
     if d["ci"] is None:
         return UNDETERMINED, "too few clients for an interval"
     low, high = d["ci"]
-    if low <= 0 <= high:
-        return UNDETERMINED, "the interval straddles 0"
-    lower = b if low > 0 else a  # the side the interval puts lower
-    if lower["lower_bound"]:
-        return UNDETERMINED, f"{lower['method']} is a lower bound (stopped short at or below the prior)"
-    return (HOLDS, "") if low > 0 else (FAILS, "")
+    return exposure.paired_verdict(low, high, a["method"], b["method"], a["stopped_short_targets"],
+                                   b["stopped_short_targets"])
 
 
 def fig10_frame(by_round: pd.DataFrame, results: pd.DataFrame, methods: Sequence[str],
@@ -173,19 +197,23 @@ def fig10_frame(by_round: pd.DataFrame, results: pd.DataFrame, methods: Sequence
             cell = ra["cell"] if ra["cell"] == rb["cell"] else f"{ra['cell']} vs {rb['cell']}"
             rows.append({"kind": "paired", "round": rnd, "method": a, "versus": b, "cell": cell, "n": d["n"],
                          "n_targets": d["n_targets"], "mean": d["mean"], "ci_low": low, "ci_high": high,
-                         "prior_psnr": None, "lower_bound": None, "mis_specified_targets": None,
+                         "prior_psnr": None, "lower_bound": None, "stopped_short_targets": None,
+                         "mis_specified_targets": None,
                          "model_unknown_targets": None, "claim": claim,
                          "verdict": f"{verdict}: {why}" if why else verdict})
     frame = pd.DataFrame(rows, columns=COLUMNS)
-    counts = ["round", "n", "n_targets", "mis_specified_targets", "model_unknown_targets"]
+    counts = ["round", "n", "n_targets", "stopped_short_targets", "mis_specified_targets", "model_unknown_targets"]
     return frame.astype({c: "Int64" for c in counts})  # whole numbers in fig10.csv, blank where a row has none
 
 
 def _flags(r: Mapping) -> str:
+    """A method row's exposure verdict, then the checks behind it."""
     words = [f"MIS-SPECIFIED {r['mis_specified_targets']}/{r['n_targets']}"] if r["mis_specified_targets"] else []
     words += [f"{NO_MODEL} {r['model_unknown_targets']}/{r['n_targets']}"] if r["model_unknown_targets"] else []
-    words += ["LOWER BOUND"] if is_true(r["lower_bound"]) else []
-    return ", ".join(words) or "–"
+    stopped = finite_or_none(r.get("stopped_short_targets"))
+    words += [f"{stopped:.0f}/{r['n_targets']} stopped short"] if stopped else []
+    verdict = str(r.get("verdict") or "") or ("LOWER BOUND" if is_true(r["lower_bound"]) else "")
+    return "; ".join(x for x in [verdict, ", ".join(words)] if x) or "–"
 
 
 def _number(value, digits: int = 2, sign: bool = False) -> str:
@@ -193,7 +221,8 @@ def _number(value, digits: int = 2, sign: bool = False) -> str:
     return "–" if number is None else f"{number:+.{digits}f}" if sign else f"{number:.{digits}f}"
 
 
-METHOD_HEADER = ["round", "method", "cell", "mean PSNR dB [95 % interval]", "prior", "n images (clients)", "flags"]
+METHOD_HEADER = ["round", "method", "cell", "mean PSNR dB [95 % interval]", "prior", "n images (clients)",
+                 "verdict; flags"]
 PAIRED_HEADER = ["round", "A − B", "cell", "n pairs (clients)", "mean difference dB [95 % interval]",
                  "paper's claim", "verdict"]
 
@@ -215,18 +244,27 @@ def table_rows(frame: pd.DataFrame) -> tuple[list[list[str]], list[list[str]]]:
 
 
 def claim_lines(frame: pd.DataFrame) -> list[str]:
-    """Per attacked round, "FedeCouple leaks least" over all its pairs: holds where every pair holds,
-    does not hold where one does not (naming it), else undetermined (naming the undetermined pairs)."""
+    """Per attacked round, "FedeCouple leaks least" over all its pairs (``claim_word``)."""
     out = []
     paired = frame[(frame["kind"] == "paired") & (frame["versus"] == "fedecouple")]
     for rnd, group in paired.groupby("round", sort=True):
         verdicts = dict(zip(group["method"], group["verdict"].astype(str)))
-        failed = [m for m, v in verdicts.items() if v.startswith(FAILS)]
-        open_ = [m for m, v in verdicts.items() if v.startswith(UNDETERMINED)]
-        word = (f"{FAILS} ({', '.join(failed)} leaks less)" if failed else
-                f"{UNDETERMINED} (against {', '.join(open_)})" if open_ else f"{HOLDS} (all {len(verdicts)} pairs)")
-        out.append(f"Round {rnd}: {LEAKS_LEAST}: {word}")
+        out.append(f"Round {rnd}: {LEAKS_LEAST}: {claim_word(verdicts)}")
     return out
+
+
+def claim_word(verdicts: Mapping[str, str]) -> str:
+    """"FedeCouple leaks least" from its pairs' verdicts (method → verdict): holds where every pair holds,
+    does not hold where one does not (naming it), else undetermined naming the undetermined pairs, and
+    "undetermined (lower bound)" where one of them is a lower bound: never holds on a lower bound."""
+    failed = [m for m, v in verdicts.items() if v.startswith(FAILS)]
+    open_ = [m for m, v in verdicts.items() if v.startswith(UNDETERMINED)]
+    bounded = any(v.startswith(exposure.UNDETERMINED_LOWER_BOUND) for v in verdicts.values())
+    if failed:
+        return f"{FAILS} ({', '.join(failed)} leaks less)"
+    if open_:
+        return f"{exposure.UNDETERMINED_LOWER_BOUND if bounded else UNDETERMINED} (against {', '.join(open_)})"
+    return f"{HOLDS} (all {len(verdicts)} pairs)"
 
 
 def section_markdown(frame: pd.DataFrame) -> list[str]:

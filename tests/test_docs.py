@@ -18,9 +18,10 @@ README = ROOT / "README.md"
 FIRST_COMMAND = ("python3 -m venv .venv && .venv/bin/pip install -q -e . && "
                  ".venv/bin/fedsec attack dlg --method fedecouple")
 TEST_COMMAND = ".venv/bin/python -m pytest -q -n 2 --dist loadfile"
-PAGES = ("index.md", "getting-started.md", "reading-results.md", "results.md", "attacks.md", "methods.md",
-         "malicious-server.md", "real-training.md", "defenses.md", "membership-inference.md", "flower.md",
-         "devices.md", "datasets.md", "commands.md", "api.md", "library.md", "architecture.md")
+PAGES = ("index.md", "getting-started.md", "concepts.md", "glossary.md", "reading-results.md", "results.md",
+         "own-federation.md", "attacks.md", "methods.md", "malicious-server.md", "real-training.md", "defenses.md",
+         "membership-inference.md", "flower.md", "devices.md", "datasets.md", "commands.md", "findings.md", "api.md",
+         "library.md", "architecture.md", "testing.md")
 
 # What no shipped file may contain. A line may show a user's own path as an example when it carries the
 # marker below; the words are assembled so that this file does not match itself.
@@ -166,3 +167,155 @@ def test_the_docs_tooling_is_pinned_in_the_test_extra():
     pins = {re.split(r"[<>=\[]", r)[0]: r for r in test}
     assert "<2" in pins["mkdocs"], "MkDocs 1.x: the strict build must not meet a new major"
     assert "mkdocs-material" in pins and "mkdocstrings" in pins
+
+
+# -- pages generated from the code, and pages checked against it ----------------------------------------
+def test_the_generated_pages_are_current():
+    """docs/findings.md and the keyword tables of docs/api.md are what ``fedsec.docs_tables`` generates from
+    the code now (``python -m fedsec.docs_tables`` rewrites them)."""
+    from fedsec import docs_tables
+
+    for path, text in docs_tables.pages().items():
+        assert path.read_text(encoding="utf-8") == text, f"{path.name} is stale: run python -m fedsec.docs_tables"
+
+
+def test_the_findings_page_names_every_code_the_audit_raises_with_its_severities():
+    from fedsec import docs_tables
+
+    in_code = docs_tables.finding_severities_in_code()
+    assert len(in_code) >= 17 and "MODEL_DISCLOSED" in in_code and "FIELDS_IN_THE_CLEAR" in in_code
+    assert {code: set(f.severities) for code, f in docs_tables.FINDINGS.items()} == in_code
+    page = (ROOT / "docs" / "findings.md").read_text(encoding="utf-8")
+    for code, severities in in_code.items():
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{code}` |"))
+        assert set(row.split(" | ")[1].split(", ")) == severities, row
+
+
+def test_the_api_page_lists_every_keyword_of_every_function():
+    from fedsec import docs_tables
+    from fedsec.commands import cli
+
+    page = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    block = page[page.index(docs_tables.API_BEGIN):page.index(docs_tables.API_END)]
+    for name in docs_tables.API_FUNCTIONS:
+        for param in cli.commands[name].params:
+            if not getattr(param, "hidden", False):
+                assert f"| `{param.name}` |" in block, f"docs/api.md lacks fedsec.{name}'s keyword {param.name}"
+
+
+COMMANDS_PAGE = ROOT / "docs" / "commands.md"
+TAKEN_BY = re.compile(r"`fedsec ([a-z]+(?: (?:attack|audit))?)`")
+CHOICES = re.compile(r"^\{([a-z0-9-]+(?:,[a-z0-9-]+)+)\}$")  # a fixed list, as {a,b,c}
+
+
+def documented_flags() -> list[dict]:
+    """Every flag row of docs/commands.md: its flags, the choices its metavar lists, its default cell and the
+    commands of its section (the section's "Taken by" paragraph)."""
+    rows = []
+    for section in re.split(r"^## ", COMMANDS_PAGE.read_text(encoding="utf-8"), flags=re.M)[1:]:
+        taken = re.search(r"^Taken by (.*?)(?:\n\s*\n|\Z)", section, re.M | re.S)
+        if taken is None:
+            continue
+        commands = TAKEN_BY.findall(taken.group(1))
+        for line in section.splitlines():
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            if len(cells) != 3 or not cells[0].startswith("`--"):
+                continue
+            flags = re.findall(r"`(--[^`]+)`", cells[0])
+            names = [f.split()[0].split("/")[0] for f in flags]
+            choices = CHOICES.match(flags[0].split(" ", 1)[1] if " " in flags[0] else "")
+            rows.append({"flags": names, "choices": choices.group(1).split(",") if choices else None,
+                         "default": cells[1], "commands": commands, "line": line})
+    return rows
+
+
+def _click_params(command_path: str) -> dict:
+    import click
+
+    from fedsec.commands import cli
+
+    command = cli
+    for part in command_path.split():
+        command = command.commands[part]
+    defaults = command.make_context(command.name, [], resilient_parsing=True).params
+    return {opt: (p, defaults.get(p.name)) for p in command.params if isinstance(p, click.Option) for opt in p.opts}
+
+
+def _documented_default_matches(cell: str, default) -> bool:
+    """A default cell is "on"/"off" for a flag, exactly one value in backticks for a set default, and words
+    for an unset one (None, or nothing given to a repeatable flag): the command decides, as they say."""
+    if isinstance(default, bool):
+        return cell == ("on" if default else "off")
+    value = re.fullmatch(r"`([^`]+)`", cell)
+    if default is None or default == ():
+        return value is None
+    if value is None:
+        return False
+    text = value.group(1)
+    return float(text) == default if isinstance(default, (int, float)) else text == str(default)
+
+
+def test_the_commands_page_gives_each_flag_the_clis_default_and_choices():
+    import click
+
+    rows = documented_flags()
+    assert len(rows) > 80, "docs/commands.md's flag tables were not found"
+    wrong = []
+    for row in rows:
+        found = 0
+        for command in row["commands"]:
+            params = _click_params(command)
+            for flag in row["flags"]:
+                if flag not in params:
+                    continue
+                found += 1
+                param, default = params[flag]
+                if not param.required and not _documented_default_matches(row["default"], default):
+                    wrong.append(f"fedsec {command} {flag}: documented default {row['default']!r}, the CLI's {default!r}")
+                choices = list(param.type.choices) if isinstance(param.type, click.Choice) else None
+                if row["choices"] != choices:
+                    wrong.append(f"fedsec {command} {flag}: documented choices {row['choices']}, the CLI's {choices}")
+        if not found:
+            wrong.append(f"{row['flags']}: no command of its section ({', '.join(row['commands'])}) takes it")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_commands_page_documents_every_flag_of_every_command():
+    from fedsec.commands import cli
+    import click
+
+    documented = {(c, f) for row in documented_flags() for c in row["commands"] for f in row["flags"]}
+    missing = []
+    for name, command in cli.commands.items():
+        subcommands = command.commands.items() if isinstance(command, click.Group) else [("", command)]
+        for sub, leaf in subcommands:
+            path = f"{name} {sub}".strip()
+            for param in leaf.params:
+                if isinstance(param, click.Option) and not param.hidden and (path, param.opts[0]) not in documented:
+                    missing.append(f"fedsec {path} {param.opts[0]}")
+    assert not missing, "docs/commands.md documents nowhere: " + ", ".join(missing)
+
+
+def test_every_defense_is_in_the_defenses_table_and_the_readmes_command_table():
+    from fedsec import catalog
+
+    page = (ROOT / "docs" / "defenses.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `([a-z-]+)` \|", page, re.M)
+    assert rows == list(catalog.DEFENSES), rows
+    defend = next(line for line in README.read_text(encoding="utf-8").splitlines() if line.startswith("| `fedsec defend"))
+    assert re.findall(r"`([a-z-]+)`", defend.split("|")[2]) == list(catalog.DEFENSES), defend
+
+
+def test_no_page_claims_more_repeatability_than_the_same_machine_gives():
+    """Bit-for-bit repeats hold on one machine with one torch thread count and the same kernels; across CPUs
+    the figures move within their intervals. (The generated results page and the reading guide are checked
+    where they are written.)"""
+    claims = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        if page.name in ("results.md", "reading-results.md"):
+            continue
+        text = " ".join(page.read_text(encoding="utf-8").split())
+        for sentence in re.split(r"(?<=[.;:])\s", text):
+            if re.search(r"bit for bit|bit-identical|bit-for-bit", sentence) and "same machine" not in sentence:
+                claims.append(f"{page.name}: {sentence[:160]}")
+    assert not claims, "\n".join(claims)

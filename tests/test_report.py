@@ -121,6 +121,7 @@ def test_report_writes_every_output(built):
     assert len(results) == parts
 
     md = (out / "report.md").read_text(encoding="utf-8")
+    assert md.index("## Exposure matrix") < md.index("## Headline")  # the exposure matrix comes first
     for text in ("## Headline", "PSNR definition", "data_range=1", "psnr_by_method.png",
                  "fedper/attack-dlg/reconstructions.png", "Package versions", '"seed": 0', "## Audit findings"):
         assert text in md, text
@@ -288,9 +289,10 @@ def test_reuse_takes_a_plain_train_run(tmp_path, monkeypatch):
 
 def test_method_comparisons_call_a_difference_only_when_the_interval_says_so():
     """Paired over the same targets: a consistent 8 dB gap over 6 clients is a difference; a gap
-    that flips sign from client to client is not; a mis-specified attack is never compared, nor one
-    that stopped short below the prior, and a missing (NaN) flag — proto has no forward-model check —
-    is not taken for one."""
+    that flips sign from client to client is not; a mis-specified attack is never compared, and a
+    missing (NaN) flag — proto has no forward-model check — is not taken for one; where the side that
+    leaks less stopped short of the truth the order is undetermined (lower bound), where the side that
+    leaks more did, the order stands."""
     import numpy as np
     import pandas as pd
 
@@ -314,14 +316,19 @@ def test_method_comparisons_call_a_difference_only_when_the_interval_says_so():
     flagged = results.assign(mis_specified=(results["method"] == "b").astype(object))
     assert "ig: a vs b: not comparable: the attack on b was mis-specified" in method_comparisons(
         summary, flagged, ["a", "b", "c"], ["ig"])
-    # below the prior while its own objective prefers the truth: a lower bound, compared with nothing in
-    # the rounds where it holds (here round 1 of c), while round 0 is still compared
-    late = results[results["method"] != "a"].assign(round=1, psnr=5.0, not_converged=results["method"] == "c")
+    # round 1: c, 2 dB below b on every image, stopped short of the truth on its 6 clients: a lower bound on
+    # the side that leaks less, so no order; round 0 is still compared
+    late = results[results["method"] != "a"].assign(round=1, not_converged=results["method"] == "c")
+    late["psnr"] = 5.0 - 2.0 * (late["method"] == "c")
     sentences = method_comparisons(summary, pd.concat([results.assign(not_converged=False), late]), ["a", "b", "c"],
                                    ["ig"])
-    assert "ig, round 1: b vs c: not comparable: the attack on c stopped short of the truth below the prior " \
-           "(a lower bound)" in sentences
+    assert any(s.startswith("ig, round 1: b vs c: undetermined (lower bound): c, the side that leaks less, stopped "
+                            "short on 6 clients") for s in sentences), sentences
     assert any(s.startswith("ig, round 0: b vs c: not distinguishable at this sample size") for s in sentences)
+    higher = late.assign(not_converged=late["method"] == "b")  # the side that leaks more stopped short
+    sentences = method_comparisons(summary, pd.concat([results.assign(not_converged=False), higher]),
+                                   ["a", "b", "c"], ["ig"])
+    assert any(s.startswith("ig, round 1: b vs c: b leaks more") for s in sentences), sentences
 
 
 def test_victim_settings_are_cells_and_share_one_recorded_training(tmp_path, monkeypatch):
@@ -562,9 +569,9 @@ def _fig10_inputs():
     by_round = pd.DataFrame([{"method": m, "attack": "ig@textbook", "round": r, "n_images": len(g),
                               "n_targets": g["client"].nunique(), "mean_psnr": g["psnr"].mean(),
                               "mean_psnr_ci_low": None, "mean_psnr_ci_high": None, "prior_psnr": 12.0,
-                              "mis_specified_targets": 0, "not_converged_targets": 4,
-                              # round 19: FedeCouple, the side the interval puts lower, stopped short below the prior
-                              "lower_bound": m == "fedecouple" and r == 19}
+                              "mis_specified_targets": 0,
+                              # round 19: FedeCouple, the side the interval puts lower, stopped short on every client
+                              "not_converged_targets": 4 if m == "fedecouple" and r == 19 else 0}
                              for (m, r), g in results.groupby(["method", "round"])])
     return results, by_round
 
@@ -582,13 +589,14 @@ def test_fig10_pairs_the_same_clients_images_and_judges_the_papers_claims():
     assert (paired.loc[0, "ci_low"], paired.loc[0, "ci_high"]) == (pytest.approx(3.2229, abs=1e-4),
                                                                    pytest.approx(5.2771, abs=1e-4))
     assert paired.loc[0, "claim"] == "FedeCouple leaks least" and paired.loc[0, "verdict"] == "holds"
-    assert paired.loc[19, "verdict"].startswith("undetermined: fedecouple is a lower bound")
-    # a lower bound on the side the interval puts higher changes nothing: its real figure is higher still
-    higher = by_round.assign(lower_bound=by_round["method"] == "fedper")
+    assert paired.loc[19, "verdict"].startswith("undetermined (lower bound): fedecouple, the side that leaks less, "
+                                                "stopped short on 4 clients")
+    # stopped short on the side the interval puts higher changes nothing: its real figure is higher still
+    higher = by_round.assign(not_converged_targets=(by_round["method"] == "fedper") * 4)
     assert set(fig10_frame(higher, results, ["fedecouple", "fedper"]).query("kind == 'paired'")["verdict"]) == {"holds"}
     # FedAvg beside them: the paper says FedPer leaks more than FedAvg; here FedAvg is FedPer 2 dB up, so it does not
     fedavg = results[results["method"] == "fedper"].assign(method="fedavg", psnr=lambda f: f["psnr"] + 2.0)
-    rows = by_round[by_round["method"] == "fedper"].assign(method="fedavg", lower_bound=False)
+    rows = by_round[by_round["method"] == "fedper"].assign(method="fedavg", not_converged_targets=0)
     frame = fig10_frame(pd.concat([by_round, rows]), pd.concat([results, fedavg]), ["fedecouple", "fedper", "fedavg"])
     versus = frame[(frame["kind"] == "paired") & (frame["round"] == 0)].set_index(["method", "versus"])
     assert versus.loc[("fedper", "fedavg"), "claim"] == "FedPer > FedAvg"
@@ -604,7 +612,7 @@ def test_fig10_pairs_the_same_clients_images_and_judges_the_papers_claims():
     text = "\n".join(section_markdown(frame))
     assert "## Fig. 10: leakage by method" in text and "| 0 | fedper − fedavg | ig@textbook | 9 (5) | -2.00" in text
     assert "- Round 0: FedeCouple leaks least: holds (all 2 pairs)" in text
-    assert "- Round 19: FedeCouple leaks least: undetermined (against fedper, fedavg)" in text
+    assert "- Round 19: FedeCouple leaks least: undetermined (lower bound) (against fedper, fedavg)" in text
 
 
 def test_the_report_has_the_fig10_section_and_csv(built):

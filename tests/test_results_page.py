@@ -135,7 +135,8 @@ def test_the_table_cells_read_the_files_their_commands_write(results, tmp_path):
            "fedavg,trap,binning,10,on,done,,4,40,0,0,0,0.09,0,0,0,0.09,0,,,,,,,,4,4,6,0,3\n"
            "fedproto,trap,binning,10,off,refused,trains nothing the server sends,,,,,,,,,,,,,,,,,,,,,,,0\n")
     malicious = results.malicious_figures(tmp_path, "")
-    assert malicious["headline"] == "check off: fedavg N = 10 57 % recovered"
+    assert malicious["headline"] == "check off, recovered at N = 10: fedavg 57 %; check on: at most 0 %"
+    assert malicious["table"]["rows"][0][3] == "57 % [41, 73]"  # the interval the exposure matrix judges by
     assert malicious["table"]["rows"][1][-1] == "4/4 / 0/6"
 
     _write(tmp_path / "runs/mia-fedproto/summary.json", json.dumps({"target_accuracy": 0.9786, "targets": {
@@ -170,7 +171,24 @@ def test_a_cell_whose_server_holds_no_model_says_so_in_its_headline(results, tmp
     (run / "summary.json").write_text(json.dumps(summary))
     figures = results.attack_figures(tmp_path, "proto on fedproto: mean PSNR 11.07 dB → runs/attack-proto-fedproto")
     assert figures["model_unknown_targets"] == 7
-    assert figures["headline"].endswith("n = 24 images over 8 targets (7 NO MODEL (estimate))")
+    assert figures["headline"].endswith("24 images, 8 targets (7 NO MODEL (estimate))")
     del summary["per_target"]
     (run / "summary.json").write_text(json.dumps(summary))
     assert "NO MODEL" not in results.attack_figures(tmp_path, "")["headline"]
+
+
+def test_the_pages_pictures_show_the_records_figures(results):
+    """The Fig. 10 bars and the client-size curve are drawn from the records' own table entries: the
+    intervals parse, a MIS-SPECIFIED point is left out, and the page links every picture it draws."""
+    from results_figures import _mis_specified, interval, pictures
+
+    assert interval("18.94 [16.68, 20.87]") == (18.94, 16.68, 20.87)
+    assert interval("+6.83 [+4.50, +10.05]") == (6.83, 4.5, 10.05) and interval("–") is None
+    assert _mis_specified("4 / –") and not _mis_specified("0 / 4") and not _mis_specified("– / –")
+    records = results.load_records()
+    drawn = pictures(records, results.fig10_rows)
+    assert {name for name, _, _ in drawn} == {"fig10.png", "n-curve.png"}
+    assert all(data.startswith(b"\x89PNG") for _, _, data in drawn)
+    page = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    assert all(f"](img/results/{name})" in page and (ROOT / "docs" / "img" / "results" / name).exists()
+               for name, _, _ in drawn)

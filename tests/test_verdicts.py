@@ -67,9 +67,12 @@ def test_the_report_flags_lower_bound_cells_and_the_renderer_marks_them():
     from fedsec.report.tables import lower_bound_flags
     from reports.comparison import psnr_cell
 
+    # the exposure matrix's rule: not above the prior by the interval while stopped short (a), above it (b)
     summary = pd.DataFrame([
-        {"method": "a", "dlg_status": "done", "dlg_mean_psnr": 9.0, "dlg_prior_psnr": 11.0, "dlg_not_converged_targets": 1},
-        {"method": "b", "dlg_status": "done", "dlg_mean_psnr": 15.0, "dlg_prior_psnr": 11.0, "dlg_not_converged_targets": 1},
+        {"method": "a", "dlg_status": "done", "dlg_mean_psnr": 9.0, "dlg_mean_psnr_ci_low": 8.0,
+         "dlg_mean_psnr_ci_high": 12.0, "dlg_prior_psnr": 11.0, "dlg_not_converged_targets": 1},
+        {"method": "b", "dlg_status": "done", "dlg_mean_psnr": 15.0, "dlg_mean_psnr_ci_low": 14.0,
+         "dlg_mean_psnr_ci_high": 16.0, "dlg_prior_psnr": 11.0, "dlg_not_converged_targets": 1},
     ])
     flagged = lower_bound_flags(summary, ["dlg"])
     assert list(flagged["dlg_lower_bound"]) == [True, False] and "dlg_lower_bound" not in summary.columns

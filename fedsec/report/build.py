@@ -21,8 +21,8 @@ from ..versions import provenance
 from .settings import DEFAULT_ATTACKS, ReportSettings, attack_of, parse_sizes
 from .stages import Stage, check_reuse_dirs, plan, run_stages, sized_config
 from .malicious import malicious_meta, section_table
-from .tables import (assemble, client_size_rows, leakage_by_round, lower_bound_flags, method_comparisons,
-                     psnr_definition)
+from .tables import (assemble, client_size_rows, exposure_evidence, leakage_by_round, lower_bound_flags,
+                     method_comparisons, psnr_definition)
 
 
 def validate(base: RunConfig, methods: list[str], attack_names: list[str], settings: ReportSettings, out: Path,
@@ -106,16 +106,15 @@ def build_report(base: RunConfig, methods: list[str], out: str | Path, attacks: 
 
 
 def fig10_table(by_round, results, methods: list[str], seed: int = 0):
-    """``reports.fig10``'s rows: ``by_round`` with the LOWER BOUND rule per round (``lower_bound``) and,
-    where the per-image rows record it, the clients whose attack lacked the model (``model_unknown_targets``);
-    paired intervals as the report's other intervals (``attacks.metrics.mean_interval``)."""
+    """``reports.fig10``'s rows: ``by_round`` (its stopped-short counts decide the verdicts, the exposure
+    matrix's rule) with, where the per-image rows record it, the clients whose attack lacked the model
+    (``model_unknown_targets``); paired intervals as the report's other intervals
+    (``attacks.metrics.mean_interval``)."""
     from attacks.metrics import mean_interval
-    from attacks.verdicts import is_lower_bound
     from reports.fig10 import fig10_frame
     from reports.formatting import is_true
 
-    rows = by_round.assign(lower_bound=[is_lower_bound(r["mean_psnr"], r["prior_psnr"], r["not_converged_targets"])
-                                        for r in by_round.to_dict("records")])
+    rows = by_round.copy()
     if "model_unknown_targets" not in rows.columns and "model_unknown" in results.columns and len(rows):
         unknown = results[results["model_unknown"].map(is_true)].drop_duplicates(["method", "attack", "round", "client"])
         counts = unknown.groupby(["method", "attack", "round"]).size()
@@ -212,6 +211,7 @@ def _write_report(base: RunConfig, methods: list[str], attack_names: list[str], 
                         method_comparisons(summary, results, methods, attack_names))
     meta["by_round"] = by_round.to_dict("records") if by_round["round"].nunique() > 1 else []
     meta["client_size"] = client_size_rows(by_round, summary, cells)
+    meta["exposure"] = exposure_evidence(summary, by_round, meta, malicious[0])  # the matrix atop the report
     fig10 = fig10_table(by_round, results, methods, seed=base.federation.seed)
     tables = {"results.csv": results, "summary.csv": summary, "findings.csv": findings, "by_round.csv": by_round,
               "fig10.csv": fig10}

@@ -9,10 +9,10 @@ from pathlib import Path
 import pandas as pd
 
 import attacks
-from attacks.metrics import PSNR_CAP_DB, summarize_scores
-from attacks.verdicts import (at_chance, forward_check_verdict, is_lower_bound, model_unknown_targets, presence_is_low,
-                              psnr_gap)
+from attacks.metrics import PSNR_CAP_DB
+from attacks.verdicts import at_chance, forward_check_verdict, model_unknown_targets, presence_is_low, psnr_gap
 from reports.audit import SEVERITIES
+from reports.exposure import UNDETERMINED_LOWER_BOUND, paired_verdict
 from reports.formatting import finite_or_none, interval_text, is_true
 
 from .. import io
@@ -180,8 +180,9 @@ def method_comparisons(summary: pd.DataFrame, results: pd.DataFrame, methods: li
     """One sentence per image attack (cell) and pair of methods, over all attacked rounds and, with
     several, per round: which leaks more, paired over the same images
     (``attacks.metrics.paired_difference``), or that the intervals cannot tell them apart; never a
-    comparison with a mis-specified attack, nor with one that stopped short of the truth below the
-    prior (in the rounds compared)."""
+    comparison with a mis-specified attack, and "undetermined (lower bound)" where the side that leaks
+    less stopped short of the truth on some target (``reports.exposure.paired_verdict``, the exposure
+    matrix's rule)."""
     from attacks.metrics import paired_difference
 
     sentences = []
@@ -211,14 +212,14 @@ def _paired_sentence(results: pd.DataFrame, a: str, m1: str, m2: str, rnd: int |
     if wrong:
         return f"{where}: {m1} vs {m2}: not comparable: the attack on {', '.join(wrong)} was mis-specified"
     estimated = [m for m, rs in picked.items() if any(is_true(r.get("model_unknown")) for r in rs)]
-    short = [m for m, rs in picked.items() if _stopped_short(rs)]
-    if short:
-        return (f"{where}: {m1} vs {m2}: not comparable: the attack on {', '.join(short)} stopped short of the truth "
-                f"below the prior (a lower bound)")
     d = paired_difference(picked[m1], picked[m2])
     if not d["n_pairs"]:
         return None
     verdict = {"A leaks more": f"{m1} leaks more", "B leaks more": f"{m2} leaks more"}.get(d["verdict"], d["verdict"])
+    low, high = d["ci"] or (None, None)
+    word, why = paired_verdict(low, high, m1, m2, _stopped_short(picked[m1]), _stopped_short(picked[m2]))
+    if word == UNDETERMINED_LOWER_BOUND:  # the side that leaks less may leak more: no order
+        verdict = f"{word}: {why}"
     interval = "" if d["ci"] is None else f" [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}]"
     estimate = (f"; {', '.join(estimated)}: NO MODEL, a surrogate-model estimate (the server holds no model of "
                 f"its clients)") if estimated else ""
@@ -226,13 +227,9 @@ def _paired_sentence(results: pd.DataFrame, a: str, m1: str, m2: str, rnd: int |
             f"{d['mean_difference']:+.1f} dB{interval}, {d['n_pairs']} images over {d['n_targets']} targets{estimate})")
 
 
-def _stopped_short(rows: list[dict]) -> bool:
-    """``attacks.verdicts.is_lower_bound`` for a set of per-image rows."""
-    if not rows:
-        return False
-    scores = summarize_scores(rows)
-    return is_lower_bound(scores["mean_psnr"], scores["mean_prior_psnr"],
-                          any(is_true(r.get("not_converged")) for r in rows))
+def _stopped_short(rows: list[dict]) -> int:
+    """The targets (round, client) of per-image rows whose optimiser stopped short of the truth."""
+    return len({(r.get("round"), r.get("client")) for r in rows if is_true(r.get("not_converged"))})
 
 
 def leakage_by_round(results: pd.DataFrame, methods: list[str], cells: list[str], seed: int = 0) -> pd.DataFrame:
@@ -305,15 +302,23 @@ def psnr_definition() -> str:
 
 
 def lower_bound_flags(summary: pd.DataFrame, cells: list[str]) -> pd.DataFrame:
-    """``summary`` with a ``<cell>_lower_bound`` column per image cell: the LOWER BOUND rule
-    (``attacks.verdicts.is_lower_bound``) applied to the cell's mean PSNR, prior and the targets where the
-    optimiser stopped short. ``reports.comparison`` marks those cells (summary.csv holds no flags)."""
+    """``summary`` with a ``<cell>_lower_bound`` column per image cell: the exposure matrix's LOWER BOUND
+    (``reports.exposure.judge``: not above the prior by the interval while the optimiser stopped short on some
+    target) from the cell's mean PSNR, interval, prior and checks. ``reports.comparison`` marks those cells
+    (summary.csv holds no flags)."""
+    from reports.exposure import LOWER_BOUND, Evidence, judge
+
     flagged = summary.copy()
     for a in cells:
         if f"{a}_mean_psnr" in flagged.columns and attacks.get(attack_of(a)).rebuilds_images:
-            flagged[f"{a}_lower_bound"] = [
-                is_lower_bound(r.get(f"{a}_mean_psnr"), r.get(f"{a}_prior_psnr"),
-                               finite_or_none(r.get(f"{a}_not_converged_targets")))
+            flagged[f"{a}_lower_bound"] = [judge(Evidence(
+                method=str(r["method"]), threat="round0", source=a, value=finite_or_none(r.get(f"{a}_mean_psnr")),
+                low=finite_or_none(r.get(f"{a}_mean_psnr_ci_low")),
+                high=finite_or_none(r.get(f"{a}_mean_psnr_ci_high")),
+                chance=finite_or_none(r.get(f"{a}_prior_psnr")),
+                stopped_short=_count(r.get(f"{a}_not_converged_targets")),
+                no_model=_count(r.get(f"{a}_model_unknown_targets")) or 0,
+                mis_specified=int(is_true(r.get(f"{a}_mis_specified"))))).word == LOWER_BOUND
                 for r in flagged.to_dict("records")]
     return flagged
 
@@ -326,3 +331,90 @@ def headline_markdown(summary: pd.DataFrame, attack_names: list[str], methods: l
         "attacks": attack_names, "methods": methods,
         "image_attacks": [a for a in attack_names if attacks.get(attack_of(a)).rebuilds_images],
         "label_attacks": [a for a in attack_names if not attacks.get(attack_of(a)).rebuilds_images]}))
+
+
+NO_WEIGHTS = "uploads no model weights"  # the weight attacks' not-applicable sentence: the NO MODEL case
+SERVER_THREATS = ("round0", "trained", "real-small", "real-default", "malicious", "secure")
+
+
+def exposure_evidence(summary: pd.DataFrame, by_round: pd.DataFrame, meta: dict,
+                      malicious: pd.DataFrame | None = None) -> list[dict]:
+    """The report's figures as ``reports.exposure`` evidence (dicts), for the exposure matrix atop the report:
+    each image cell per method and attacked round (its threat from its victim setting and round), the
+    attacks that did not apply (NO MODEL for a weight attack on a method that uploads no weights, else
+    REFUSED), the label attacks' class-presence accuracy, the malicious-server section's share recovered
+    with the download check off, LiRA's AUC on the personal models and the audit's secure-aggregation
+    declaration (a method that refuses it, or sends nothing)."""
+    from reports.exposure import Evidence, as_dicts, cell_threat
+
+    out: list[Evidence] = []
+    settings = meta.get("attack_settings") or {}
+
+    def threats(a: str, rounds) -> list[str]:
+        spec = attacks.get(attack_of(a))
+        real = spec.kind == "gradient" and spec.default_victim_batch == 0  # no setting: the real local training
+        return list(dict.fromkeys(cell_threat(a, int(r), real) for r in rounds or (0,)))
+
+    for r in by_round.to_dict("records"):
+        a = str(r["attack"])
+        out.append(Evidence(method=str(r["method"]), threat=threats(a, [r["round"]])[0], source=f"round {r['round']}",
+                            value=finite_or_none(r["mean_psnr"]), low=finite_or_none(r.get("mean_psnr_ci_low")),
+                            high=finite_or_none(r.get("mean_psnr_ci_high")), chance=finite_or_none(r["prior_psnr"]),
+                            stopped_short=_count(r.get("not_converged_targets")), n_targets=_count(r.get("n_targets")),
+                            no_model=_count(r.get("model_unknown_targets")) or 0,
+                            mis_specified=_count(r.get("mis_specified_targets")) or 0, what=a))
+    for row in summary.to_dict("records"):
+        m = str(row["method"])
+        for a in meta.get("attacks") or []:
+            status = str(row.get(f"{a}_status", "not run"))
+            rounds = (settings.get(a) or {}).get("rounds")
+            spec = attacks.get(attack_of(a))
+            if status.startswith("not applicable"):
+                reason = status.split(": ", 1)[-1].split(";")[0]  # the sentence's first clause: what is missing
+                for t in threats(a, rounds):
+                    out.append(Evidence(method=m, threat=t, source="", what=a, missing=reason, no_model=1)
+                               if NO_WEIGHTS in reason else
+                               Evidence(method=m, threat=t, source="", what=a, refused=reason))
+            elif status != "done":
+                out += [Evidence(method=m, threat=t, source="", what=a, missing=status) for t in threats(a, rounds)]
+            elif spec.kind == "labels":
+                presence = finite_or_none(row.get(f"{a}_class_presence_accuracy"))
+                out += [Evidence(method=m, threat=t, source="", what=a, metric="class presence", value=presence)
+                        for t in threats(a, rounds)]
+        declared = row.get("secure_aggregation")
+        if isinstance(declared, str) and declared.startswith("refuses"):
+            out.append(Evidence(method=m, threat="secure", source="the method's declaration",
+                                refused=f"its server reads {declared.split(': ', 1)[-1]} of each client"))
+        elif declared == "sends nothing":
+            out += [Evidence(method=m, threat=t, source="", refused="sends nothing to the server")
+                    for t in SERVER_THREATS]
+    if malicious is not None and len(malicious):
+        for r in malicious.to_dict("records"):
+            if r.get("download_check") != "off":  # the matrix shows the methods without a defence
+                continue
+            what = f"{r['attack']}, N = {r['train_images']}"
+            if r.get("status") == "refused":
+                out.append(Evidence(method=str(r["method"]), threat="malicious", source="", what=what,
+                                    refused=str(r.get("reason") or "refused")))
+            elif r.get("status") != "done":
+                out.append(Evidence(method=str(r["method"]), threat="malicious", source="", what=what,
+                                    missing=f"{r.get('status')}: {r.get('reason')}"))
+            else:
+                out.append(Evidence(method=str(r["method"]), threat="malicious", source="", what=what,
+                                    metric="recovered", value=finite_or_none(r.get("recovered_share")),
+                                    low=finite_or_none(r.get("recovered_ci_low")),
+                                    high=finite_or_none(r.get("recovered_ci_high")),
+                                    n_targets=_count(r.get("n_targets"))))
+    for s in meta.get("mia") or []:
+        lira = (((s.get("targets") or {}).get("personal") or {}).get("attacks") or {}).get("lira") or {}
+        low, high = lira.get("auc_ci") or (None, None)
+        out.append(Evidence(method=str(s.get("method", "")), threat="mia", source="personal models", what="LiRA",
+                            metric="auc", value=finite_or_none(lira.get("auc")), low=finite_or_none(low),
+                            high=finite_or_none(high), stopped_short=0,
+                            missing=None if lira else "no personal model to attack"))
+    return as_dicts(out)
+
+
+def _count(x) -> int | None:
+    number = finite_or_none(x)
+    return None if number is None else int(number)
