@@ -180,7 +180,7 @@ def attack_estimate(config, settings) -> str:
     check_applicable(resolved.spec, prep)  # what does not apply fails before any estimate
     work = estimate.attack_work(config.method, config.data.clients, estimate.training_images(prep), resolved,
                                 resolved.rounds_to_train)
-    return estimate.describe(estimate.seconds(work))
+    return estimate.describe(estimate.seconds(work), config.federation.device)
 
 
 def attack_result(summary: dict, outcomes: list, out: Path | None, prefix: str = "") -> AttackResult:

@@ -81,9 +81,15 @@ def seconds(work: StageWork) -> float:
     return total
 
 
-def describe(total_seconds: float) -> str:
+def describe(total_seconds: float, device: str = "cpu") -> str:
+    """The estimate in words, and where the rates were measured: on any other device (a GPU) no rate was
+    measured, so the figure is the reference machine's, said as such rather than passed off as this one's."""
     minutes = total_seconds / 60
-    return f"about {minutes:.0f} min" if minutes >= 2 else f"about {total_seconds:.0f} s"
+    text = f"about {minutes:.0f} min" if minutes >= 2 else f"about {total_seconds:.0f} s"
+    if str(device).startswith("cpu"):
+        return text + " on a 2-core CPU machine like the one the rates were measured on"
+    return (text + f" on the 2-core CPU machine the rates were measured on; no rates are measured for {device}, "
+                   "so its time is unknown")
 
 
 def attack_work(method: str, clients: int, images_per_client: float, settings, train_rounds: int) -> StageWork:

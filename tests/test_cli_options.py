@@ -120,3 +120,13 @@ def test_a_deprecated_spelling_works_with_one_warning_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "warning: --s is deprecated and will be removed in the next release; use --uniform-share" in err
     assert 'uniform-share = 30.0' in (tmp_path / "run" / "config.toml").read_text()
+
+
+def test_the_estimate_says_where_its_rates_were_measured():
+    """On a CPU it quotes the 2-core reference machine; on a GPU it says no rate was measured there instead of
+    passing the CPU figure off as the GPU's."""
+    from fedsec.estimate import describe
+
+    assert describe(90.0) == "about 90 s on a 2-core CPU machine like the one the rates were measured on"
+    gpu = describe(600.0, "cuda:0")
+    assert gpu.startswith("about 10 min on the 2-core CPU machine") and "no rates are measured for cuda:0" in gpu

@@ -224,8 +224,9 @@ def run_stages(stages: list[Stage], reuse_dirs: list[Path], progress: bool,
     loads = [sum(estimated[(st.method, st.name)] for _, st in g if st in todo) for g in groups]
     if todo:
         wall = parallel_wall_seconds(loads, workers)
-        say(f"{len(todo)} of {len(stages)} stages to compute: {estimate.describe(wall)} on a 2-core machine like the "
-            f"one the rates were measured on" + (f", {workers} processes" if workers > 1 else "") + " (fedsec.estimate)")
+        device = todo[0].config.federation.device
+        say(f"{len(todo)} of {len(stages)} stages to compute: {estimate.describe(wall, device)}"
+            + (f", {workers} processes" if workers > 1 else "") + " (fedsec.estimate)")
     t0 = time.perf_counter()
     try:
         if workers > 1:
