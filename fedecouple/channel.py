@@ -16,7 +16,9 @@ recorder then holds what such a server holds: the downloads, each client's maske
 ``"masked"`` integer tensor, uniform over the modulus, and beside it what the protocol leaves in the
 clear: under ``clear_fields="flower"`` the client's ``sample_count`` and ``metric.*``, as Flower's
 SecAgg+ leaves its FitRes ``num_examples`` and metrics) and the round's ``AggregateRecord`` (the decoded
-sum, who took part, who dropped out, the clear fields); the method aggregates the decoded sum.
+sum, who took part, who dropped out, the clear fields); the method aggregates the decoded sum. A method
+that aggregates in two passes (``Method.secure_passes``) adds, per round, a ``LaterPass``: what the server
+sent back after the first sum, the second pass's masked uploads and its record (``Recorder.later_passes``).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from .secure_aggregation import AggregateRecord, SecureAggregation, clear_values, secure_round
+from .secure_aggregation import AggregateRecord, SecureAggregation, clear_values, for_pass, secure_round
 
 def _clone_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in tensors.items()}
@@ -84,6 +86,18 @@ class Exchange:
     upload: Upload | None = None
 
 
+@dataclass
+class LaterPass:
+    """A later pass of a round under secure aggregation, as the server holds it: ``broadcast``, what it sent
+    every participant of the pass (computed from the previous pass's sum); ``uploads``, each survivor's masked
+    upload; ``record``, the pass's decoded sum (``AggregateRecord``)."""
+
+    pass_index: int
+    broadcast: dict[str, torch.Tensor]
+    uploads: dict[int, Upload]
+    record: AggregateRecord
+
+
 class Recorder(Interceptor):
     """Stores every download as sent and every upload as received, keyed by (round, client).
 
@@ -103,7 +117,8 @@ class Recorder(Interceptor):
         self.exchanges: dict[tuple[int, int], Exchange] = {}
         # under secure aggregation: the protocol, and each round's record of the sum the server decoded
         self.secure: SecureAggregation | None = None
-        self.aggregates: dict[int, AggregateRecord] = {}
+        self.aggregates: dict[int, AggregateRecord] = {}  # each round's first (or only) pass
+        self.later_passes: dict[int, list[LaterPass]] = {}
         self._pending: set[tuple[int, int]] = set()  # downloads not recorded, awaiting their upload
         self._latest: dict[int, list[tuple[int, Upload]]] = {}
 
@@ -136,6 +151,10 @@ class Recorder(Interceptor):
     def on_aggregate(self, record: AggregateRecord) -> None:
         """Store a secure-aggregation round's record (every round: it is what the server aggregates)."""
         self.aggregates[record.round] = record
+
+    def on_later_pass(self, later: LaterPass) -> None:
+        """Store a later pass of a secure-aggregation round (every round, as ``on_aggregate``)."""
+        self.later_passes.setdefault(later.record.round, []).append(later)
 
     def get(self, round: int, client_id: int) -> Exchange | None:
         return self.exchanges.get((round, client_id))
@@ -180,10 +199,15 @@ class Recorder(Interceptor):
         def ids(clients) -> tuple[int, ...]:
             return tuple(sorted(rename.get(cid, cid) for cid in clients))
 
-        self.aggregates = {rnd: replace(record, participants=ids(record.participants), survivors=ids(record.survivors),
-                                        dropped=ids(record.dropped),
-                                        clear={rename.get(cid, cid): values for cid, values in record.clear.items()})
-                           for rnd, record in self.aggregates.items()}
+        def renamed(record: AggregateRecord) -> AggregateRecord:
+            return replace(record, participants=ids(record.participants), survivors=ids(record.survivors),
+                           dropped=ids(record.dropped),
+                           clear={rename.get(cid, cid): values for cid, values in record.clear.items()})
+
+        self.aggregates = {rnd: renamed(record) for rnd, record in self.aggregates.items()}
+        self.later_passes = {rnd: [replace(p, record=renamed(p.record),
+                                           uploads={rename.get(c, c): moved(u) for c, u in p.uploads.items()})
+                                   for p in passes] for rnd, passes in self.later_passes.items()}
 
 class ServerChannel:
     """Carries downloads and uploads through the interceptor chain, in registration order."""
@@ -233,13 +257,19 @@ class ServerChannel:
         return out.copy()
 
     def aggregate_securely(self, round: int, participants: list[int], uploads: list[Upload],
-                           summands) -> AggregateRecord:
+                           summands, pass_index: int = 0,
+                           broadcast: dict[str, torch.Tensor] | None = None) -> AggregateRecord:
         """The round-level stage of secure aggregation: each upload (as the interceptors left it) becomes
         ``summands(upload)``, is masked and sent with the fields the protocol leaves in the clear; the
         recorder stores the masked uploads and the round's record of the decoded sum. ``participants``:
-        the clients that got this round's download."""
+        the clients that got this round's download. A later pass (``pass_index`` > 0) runs among
+        ``participants`` (the previous pass's survivors) as a fresh instance of the protocol (``for_pass``),
+        after the server sent them ``broadcast``; nothing travels in the clear beside its masked uploads
+        (each client's sample count went with the first), and the recorder keeps it as a ``LaterPass``."""
         if self.secure is None:
             raise RuntimeError("aggregate_securely needs a channel built with secure=SecureAggregation(...)")
+        if pass_index:
+            return self._later_pass(round, participants, uploads, summands, pass_index, broadcast or {})
         by_id = {u.client_id: u for u in uploads}
         record, masked = secure_round(self.secure, round, participants, {c: summands(u) for c, u in by_id.items()},
                                       {c: clear_values(u.tensors, u.meta) for c, u in by_id.items()})
@@ -251,4 +281,16 @@ class ServerChannel:
             self.bytes_up += sent.nbytes
             self.recorder.on_upload(sent)
         self.recorder.on_aggregate(record)
+        return record
+
+    def _later_pass(self, round: int, participants: list[int], uploads: list[Upload], summands, pass_index: int,
+                    broadcast: dict[str, torch.Tensor]) -> AggregateRecord:
+        self.bytes_down += len(participants) * sum(t.numel() * t.element_size() for t in broadcast.values())
+        record, masked = secure_round(for_pass(self.secure, pass_index), round, participants,
+                                      {u.client_id: summands(u) for u in uploads})
+        sent = {client: Upload(round, client, {"masked": torch.from_numpy(vector.astype(np.int64))},
+                               {"secure_aggregation": True, "pass": pass_index})
+                for client, vector in masked.items()}
+        self.bytes_up += sum(u.nbytes for u in sent.values())
+        self.recorder.on_later_pass(LaterPass(pass_index, _clone_tensors(broadcast), sent, record))
         return record

@@ -202,11 +202,14 @@ class Federation:
                 down = Download(t, cid, {})  # nothing is sent: the channel never sees this client
             yield self.client_job(cid, t, down)
 
-    def dropouts(self, round: int, participants: list[int]) -> set[int]:
-        """The participants that drop out before uploading in ``round`` (seeded, ``config.dropout``)."""
+    def dropouts(self, round: int, participants: list[int], pass_index: int = 0) -> set[int]:
+        """The participants that drop out before uploading in ``round`` (seeded, ``config.dropout``); with
+        ``pass_index`` > 0, before their upload of that later pass of a two-pass secure aggregation (a
+        draw of its own: each masked upload may be lost)."""
         if not self.config.dropout:
             return set()
-        draws = np.random.default_rng(derive_seed(self.config.seed, round, 0xD20)).random(self.num_clients)
+        parts = (self.config.seed, round, 0xD20) + ((pass_index,) if pass_index else ())
+        draws = np.random.default_rng(derive_seed(*parts)).random(self.num_clients)
         return {c for c in participants if draws[c] < self.config.dropout}
 
     def run_round(self) -> list[dict]:
@@ -245,11 +248,42 @@ class Federation:
         record = self.channel.aggregate_securely(
             t, self._participants, uploads,
             lambda u: self.method.secure_summands(u, protocol.max_weight, self.dataset.num_classes))
-        if record.aborted is None:
+        entry = {"round": t, "participants": len(record.participants), "survivors": len(record.survivors),
+                 "clipped": record.clipped, "aborted": record.aborted or ""}
+        # a wrapper (the DP method) forwards attributes its class lacks, so the two-pass hooks are looked up
+        if record.aborted is None and getattr(self.method, "secure_passes", 1) == 2:
+            entry.update(self._second_pass(t, uploads, record))
+        elif record.aborted is None:
             self.server = self.method.secure_aggregate(self.server, record.total, t, protocol.max_weight)
-        self.round_log.append({"round": t, "participants": len(record.participants),
-                               "survivors": len(record.survivors), "clipped": record.clipped,
-                               "aborted": record.aborted or ""})
+        self.round_log.append(entry)
+
+    def _second_pass(self, t: int, uploads: list, first) -> dict:
+        """A two-pass method's second secure sum (``FedeCouple``'s eq. 16): the server sends the first
+        sum's ``secure_broadcast`` to its survivors, those that stay send ``secure_second_summands``, and
+        the method aggregates both sums. With fewer than ``secure_second_pass_minimum`` of them left, or
+        a second sum the protocol cannot unmask, the round keeps the first pass's aggregate. Returns the
+        round log's entries: the survivors whose uploads are in the model, the clipping of both passes,
+        and ``second_pass`` ("" when it decoded, else why not)."""
+        method, protocol = self.method, self.channel.secure
+        broadcast = method.secure_broadcast(first.total, protocol.max_weight)
+        leaving = self.dropouts(t, list(first.survivors), pass_index=1)
+        staying = [u for u in uploads if u.client_id in first.survivors and u.client_id not in leaving]
+        minimum = method.secure_second_pass_minimum
+        second = None
+        if len(staying) >= minimum:
+            second = self.channel.aggregate_securely(
+                t, list(first.survivors), staying,
+                lambda u: method.secure_second_summands(u, broadcast, protocol.max_weight, self.dataset.num_classes),
+                pass_index=1, broadcast=broadcast)
+        if second is not None and second.aborted is None:
+            self.server = method.secure_second_aggregate(self.server, first.total, second.total, t,
+                                                         protocol.max_weight)
+            return {"survivors": len(second.survivors), "clipped": first.clipped + second.clipped, "second_pass": ""}
+        self.server = method.secure_aggregate(self.server, first.total, t, protocol.max_weight)
+        why = (f"skipped: {len(staying)} of {len(first.survivors)} stayed, fewer than {minimum}"
+               if second is None else f"aborted: {second.aborted}")
+        return {"clipped": first.clipped + (second.clipped if second is not None else 0),
+                "second_pass": why + "; the round kept the first pass's average"}
 
     @torch.no_grad()
     def _test(self, ctx: ClientContext) -> tuple[float, float]:

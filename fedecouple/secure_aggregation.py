@@ -31,6 +31,11 @@ client ``secaggplus_mod`` (``flwr/client/mod/secure_aggregation/secaggplus_mod.p
    Otherwise the pairwise masks between survivors cancel, and the survivors' self masks and their
    pairwise masks with dropped neighbours are removed with the seeds the shares let the server rebuild.
 
+A method whose aggregate needs more than one sum (FedeCouple's eq. 16: ``Method.secure_passes``) runs a
+later pass as a fresh instance of the protocol among the previous pass's survivors (``for_pass``): a new
+key agreement, so new neighbourhoods and masks; a mask used twice would let the server subtract a
+client's two masked uploads and read the difference of its two vectors.
+
 What is simulated, not computed: the key agreement and the Shamir shares. The masks' seeds are
 derived from (seed, round, the pair) and the server obtains exactly the seeds the protocol gives
 it, at the step it gives them; the arithmetic of masking and unmasking is the protocol's.
@@ -40,7 +45,7 @@ from __future__ import annotations
 import math
 import numbers
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 import numpy as np
@@ -156,6 +161,14 @@ class SecureAggregation:
                 "modulus": self.modulus, "num_shares": self.num_shares,
                 "reconstruction_threshold": self.reconstruction_threshold, "max_weight": self.max_weight,
                 "clear_fields": self.clear_fields}
+
+
+def for_pass(protocol: SecureAggregation, pass_index: int) -> SecureAggregation:
+    """The protocol of a round's pass ``pass_index`` (0: the round's first): the same parameters, and for a
+    later pass a seed of its own, so its ring, neighbourhoods and masks are those of a new key agreement."""
+    if pass_index < 0:
+        raise ValueError(f"pass_index must be >= 0, got {pass_index}")
+    return protocol if pass_index == 0 else replace(protocol, seed=_seed(protocol.seed, 0x2A55, pass_index))
 
 
 @dataclass(frozen=True)

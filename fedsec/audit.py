@@ -332,11 +332,23 @@ def _secure_findings(run: RecordedRun, kinds: set[str]) -> list[dict]:
                      f"modulus: no parameter of one client is readable. The server decoded the sum of each round's arrived uploads "
                      f"in {len(records) - len(aborted)} of {len(records)} round(s)"
                      + (f" (round(s) {', '.join(map(str, aborted))} aborted)" if aborted else "")
-                     + ". What a round's sum still gives away is for the round-level attacks (fedsec attack sum-*; "
+                     + ". " + _later_pass_sentence(run.recorder)
+                     + "What a round's sum still gives away is for the round-level attacks (fedsec attack sum-*; "
                      "ROUND_LABELS_FROM_SUM when the audit measures evidence).",
                      rounds=[r.round for r in records], aborted_rounds=aborted,
+                     second_passes=sorted(getattr(run.recorder, "later_passes", {})),
                      survivors=[len(r.survivors) for r in records], dropped=[len(r.dropped) for r in records],
                      clipped=[r.clipped for r in records])]
+
+
+def _later_pass_sentence(recorder) -> str:
+    """What a two-pass method's later sums gave the server beyond the first (FedeCouple's eq. 16), or ""."""
+    later = getattr(recorder, "later_passes", {})
+    if not later:
+        return ""
+    return (f"In {len(later)} round(s) the server also sent the first sum's average back and decoded a second "
+            f"masked sum (FedeCouple: Σ c_i·ω_i and Σ c_i over that pass's survivors, c_i each client's cosine to "
+            f"the average): one more linear combination of the same uploads, never one client's. ")
 
 
 def _true_classes(run: RecordedRun, round: int, client: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 is indistinguishable from uniform noise, each round is aborted or decoded exactly where Flower's own
 SecAggPlusWorkflow halts or unmasks it, a client's weight travels as Flower's exact factor, the fields
 Flower leaves in the clear reach the server (unless hidden), the methods that run on a sum give the
-plain method's model, the others refuse, and the commands say what the server held (and never hide
+plain method's model, a method whose server reads each upload refuses, and the commands say what the server held (and never hide
 clipping, an aborted round or a field in the clear)."""
 from __future__ import annotations
 
@@ -378,15 +378,27 @@ def test_an_aborted_round_leaves_the_server_state_unchanged(digits):
 # -- the commands ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method, fields", [("fedecouple", "extractor.*, classifier.*, sample_count"),
-                                            ("fedpac", "h, V, classifier.*")])
-def test_methods_whose_server_reads_each_upload_refuse(tmp_path, capsys, method, fields):
-    code, _, err = run_cli(["train", "--method", method, "--secure-aggregation", *SMALL, "--out", tmp_path / "r"],
-                           capsys)
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert code == 2 and len(errors) == 1 and "Traceback" not in err
-    assert method in errors[0] and fields in errors[0] and "--secure-aggregation" in errors[0]
-    assert not (tmp_path / "r").exists()
+def test_a_method_whose_server_reads_each_upload_refuses_in_one_line(digits):
+    """No built-in method refuses any more (FedeCouple and FedPAC have secure variants); a method that
+    declares per-client fields and no summands still does, before anything trains."""
+    from fedecouple.errors import UserError
+    from fedecouple.methods.base import Method
+    from fedecouple.methods.fedavg import FedAvg
+
+    class PerClient(FedAvg):
+        name = "per-client"
+        per_client_fields = ("h", "classifier.*")
+        per_client_reason = "it weights each head by its h"
+        secure_summands = Method.secure_summands
+
+    part = make_partition(digits.labels.numpy(), 3, "pathological", seed=0)
+    with pytest.raises(UserError) as refused:
+        Federation(PerClient(), digits, part, FederationConfig(rounds=1),
+                   channel=ServerChannel(recorder=Recorder(), secure=SecureAggregation()))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("per-client cannot run under --secure-aggregation")
+    assert "h, classifier.*" in message and "it weights each head by its h" in message
+    assert not [name for name, cls in METHODS.items() if cls().secure_refusal() is not None]
 
 
 @pytest.mark.parametrize("option", [["--sa-modulus", "4294967291"], ["--sa-clipping-range", "8"],
@@ -512,8 +524,9 @@ def test_the_audit_declares_how_each_method_meets_secure_aggregation():
     status = {name: secure_aggregation_status(cls()) for name, cls in METHODS.items()}
     assert status["fedavg"] == status["ft-fedavg"] == status["fedper"] == status["fedrep"] == "runs on the sum"
     assert status["fedproto"] == "secure variant: " + METHODS["fedproto"].secure_variant_note
-    assert status["fedecouple"] == "refuses: extractor.*, classifier.*, sample_count"
-    assert status["fedpac"] == "refuses: h, V, classifier.*"
+    assert status["fedecouple"] == "secure variant: " + METHODS["fedecouple"].secure_variant_note
+    assert status["fedecouple"].startswith("secure variant: two passes:")
+    assert status["fedpac"].startswith("secure variant: partial (heads local, no head combination):")
     assert status["local"] == "sends nothing"
 
 

@@ -398,6 +398,10 @@ class Method:
     per_client_reason: ClassVar[str] = ""
     # how its secure variant differs from the method as published, in words (None: it does not)
     secure_variant_note: ClassVar[str | None] = None
+    # A method whose aggregate needs two sums declares ``secure_passes = 2``, ``secure_second_pass_minimum``,
+    # ``secure_broadcast``, ``secure_second_summands`` and ``secure_second_aggregate`` (FedeCouple;
+    # ``Federation._second_pass`` runs them). They have no defaults here, so a wrapper that forwards the
+    # attributes its class lacks (the DP method) forwards them too.
 
     def dp_uncovered(self) -> str | None:
         """What neither DP-SGD nor the statistics mechanism covers in this configuration (a clause
@@ -460,7 +464,7 @@ class Method:
         fields = ", ".join(self.per_client_fields) or "every upload field"
         return (f"{self.name} cannot run under --secure-aggregation: its server reads {fields} of each client on "
                 f"its own ({self.per_client_reason}), which the protocol never reveals; drop --secure-aggregation, "
-                f"or pick a method that aggregates a sum (fedavg, ft-fedavg, fedper, fedrep, fedproto)")
+                f"or pick a method that aggregates a sum (fedavg, ft-fedavg, fedper, fedrep, fedproto, fedecouple, fedpac)")
 
     def init_server(self, model: SplitModel) -> State:
         return {"global." + k: v for k, v in get_params(model).items()}

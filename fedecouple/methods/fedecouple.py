@@ -21,6 +21,15 @@ Server (eq. 16): α_i = n_i/Σn, ω_avg = Σ α_i ω_i, ι_i = cos(ω_i, ω_avg)
 ω^{t+1} = Σ ι_i ω_i, cosine over the flattened vector of all uploaded parameters (extractor and
 classifier together). Negative cosines are clipped to 0; if all are 0 the weights fall back to α.
 
+Under secure aggregation (the server holds only sums) eq. 16 runs exactly, in two passes of the
+protocol: the first sums n_i·ω_i and n_i (as FedAvg), whose quotient ω_avg the server sends back to
+that pass's survivors; each computes c_i = max(0, cos(ω_i, ω_avg)) on its own upload, and the second
+sums c_i·ω_i and c_i; ω^{t+1} = Σ c_i ω_i / Σ c_i (ω_avg if Σ c_i = 0). A client that drops out
+between the passes is in ω_avg but not in the second sums: ω^{t+1} is eq. 16 over the second pass's
+survivors, with their cosines to the first pass's average. With fewer than three of them the second
+pass does not run and the round keeps ω_avg: from two clients' sums of both passes (and their sample
+counts) the server could solve for both models.
+
 Decisions where the paper is silent (also in docs/methods.md, "FedeCouple, and the ambiguities we decided"):
 * the centre loss Ω is the mean squared error over batch and feature elements
   (``center_reduction="mean"``, as torch's ``MSELoss``); the literal per-sample sum over the 128
@@ -44,8 +53,10 @@ import torch.nn.functional as F
 
 from ..channel import Download, Upload
 from ..models import SplitModel, get_params, set_params
+from ..errors import UserError
+from ..secure_aggregation import WEIGHT
 from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, make_upload, model_fields, only_group, sgd,
-                   strip_prefix)
+                   strip_prefix, weighted_mean, weighted_summands)
 from .replay import as_probabilities, batch, cross_entropy, features, head, sgd_step
 from .replay import class_means as replay_class_means
 
@@ -119,9 +130,14 @@ class FedeCouple(Method):
                      "per-sample; the adapted teacher's CE is per-sample and is trained under DP-SGD on the same batch "
                      "(accounted as one mechanism, σ/√2); the centre loss is per-sample given the anchors, which are a "
                      "statistic released before the extractor phase; DA: original + augmented copy clipped together.")
-    per_client_fields = ("extractor.*", "classifier.*", "sample_count")
-    per_client_reason = ("its aggregation weights each client's upload by the cosine similarity of that client's "
-                         "parameters to the sample-weighted average (the paper's eq. 16)")
+    # secure aggregation: eq. 16 in two passes of the protocol (module docstring; ``Federation._second_pass``)
+    secure_passes = 2
+    secure_second_pass_minimum = 3  # from two clients' sums of both passes the server could solve both models
+    secure_variant_note = ("two passes: the first sums n_i·ω_i and n_i, whose quotient ω_avg (what FedAvg's sum "
+                           "reveals) the server sends back to that pass's survivors; each computes "
+                           "c_i = max(0, cos(ω_i, ω_avg)) itself and the second sums c_i·ω_i and c_i, so the server "
+                           "also learns Σ c_i·ω_i and Σ c_i; ω^{t+1} = Σ c_i·ω_i / Σ c_i is the paper's eq. 16 up to "
+                           "quantisation (fewer than 3 clients left for the second pass: the round keeps ω_avg)")
     dp_statistics = ("GFA anchors, once per round: class means of the frozen global extractor's features over the "
                      "client's un-augmented training images (kept on the client, never uploaded).")
 
@@ -260,6 +276,42 @@ class FedeCouple(Method):
         iota = cosine_aggregation_weights(vectors, counts)
         new = {n: sum(w * u.tensors[n] for w, u in zip(iota, uploads)) for n in names}
         return add_prefix(new, "global.")
+
+    @staticmethod
+    def _aggregated_names(upload: Upload) -> list[str]:
+        return [k for k in upload.tensors if k != "sample_count"]
+
+    def secure_summands(self, upload: Upload, max_weight: float, num_classes: int):
+        """The first pass: n_i·ω_i and n_i, scaled by 1/max_weight (FedAvg's summands)."""
+        return weighted_summands(upload, self._aggregated_names(upload), max_weight)
+
+    def secure_aggregate(self, server: State, total, round: int, max_weight: float) -> State:
+        """ω_avg from the first pass's sum: the round's model when the second pass cannot run (and eq. 16's
+        own fallback when no cosine is positive)."""
+        return {**server, **weighted_mean(total, server)}
+
+    def secure_broadcast(self, total, max_weight: float) -> dict[str, torch.Tensor]:
+        """ω_avg (float64) from the first pass's sum, which the server sends back to that pass's survivors."""
+        weight = total[WEIGHT]
+        if not float(weight) > 0:
+            raise UserError("the secure sum's total weight is not positive: every survivor reported 0 samples")
+        return {name: value / weight for name, value in total.items() if name != WEIGHT}
+
+    def secure_second_summands(self, upload: Upload, broadcast, max_weight: float, num_classes: int):
+        """The second pass, on the client: c_i = max(0, cos(ω_i, ω_avg)) over every uploaded parameter, then
+        c_i·ω_i and c_i (in the protocol's weight slot, so Σ c_i is summed exactly as Flower sums weights)."""
+        names = self._aggregated_names(upload)
+        own = torch.cat([upload.tensors[n].detach().to(torch.float64).flatten() for n in names])
+        average = torch.cat([broadcast[n].to(torch.float64).flatten() for n in names])
+        c = float(F.cosine_similarity(own, average, dim=0).clamp_min(0.0))
+        return {WEIGHT: torch.tensor(c, dtype=torch.float64),
+                **{n: c * upload.tensors[n].detach().to(torch.float64) for n in names}}
+
+    def secure_second_aggregate(self, server: State, first, second, round: int, max_weight: float) -> State:
+        """ω^{t+1} = Σ c_i·ω_i / Σ c_i from the second pass's sum; ω_avg when Σ c_i = 0 (as ``aggregate``)."""
+        if not float(second[WEIGHT]) > 0:
+            return self.secure_aggregate(server, first, round, max_weight)
+        return {**server, **weighted_mean(second, server)}
 
     def personalized(self, ctx: ClientContext, server: State, state: State):
         return state

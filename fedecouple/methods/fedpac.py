@@ -32,6 +32,13 @@ Server, from this round's uploads only, processed in client-id order:
   φ̂_i = Σ_j α_ij φ_j over the heads *as uploaded this round*; stored as ``head.{i}.classifier.*``
   and sent to client i in its next download.
 
+Under secure aggregation (the server holds only sums) the per-client QP has nothing to read, so a
+partial variant runs, an approximation of FedPAC: the base is the sample-weighted average from the sum
+of n_i·θ_i and n_i; the global prototypes c̄_k = Σ n_ik c_ik / Σ n_ik from the sums of n_ik·c_ik and
+n_ik, which every client sends for every class (zeros for the classes it lacks); heads stay local
+(no combination: each client keeps the head it trained, as in round 0), and h, V and the head never
+leave the client.
+
 Personalised model for evaluation: newest global base + φ̂_i if the server has one for the client
 (the reference code installs it at the end of the round), else the client's own head.
 
@@ -57,10 +64,10 @@ from ..errors import UserError
 from ..models import SplitModel, get_params, set_params
 from .base import (SAMPLE_COUNT, ClassFeatureSums, ClientContext, FieldSpec, Method, State, add_prefix, by_client,
                    extract_features, make_upload, model_fields, only_group, sample_weighted_average, strip_prefix,
-                   train_extractor, train_head)
+                   train_extractor, train_head, weighted_mean, weighted_summands)
 from .replay import as_probabilities, batch, cross_entropy, features, head, momentum_step
 from .replay import class_means as replay_class_means
-from .prototypes import (PROTOTYPE, local_prototypes, prototype_field, prototype_loss, prototype_table,
+from .prototypes import (CLASS_COUNT, PROTOTYPE, local_prototypes, prototype_field, prototype_loss, prototype_table,
                          prototypes_in, weighted_prototypes)
 
 HEAD = "head.{cid}."
@@ -151,9 +158,11 @@ class FedPAC(Method):
     weight_decay: float = 5e-4
 
     name = "fedpac"
-    per_client_fields = ("h", "V", "classifier.*")
-    per_client_reason = ("for each client its server solves a quadratic programme over every client's h and V and "
-                         "combines the uploaded heads with that client's weights")
+    # secure aggregation: the partial variant (module docstring)
+    secure_variant_note = ("partial (heads local, no head combination): the base is the sample-weighted average of "
+                           "the sums of n_i·θ_i and n_i, the global prototypes the count-weighted average of the sums "
+                           "of n_ik·c_ik and n_ik (every class, zeros for classes a client lacks); h, V and the head "
+                           "never leave the client, which keeps the head it trained: an approximation of FedPAC")
     # the downloaded base, and the server's combined head where one is sent (it replaces the client's)
     download_reaches = ("extractor", "classifier")
     extractor_phases = ("extractor",)
@@ -318,6 +327,33 @@ class FedPAC(Method):
             for name, stacked in heads.items():
                 combined = torch.tensordot(weights.to(stacked.dtype), stacked, dims=1)
                 new[HEAD.format(cid=u.client_id) + name] = combined
+        return new
+
+    def secure_summands(self, upload: Upload, max_weight: float, num_classes: int):
+        """n_i·θ_i and n_i, and for every class n_ik·c_ik and n_ik, all scaled by 1/max_weight."""
+        out = weighted_summands(upload, [k for k in upload.tensors if k.startswith("extractor.")], max_weight)
+        protos, counts = prototypes_in(upload.tensors), upload.tensors["class_counts"]
+        dim = next(iter(protos.values())).shape if protos else None
+        if dim is None:
+            raise UserError(f"client {upload.client_id} sent no prototype in round {upload.round}: a FedPAC client "
+                            f"with no training images cannot take part in secure aggregation")
+        for k in range(num_classes):
+            count = float(counts[k]) if k in protos else 0.0
+            proto = protos[k].to(torch.float64) if k in protos else torch.zeros(dim, dtype=torch.float64)
+            out[PROTOTYPE.format(k=k)] = proto * (count / max_weight)
+            out[CLASS_COUNT.format(k=k)] = torch.tensor(count / max_weight, dtype=torch.float64)
+        return out
+
+    def secure_aggregate(self, server: State, total, round: int, max_weight: float) -> State:
+        """The base from its weighted sum, each class's prototype from its count-weighted sum (classes no
+        survivor holds get none, as in ``aggregate``); no combined head: the clients keep theirs."""
+        base = {k: v for k, v in total.items() if k.startswith("extractor.") or k == "sample_count"}
+        new = weighted_mean(base, server)
+        for k in prototypes_in(total):
+            count = float(total[CLASS_COUNT.format(k=k)]) * max_weight
+            if count >= 0.5:  # half an image: an absent class decodes to quantisation noise far below it
+                new["global." + PROTOTYPE.format(k=k)] = (total[PROTOTYPE.format(k=k)] * max_weight / count
+                                                          ).to(torch.float32)
         return new
 
     def personalized(self, ctx: ClientContext, server: State, state: State):
