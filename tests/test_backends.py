@@ -18,7 +18,7 @@ from helpers import tiny_federation
 from helpers import TEST_THREADS
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None
-needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (pip install 'fedsec[ray]'; CI installs it)")
+needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (pip install -e '.[ray]'; CI installs it)")
 
 
 @pytest.fixture(scope="module")
@@ -149,9 +149,9 @@ def test_attack_writes_the_same_attack_csv_under_both_backends(tmp_path, ray_loc
 
 def test_missing_ray_is_a_user_error_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
-    with pytest.raises(UserError, match=r"pip install 'fedsec\[ray\]'"):
+    with pytest.raises(UserError, match=r"pip install ray \(from a checkout: pip install -e '\.\[ray\]'\)"):
         make_backend("ray")
-    with pytest.raises(UserError, match=r"fedsec\[ray\]"):
+    with pytest.raises(UserError, match=r"pip install -e '\.\[ray\]'"):
         prepare(RunConfig.of(dataset="digits", clients=3, backend="ray"))
 
 
@@ -167,7 +167,7 @@ def test_cli_backend_flag_is_one_line_error_without_ray(tmp_path):
             "main(['train', '--dataset', 'digits', '--clients', '3', '--rounds', '1', '--backend', 'ray'])")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 2
-    assert res.stderr.strip().count("\n") == 0 and "pip install 'fedsec[ray]'" in res.stderr
+    assert res.stderr.strip().count("\n") == 0 and "pip install -e '.[ray]'" in res.stderr
 
 
 @needs_ray

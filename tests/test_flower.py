@@ -15,8 +15,8 @@ import pytest
 import torch
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before Flower is first imported: no network calls
-flwr = pytest.importorskip("flwr", reason="Flower is not installed: pip install 'fedsec[flower]'")
-pytest.importorskip("ray", reason="Flower's simulation engine needs Ray: pip install 'fedsec[flower]'")
+flwr = pytest.importorskip("flwr", reason="Flower is not installed: pip install -e '.[flower]'")
+pytest.importorskip("ray", reason="Flower's simulation engine needs Ray: pip install -e '.[flower]'")
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
@@ -224,7 +224,7 @@ def _fails(capsys, argv) -> str:
 def test_error_flower_not_installed(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "flwr", None)
     err = _fails(capsys, ["flower", "audit", str(EXAMPLE), "--out", str(tmp_path / "out")])
-    assert "pip install 'fedsec[flower]'" in err
+    assert "pip install -e '.[flower]'" in err
     assert not (tmp_path / "out").exists()
 
 

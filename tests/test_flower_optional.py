@@ -35,4 +35,5 @@ def test_help_works_without_flower():
 def test_flower_commands_name_the_extra_without_flower():
     done = _without_flower(["flower", "audit", "examples/flower_mnist"])
     assert done.returncode == 2
-    assert done.stderr.strip() == "error: fedsec flower needs Flower, which is not installed: pip install 'fedsec[flower]'"
+    assert done.stderr.strip() == ("error: fedsec flower needs Flower, which is not installed: pip install "
+                                   "'flwr[simulation]>=1.41,<1.43' (from a checkout: pip install -e '.[flower]')")

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before Flower is first imported: no network calls
-pytest.importorskip("flwr", reason="Flower is not installed: pip install 'fedsec[flower]'")
-pytest.importorskip("ray", reason="Flower's simulation engine needs Ray: pip install 'fedsec[flower]'")
+pytest.importorskip("flwr", reason="Flower is not installed: pip install -e '.[flower]'")
+pytest.importorskip("ray", reason="Flower's simulation engine needs Ray: pip install -e '.[flower]'")
 from scipy.stats import chisquare  # noqa: E402
 
 from attacks.base import Budget  # noqa: E402

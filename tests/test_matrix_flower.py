@@ -23,8 +23,8 @@ STRATEGIES = {"fedavg": "fedavg", "fedper": "fedper"}  # the example's strategy 
 def flower_simulations():
     """Flower and Ray present (the test extra has them); each distinct simulation of this module runs once."""
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    pytest.importorskip("flwr", reason="Flower is not installed: pip install 'fedsec[flower]'")
-    pytest.importorskip("ray", reason="Flower's simulation engine needs Ray: pip install 'fedsec[flower]'")
+    pytest.importorskip("flwr", reason="Flower is not installed: pip install -e '.[flower]'")
+    pytest.importorskip("ray", reason="Flower's simulation engine needs Ray: pip install -e '.[flower]'")
     from fedsec.flower.simulation import reused_simulations
 
     with reused_simulations():

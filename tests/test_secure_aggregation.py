@@ -136,7 +136,7 @@ class _Grid:
 def flower_setup(monkeypatch):
     """``flower_setup(protocol, participants) -> (workflow, state, grid)``: Flower's setup stage run for
     the round ``ROUND``, with the engine's ring."""
-    pytest.importorskip("flwr", reason="Flower is not installed: pip install 'fedsec[flower]'")
+    pytest.importorskip("flwr", reason="Flower is not installed: pip install -e '.[flower]'")
     from flwr.app import ArrayRecord, ConfigRecord, RecordDict
     from flwr.common import FitIns, ndarrays_to_parameters
     from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD

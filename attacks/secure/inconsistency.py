@@ -56,7 +56,10 @@ def silence_unreachable(method, model: nn.Module) -> str | None:
     client must train the next linear layer as sent, else its own passes a gradient back."""
     layer = first_linear(model)
     following = next_linear(model, layer)
-    if following.split(".", 1)[0] in set(getattr(method, "download_reaches", ()) or ()):
+    # the attack runs under secure aggregation only, where a method may download less (FedPAC: no head)
+    reaches = method.secure_download_reaches if method.secure_download_reaches is not None else \
+        method.download_reaches
+    if following.split(".", 1)[0] in set(reaches):
         return None
     return (f"{method.name}'s clients train against their own {following}: a silenced client still updates {layer}, "
             f"so model inconsistency cannot isolate one update in the sum")

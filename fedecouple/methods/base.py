@@ -369,6 +369,8 @@ class Method:
     # whole model, FedPer's base) or trained against (FedeCouple's global classifier in its GLF step).
     # What a malicious server's crafted weights reach (``attacks.malicious``); () : nothing it trains
     download_reaches: ClassVar[tuple[str, ...]] = ()
+    # the same under secure aggregation, where a method's download may hold less (None: as above)
+    secure_download_reaches: ClassVar[tuple[str, ...] | None] = None
     # True: local training is T plain cross-entropy SGD steps on every trained parameter, one phase,
     # no augmentation, no extra loss; replaying those steps on the true batch gives the upload exactly
     plain_sgd: ClassVar[bool] = False

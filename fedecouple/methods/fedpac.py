@@ -165,6 +165,9 @@ class FedPAC(Method):
                            "never leave the client, which keeps the head it trained: an approximation of FedPAC")
     # the downloaded base, and the server's combined head where one is sent (it replaces the client's)
     download_reaches = ("extractor", "classifier")
+    # under secure aggregation (the partial variant) the download is the base and the global prototypes:
+    # every client trains its own head, whatever a server sends
+    secure_download_reaches = ("extractor",)
     extractor_phases = ("extractor",)
     # no "last-linear": the head is known and the replay exact, and matching that layer's input as well
     # trapped 3 of 8 tuning targets in local minima (36.3 dB against 45.1 dB without it)
