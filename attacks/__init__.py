@@ -31,6 +31,7 @@ from .inversion import dlg, ig, proto, labels  # noqa: F401
 from . import malicious  # noqa: F401
 from .membership import lira, mia_threshold, rmia  # noqa: F401
 from .inversion import fedavg_leakage  # noqa: F401
+from .inversion import spear  # noqa: F401
 from .secure import sum_binning, inconsistency, sybil, sum_labels, sum_inversion, disaggregation  # noqa: F401  (secure aggregation)
 from .base import AttackResult, Budget, LocalHyperparameters, NotApplicable, Observation
 from .inversion.batching import Batch, plan_one_by_one, run_plan

@@ -231,7 +231,7 @@ def _score_target(run: RecordedRun, spec: AttackSpec, job: Target, prior: torch.
         job.check = forward_check(run, spec, job)
     idx = torch.from_numpy(run.ground_truth.samples(job.round, job.client))
     truths, truth_labels = dataset.images[idx], dataset.labels[idx]
-    if spec.malicious:
+    if spec.score_target is not None:  # a malicious server's read-back, or an attack that scores its own rows
         return _score_malicious(run, spec, job, base, truths, truth_labels, prior, panels, auxiliary)
     if len(truths) > len(result.images) or spec.scoring == "class-images":
         note = ("each reconstruction is scored against its best match among the images the client trained "
@@ -261,7 +261,7 @@ def _score_malicious(run: RecordedRun, spec: AttackSpec, job: Target, base: dict
     e.g. every image the client trained on with its recovered input's relative error, or the images
     a classifier-fishing craft isolated), each with its class prior's PSNR."""
     priors = class_priors(run, job.round, job.client, auxiliary)
-    record = run.crafted[(job.round, job.client)]
+    record = run.crafted.get((job.round, job.client))  # None: an honest server's record
     rows = []
     for row in spec.score_target(run.make_model, record, job.result, truths, truth_labels, prior):
         j = row.pop("truth_index")

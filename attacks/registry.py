@@ -74,6 +74,7 @@ class AttackSpec:
     # update, from ``Method.download_reaches`` (None: it can), checked before anything trains
     unreachable: Callable | None = None
     # ``score_target(make_model, record, result, truths, truth_labels, prior) -> rows``: its read-back
+    # (record: the server's craft record, None for an honest server's attack that scores its own rows)
     # scored against the images the client trained on, one dict per scored image: ``truth_index``,
     # ``reconstruction`` (the result's image, -1: none) and the values of ``attacks.harness.IMAGE_COLUMNS``
     # (psnr, ssim, prior_psnr, label_true; label_pred, input_error where it has them) and ``extra_columns``

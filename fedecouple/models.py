@@ -43,7 +43,8 @@ from torch import nn
 from .errors import UserError
 
 GROUPS = ("extractor", "classifier")
-ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits", "mlp", "resnet18", "resnet18-bn", "resnet50")
+ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits", "mlp", "mlp-relu", "resnet18", "resnet18-bn",
+                 "resnet50")
 
 
 class Normalize(nn.Module):
@@ -128,14 +129,20 @@ def _digits(channels: int) -> nn.Sequential:
     ]))
 
 
-def _mlp(channels: int) -> nn.Sequential:
-    """Fully connected, for 28x28 images: FC 784 → 256 → 128, each LeakyReLU. Its first layer sees
-    the (normalised) pixels, so a malicious server that reads that layer's inputs has the image."""
-    act = lambda: nn.LeakyReLU(0.01)  # noqa: E731
+def _mlp(channels: int, act=lambda: nn.LeakyReLU(0.01)) -> nn.Sequential:
+    """Fully connected, for 28x28 images: FC 784 → 256 → 128, each LeakyReLU (``act`` builds the
+    activation). Its first layer sees the (normalised) pixels, so a malicious server that reads that
+    layer's inputs has the image."""
     return nn.Sequential(OrderedDict([
         ("flatten", nn.Flatten()), ("fc", nn.Linear(channels * 28 * 28, 256)), ("act1", act()),
         ("fc2", nn.Linear(256, 128)), ("act2", act()),
     ]))
+
+
+def _mlp_relu(channels: int) -> nn.Sequential:
+    """``mlp`` with ReLU: the loss gradient at each hidden unit is exactly zero where the unit is off,
+    the sparsity exact batch recovery from a linear layer's update needs (``attacks.inversion.spear``)."""
+    return _mlp(channels, nn.ReLU)
 
 
 def _group_norm(channels: int) -> nn.GroupNorm:
@@ -172,6 +179,7 @@ MIN_SIDE = 8
 # the first entry of each image size is that size's default
 _BUILDERS = {"cnn32": (_cnn32, 32, 128), "cnn28": (_cnn28, 28, 128), "cnn28-same": (_cnn28_same, 28, 128),
              "pfllib-cnn": (_pfllib_cnn, 28, 512), "digits": (_digits, 8, 64), "mlp": (_mlp, 28, 128),
+             "mlp-relu": (_mlp_relu, 28, 128),
              "resnet18": (_resnet18, ANY_SIZE, 512), "resnet18-bn": (_resnet18_bn, ANY_SIZE, 512),
              "resnet50": (_resnet50, ANY_SIZE, 2048)}
 

@@ -45,6 +45,8 @@ ATTACKS: dict[str, AttackEntry] = {
                         "of the client's rarest class, rebuilt from the update", "malicious", 1000, 1, 1),
     "fedavg-leak": AttackEntry("Dimitrov et al. 2022: simulate the client's local epochs, label counts first, epoch "
                                "copies tied by an order-invariant term, every image rebuilt", "gradient", 3000, 2, 0),
+    "spear": AttackEntry("SPEAR: every image of a one-step batch, exactly, from the update of a linear layer followed "
+                         "by ReLU (its sparse gradients), each certified by the ReLU's pattern", "gradient", 300, 1, 0),
     "sum-binning": AttackEntry('malicious server under secure aggregation: the same binning rows '
                                'for every client, sized to the protocol; a bin holding one image '
                                'of the whole round reads it out of the sum (Robbing the Fed)',
@@ -75,7 +77,8 @@ METHODS = ("fedecouple", "fedavg", "ft-fedavg", "fedper", "fedrep", "fedpac", "f
 DATASETS = ("mnist5k", "digits", "cifar10", "cifar100", "fmnist", "emnist", "cinic10")
 EMBEDDED_DATASETS = ("mnist5k", "digits")  # fedecouple.data.registry.EMBEDDED
 PARTITIONS = ("iid", "pathological", "weak", "dirichlet")  # fedecouple.data.SCHEMES
-ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits", "mlp", "resnet18", "resnet18-bn", "resnet50")
+ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits", "mlp", "mlp-relu", "resnet18", "resnet18-bn",
+                 "resnet50")
 DEFENSES = ("dp", "noise", "clip", "prune", "quantize", "exclude", "download-check", "consistency-check")  # defenses.DEFENSES
 MODES = ("auto", "method", "replay", "scaled")  # attacks.inversion.observation.MODES
 AUGMENTATION_MODELS = ("free", "family", "oracle")
