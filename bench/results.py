@@ -547,6 +547,29 @@ def vs_breaching_figures(out: Path, stdout: str) -> dict:
                                       "rows": rows}]}
 
 
+def spear_figures(out: Path, stdout: str) -> dict:
+    """``bench/spear.py``: per model and batch size the share of layer inputs recovered exactly, the share
+    certified, the images' PSNR against the prior and the seconds per target."""
+    text = printout(stdout)
+    pattern = re.compile(rf"^(\S+)\s+B = \s*(\d+): exact\s+({NUMBER}) % \[(\d+), (\d+)\], certified\s+({NUMBER}) %, "
+                         rf"PSNR\s+({NUMBER}) dB \[([^,]+), ([^\]]+)\] \(prior ({NUMBER})\),\s+({NUMBER}) s per target, "
+                         rf"n = (\d+)", re.M)
+    rows = [[m.group(1), m.group(2), f"{m.group(3)} % [{m.group(4)}, {m.group(5)}]", f"{m.group(6)} %",
+             f"{m.group(7)} [{m.group(8)}, {m.group(9)}]", m.group(10), m.group(11), m.group(12)]
+            for m in pattern.finditer(text)]
+    if not rows:
+        raise CellError("bench/spear.py printed no 'MODEL B = N: exact ...' line")
+    exact = {(r[0], int(r[1])): r[2].split(" %")[0] for r in rows}
+    largest = {arch: max((b for (a, b), share in exact.items() if a == arch and float(share) >= 90.0), default=None)
+               for arch in dict.fromkeys(r[0] for r in rows)}
+    headline = "; ".join(f"{arch}: ≥ 90 % of inputs exact up to B = {b}" if b else f"{arch}: below 90 % at every B"
+                         for arch, b in largest.items())
+    return {"headline": headline,
+            "tables": [{"title": "Per model and batch size B (one SGD step, round 0, FedAvg)",
+                        "columns": ["model", "B", "inputs exact (≤ 1e-4) [95 % CI]", "certified", "PSNR dB [95 % CI]",
+                                    "prior dB", "seconds per target", "images"], "rows": rows}]}
+
+
 def batched_figures(out: Path, stdout: str) -> dict:
     """``bench/batched_attack.py``: batched against one by one, seconds and PSNR."""
     text = printout(stdout)
@@ -595,6 +618,7 @@ GROUPS = {
     "startup": "Start-up time of the command line",
     "secure": "Secure aggregation",
     "speed": "Attack speed",
+    "spear": "Exact batch recovery (SPEAR)",
 }
 
 
@@ -676,6 +700,11 @@ def _other_cells() -> list[Cell]:
     cells.append(Cell("batched-ig", "speed", "IG on 16 targets of one model, batched ÷ one by one",
                       ("python", "bench/batched_attack.py", "--attacks", "ig"), batched_figures,
                       "about 1 min", depends=CODE + ("bench/batched_attack.py", "bench/attack_speed.py")))
+    cells.append(Cell("spear-batch-size", "spear", "SPEAR on FedAvg's one-step uploads, mlp-relu (first layer) and "
+                      "pfllib-cnn (fc after the convolutions), 2 clients per batch size",
+                      ("python", "bench/spear.py", "--batches", "4,8,16,24,25,32", "--out", "spear.png"),
+                      spear_figures, "about 4 min", depends=CODE + ("bench/spear.py",),
+                      pictures=(("spear.png", "docs/img/results/spear-batch-size.png"),)))
     cells.append(Cell("leak-small-clients", "speed", "fedavg-leak on FedAvg's smallest clients: 6 images, batches of "
                       "2, one epoch, 4 targets",
                       ("fedsec", "attack", "fedavg-leak", "--method", "fedavg", "--partition", "weak",
@@ -1187,6 +1216,8 @@ GROUP_NOTES = {
     "startup": "How long the command line takes to answer `--help`.",
     "secure": "A curious and a malicious server that see only each round's sum, and Flower's own SecAgg+.",
     "speed": "Our attacks' speed and strength beside another implementation, and batched against one by one.",
+    "spear": "How much of a one-step batch a shared linear layer followed by ReLU gives back exactly, against the "
+             "batch size (the picture: share exact and seconds against B).",
 }
 
 
@@ -1202,7 +1233,14 @@ def render(records: dict[str, dict]) -> str:
     counts = ", ".join(f"{w} {n}" for w, n in verdict_counts(matrix).items() if n)
     out += ["## Exposure matrix", "", MATRIX_NOTE, "", matrix_markdown(matrix, TRAINED_LABEL), "",
             f"Cells by verdict: {counts}.", ""]
-    out += results_figures.markdown(results_figures.pictures(records, fig10_rows))
+    drawn = results_figures.markdown(results_figures.pictures(records, fig10_rows))
+    # the pictures a cell's own run drew (kept under docs/img/results by ``run_cell``)
+    kept = [f"![{cell.title}]({Path(target).relative_to('docs').as_posix()})" for cell in CELLS.values()
+            if cell.name in records for _, target in cell.pictures
+            if target.startswith("docs/img/results/") and (ROOT / target).exists()]
+    if kept and not drawn:
+        drawn = ["## Pictures", ""]
+    out += drawn + [line for link in kept for line in (link, "")]
     details = []
     for group, title in GROUPS.items():
         out += [f"## {title}", "", GROUP_NOTES[group], "",
