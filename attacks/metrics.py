@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
@@ -186,6 +188,21 @@ def rate_interval(hits: np.ndarray, clusters: np.ndarray, seed: int = 0) -> tupl
         b_low, b_high = cluster_bootstrap(hits.astype(float), clusters, np.mean, seed=seed)
         low, high = min(low, b_low), max(high, b_high)
     return low, high
+
+
+def input_shares(rows: list[dict], seed: int, flags: dict[str, Callable[[np.ndarray, list[dict]], np.ndarray]]) -> dict:
+    """For rows of recovered layer inputs (``input_error``, ``round``, ``client``): per name in ``flags`` the
+    share of rows it marks (``flag(errors, rows)``, a boolean array) as ``NAME_share`` with its 95 % interval
+    resampling attacked clients (``rate_interval``) as ``NAME_share_ci``, and the median error."""
+    errors = np.array([float(r["input_error"]) for r in rows])
+    clusters = np.array([f"{r['round']}/{r['client']}" for r in rows])
+    out = {}
+    for name, flag in flags.items():
+        hits = np.asarray(flag(errors, rows), dtype=bool)
+        out[f"{name}_share"] = float(hits.mean())
+        out[f"{name}_share_ci"] = [float(v) for v in rate_interval(hits, clusters, seed)]
+    out["inputs_median_error"] = float(np.median(errors))
+    return out
 
 
 MIN_INTERVAL_TARGETS = 3  # fewer attacked clients: Student's t on 2 client means spans ±12.7 standard errors

@@ -64,7 +64,7 @@ from ..base import AttackResult, Budget, NotApplicable, Observation
 from ..layer_inversion import invert_layer_inputs
 from ..malicious.craft import layer_inputs, load
 from ..malicious.readout import first_layer_sees_pixels, layer_inputs_differentiable, match_inputs
-from ..metrics import psnr, rate_interval, ssim
+from ..metrics import input_shares, psnr, ssim
 from ..registry import GRADIENT_HINT, AttackSpec, register
 from .observation import update_target
 from .optimise import mean_image
@@ -795,15 +795,9 @@ def spear_statistics(rows: list[dict], seed: int) -> dict:
     if not rows:
         return {"inputs_exact_share": None, "inputs_exact_share_ci": None, "inputs_certified_share": None,
                 "inputs_certified_share_ci": None, "inputs_median_error": None}
-    errors = np.array([float(r["input_error"]) for r in rows])
-    clusters = np.array([f"{r['round']}/{r['client']}" for r in rows])
-    exact, certified = errors <= EXACT_INPUT, np.array([bool(r["certified"]) for r in rows])
-    return {"inputs_exact_share": float(exact.mean()),
-            "inputs_exact_share_ci": [float(v) for v in rate_interval(exact, clusters, seed)],
-            "inputs_exact_rule": f"relative error of the recovered layer input <= {EXACT_INPUT:g}",
-            "inputs_certified_share": float(certified.mean()),
-            "inputs_certified_share_ci": [float(v) for v in rate_interval(certified, clusters, seed)],
-            "inputs_median_error": float(np.median(errors))}
+    return {**input_shares(rows, seed, {"inputs_exact": lambda e, _: e <= EXACT_INPUT,
+                                        "inputs_certified": lambda _, rs: [bool(r["certified"]) for r in rs]}),
+            "inputs_exact_rule": f"relative error of the recovered layer input <= {EXACT_INPUT:g}"}
 
 
 def spear_lines(summary: dict) -> list[str]:

@@ -2,10 +2,9 @@
 crafted-layer input matched to a recovered one, and the shares recovered exactly."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from ..metrics import psnr, rate_interval, ssim
+from ..metrics import input_shares, psnr, ssim
 from .readout import match_inputs, true_inputs
 
 # a recovered input counts as exact at or below this relative error
@@ -35,12 +34,6 @@ def input_statistics(rows: list[dict], seed: int) -> dict:
     within 5 %, each with a 95 % interval that resamples attacked clients."""
     if not rows:
         return {"inputs_exact_share": None, "inputs_exact_share_ci": None}
-    errors = np.array([float(r["input_error"]) for r in rows])
-    clusters = np.array([f"{r['round']}/{r['client']}" for r in rows])
-    exact, close = errors <= EXACT, errors <= 0.05
-    return {"inputs_exact_share": float(exact.mean()),
-            "inputs_exact_share_ci": [float(v) for v in rate_interval(exact, clusters, seed)],
-            "inputs_exact_rule": f"relative error of the recovered first-linear-layer input <= {EXACT:g}",
-            "inputs_within_5pct_share": float(close.mean()),
-            "inputs_within_5pct_share_ci": [float(v) for v in rate_interval(close, clusters, seed)],
-            "inputs_median_error": float(np.median(errors))}
+    return {**input_shares(rows, seed, {"inputs_exact": lambda e, _: e <= EXACT,
+                                        "inputs_within_5pct": lambda e, _: e <= 0.05}),
+            "inputs_exact_rule": f"relative error of the recovered first-linear-layer input <= {EXACT:g}"}
