@@ -1,6 +1,6 @@
 """The verdict rules, in one place: when a reconstructed image counts as recovered (the success
-rule), when measured leakage is at chance level (the leak gap), when a result is only a lower bound
-(the LOWER BOUND rule), when a label attack's class-presence accuracy is low (the presence
+rule), when measured leakage is at chance level (the leak gap), when a label attack's class-presence
+accuracy is low (the presence
 threshold), and the forward-model check in words, NO MODEL included: a target whose server holds no
 model of the client (FedProto uploads prototypes only), so that its figure is a surrogate-model
 estimate and the forward check does not apply (``model_unknown``), kept apart from MIS-SPECIFIED (the
@@ -34,14 +34,6 @@ def _number(x: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return None if math.isnan(value) or math.isinf(value) else value
-
-
-def is_lower_bound(mean_psnr: Any, prior_psnr: Any, stopped_short: Any) -> bool:
-    """The LOWER BOUND rule: at or below the prior on average while the optimiser stopped short of the
-    truth (``not_converged``) on some target; then the PSNR is set by the attack's budget, not by the
-    method."""
-    mean, prior = _number(mean_psnr), _number(prior_psnr)
-    return bool(stopped_short) and mean is not None and prior is not None and mean <= prior
 
 
 def psnr_gap(summary: dict | None) -> float | None:

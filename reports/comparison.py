@@ -115,10 +115,10 @@ def model_unknown(row: Mapping, attack: str) -> bool:
 
 
 def stopped_short(row: Mapping, attack: str) -> bool:
-    """Whether the attack ended below the prior on images whose truth its own objective prefers
-    (``not_converged`` on some target): a lower bound set by the attack's budget, not a measure of
-    the method's privacy. The caller decided it (the LOWER BOUND rule lives with the attacks,
-    ``attacks.verdicts``) and passes it as the summary's ``<attack>_lower_bound`` flag."""
+    """Whether the attack's figure is a LOWER BOUND: not above the prior by its interval while the optimiser
+    stopped short of a truth its own objective prefers (``not_converged`` on some target), a figure set by
+    the attack's budget, not a measure of the method's privacy. The caller decided it by the exposure
+    matrix's rule (``reports.exposure.judge``) and passes it as the summary's ``<attack>_lower_bound`` flag."""
     return is_true(row.get(f"{attack}_lower_bound"))
 
 

@@ -112,8 +112,8 @@ VERDICT_CONSTANTS = ("SUCCESS_MARGIN_DB", "LEAK_GAP_DB", "PRESENCE_THRESHOLD", "
 
 
 def test_the_verdict_rules_have_one_home():
-    """The success rule, the leak gap, the presence threshold and the LOWER BOUND rule are defined in
-    ``attacks/verdicts.py`` only (the others import them; ``reports`` receives what they decided)."""
+    """The success rule, the leak gap and the presence threshold are defined in ``attacks/verdicts.py`` only
+    (the others import them; the verdict words' one rule is ``reports.exposure.judge``)."""
     defined = []
     for package in ("fedsec", "attacks", "reports"):
         for path, tree in _modules(package):
@@ -121,11 +121,10 @@ def test_the_verdict_rules_have_one_home():
                 if isinstance(node, ast.Assign):
                     defined += [(t.id, path.relative_to(ROOT).as_posix()) for t in node.targets
                                 if isinstance(t, ast.Name) and t.id in VERDICT_CONSTANTS]
-                elif isinstance(node, ast.FunctionDef) and node.name in ("is_lower_bound", "at_chance", "psnr_gap"):
+                elif isinstance(node, ast.FunctionDef) and node.name in ("at_chance", "psnr_gap"):
                     defined.append((node.name, path.relative_to(ROOT).as_posix()))
     assert {where for _, where in defined} == {"attacks/verdicts.py"}
-    assert sorted(name for name, _ in defined) == sorted(VERDICT_CONSTANTS + ("at_chance", "is_lower_bound",
-                                                                             "psnr_gap"))
+    assert sorted(name for name, _ in defined) == sorted(VERDICT_CONSTANTS + ("at_chance", "psnr_gap"))
 
 
 # -- the attacks are peers: an attack module imports no other, and the inversion attacks optimise through

@@ -23,17 +23,6 @@ def test_the_success_rule_counts_an_image_recovered_from_6_db_above_its_prior():
     assert stats["success_rule"] == verdicts.SUCCESS_RULE and "6 dB above the prior" in verdicts.SUCCESS_RULE
 
 
-@pytest.mark.parametrize("mean, prior, short, expected", [
-    (10.0, 12.0, 1, True),     # below the prior and stopped short: the budget set the number
-    (12.0, 12.0, 2, True),     # at the prior counts
-    (12.1, 12.0, 1, False),    # above the prior: leakage shown whatever the optimiser did
-    (10.0, 12.0, 0, False),    # converged: a real measurement
-    (float("nan"), 12.0, 1, False), ("n/a", 12.0, 1, False), (None, 12.0, 1, False),
-])
-def test_the_lower_bound_rule(mean, prior, short, expected):
-    assert verdicts.is_lower_bound(mean, prior, short) is expected
-
-
 def test_the_leak_gap_makes_leakage_within_3_db_of_the_prior_chance_level():
     summary = {"mean_psnr": 12.99, "mean_prior_psnr": 10.0}
     assert verdicts.psnr_gap(summary) == pytest.approx(2.99) and verdicts.at_chance(summary) is True
