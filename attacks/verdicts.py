@@ -1,7 +1,6 @@
 """The verdict rules, in one place: when a reconstructed image counts as recovered (the success
 rule), when measured leakage is at chance level (the leak gap), when a label attack's class-presence
-accuracy is low (the presence
-threshold), and the forward-model check in words, NO MODEL included: a target whose server holds no
+accuracy is low (the presence threshold), and the forward-model check in words, NO MODEL included: a target whose server holds no
 model of the client (FedProto uploads prototypes only), so that its figure is a surrogate-model
 estimate and the forward check does not apply (``model_unknown``), kept apart from MIS-SPECIFIED (the
 attack's model of what the server does hold was wrong).
