@@ -1427,7 +1427,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.render or args.check:
             if not git_available():
                 raise CellError("rendering needs git (the commits decide which cells are stale)")
-            files = rendered_files(load_records())
+            records = load_records()
+            files = rendered_files(records)
             stale = [path for path, text in files.items()
                      if not path.exists() or path.read_text(encoding="utf-8") != text]
             if args.check:
@@ -1438,8 +1439,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 for path in stale:
                     write_atomic(path, files[path])
-                results_figures.write(results_figures.pictures(load_records(), fig10_rows), PAGE.parent)
-                print(f"rendered from {len(load_records())} records; rewrote "
+                results_figures.write(results_figures.pictures(records, fig10_rows), PAGE.parent)
+                print(f"rendered from {len(records)} records; rewrote "
                       f"{', '.join(str(p.relative_to(ROOT)) for p in stale) or 'nothing (all in step)'}")
     except CellError as exc:
         print(f"error: {exc}", file=sys.stderr)
