@@ -5,7 +5,7 @@ much of it the server may use.
 runs a Flower app in Flower's simulation engine. Both end in a ``RecordedRun``: what the server
 recorded through its channel, the harness-only ground truth, the data, and the facts a
 method-aware attacker may know. ``attacks.harness.attack_recorded`` and
-``fedsec.audit.audit_recorded`` take it from there, so both paths share one harness.
+``fedsec.jobs.audit.audit_recorded`` take it from there, so both paths share one harness.
 
 ``RecordedRun.observe`` builds the whole ``Observation`` of one target under a ``ThreatModel``:
 the server's view from the recorder, plus what the threat model hands the attacker (the local

@@ -5,8 +5,8 @@ model of the client (FedProto uploads prototypes only), so that its figure is a 
 estimate and the forward check does not apply (``model_unknown``), kept apart from MIS-SPECIFIED (the
 attack's model of what the server does hold was wrong).
 
-Read by the attacks' scoring (``attacks.metrics``), the audit's severities (``fedsec.audit``), the
-report (``fedsec.report``) and the console (``fedsec.console``). ``reports`` imports nothing of
+Read by the attacks' scoring (``attacks.metrics``), the audit's severities (``fedsec.jobs.audit``), the
+report (``fedsec.jobs.report``) and the console (``fedsec.console``). ``reports`` imports nothing of
 ``attacks``: it receives what these rules decided (the report's ``<cell>_lower_bound`` flags, the
 ``success_rule`` and ``leak_gap_db`` values in its ``meta``). Standard library only.
 """

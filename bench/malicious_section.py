@@ -18,8 +18,8 @@ from pathlib import Path
 def main() -> None:
     import torch
 
-    from fedsec import report as rep
-    from fedsec.report.stages import plan, run_stage
+    from fedsec.jobs import report as rep
+    from fedsec.jobs.report.stages import plan, run_stage
     from fedsec.runner import AUDIT_FEDERATION, RunConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

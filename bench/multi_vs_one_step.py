@@ -25,7 +25,7 @@ def attack_both(n: int = 4, batch_size: int = 2, targets: int = 10, seed: int = 
                 clients: int = 10, dataset: str = "mnist5k", threads: int = 1,
                 iterations: int | None = None) -> dict[str, dict]:
     """{setting: {"summary": ..., "rows": attack.csv's rows}} for both settings on the same clients."""
-    from fedsec.attack import AttackSettings, run_attack
+    from fedsec.jobs.attack import AttackSettings, run_attack
     from fedsec.runner import RunConfig
 
     config = RunConfig.of(method=method, dataset=dataset, partition="weak", train_images=n, clients=clients, rounds=1,

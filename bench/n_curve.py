@@ -32,7 +32,7 @@ def measure_cell(method: str, n: int, *, batch_size: int = 10, epochs: int = 1, 
     """One (method, N) cell: a one-round federation of ``clients`` clients of exactly ``n`` training
     images (weak partition), ``targets`` of them attacked in round 0; the summary's figures as a row."""
     from fedecouple.errors import UserError
-    from fedsec.attack import AttackSettings, run_attack
+    from fedsec.jobs.attack import AttackSettings, run_attack
     from fedsec.runner import RunConfig
 
     attack = ATTACK_FOR.get(method, "fedavg-leak")

@@ -30,7 +30,7 @@ MODELS = ("mlp-relu", "pfllib-cnn")
 
 def attack(arch: str, batch: int, targets: int, seed: int) -> dict:
     """The summary of ``fedsec attack spear`` on ``arch`` with clients of one step on ``batch`` images."""
-    from fedsec.attack import AttackSettings, run_attack
+    from fedsec.jobs.attack import AttackSettings, run_attack
     from fedsec.runner import RunConfig
 
     config = RunConfig.of(method="fedavg", dataset="mnist5k", arch=arch, clients=max(targets, 2), rounds=1,

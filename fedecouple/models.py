@@ -272,10 +272,6 @@ def check_fits(model: SplitModel, channels: int, image_size: int, num_classes: i
                         f"{num_classes} classes")
 
 
-def has_batch_norm(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-
-
 def use_batch_statistics(model: nn.Module) -> nn.Module:
     """Every BatchNorm layer of ``model`` normalises by its batch's statistics and never updates its
     running statistics (as in the clients' training, and pure, so ``torch.func.vmap`` can batch it);

@@ -1,20 +1,22 @@
 """The commands' bodies, shared by the command line and the Python API (``fedsec.api``): each takes the
-parsed context of its command (``fedsec.commands``) and a ``Shell`` (who called), checks its output
-folder (``fedsec.resumable``: refused when it holds another configuration, read back when it holds
-this one's finished results), runs the library function behind the command and returns a result.
+parsed context of its command (``fedsec.commands``) and a ``Shell`` (who called, ``fedsec.invocation``),
+checks its output folder (``fedsec.resumable``: refused when it holds another configuration, read back
+when it holds this one's finished results), runs the job behind the command (``fedsec.jobs``) and
+returns a result (``fedsec.results``); ``run_command`` is the command line's entry into them.
 Heavy modules are imported here, inside the functions, so ``fedsec --help`` never loads torch."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
 
 from fedecouple.errors import UserError
 
-from . import catalog
-from .api import (AttackResult, AuditResult, CompareResult, DefendResult, MiaResult, ReportResult, Shell,
-                  TrainResult, explicit, federation, forget_if_forced, identity, workspace)
+from .invocation import Shell, explicit, federation, forget_if_forced, identity, workspace
 from .options import THREAT_MODEL, deprecated, iterations_for
+from .results import (AttackResult, AuditResult, CompareResult, DefendResult, MiaResult, ReportResult,
+                      TrainResult)
 
 
 def _csv(path: Path):
@@ -23,14 +25,14 @@ def _csv(path: Path):
     return pd.read_csv(path) if path.is_file() else None
 
 
-def _finish(out: Path | None, command: str, resolved: dict, folder=None) -> None:
-    """Write the run's config.toml, then (last: the results are complete) its folder's record."""
+def _finish(ctx: click.Context, out: Path | None, command: str, resolved: dict, folder=None) -> None:
+    """Write the run's config.toml (``command``: its name, e.g. ``flower attack``), then (last: the results
+    are complete) its folder's record."""
     if out is None:
         return
-    from .api import command_of
     from .config_file import write_config
 
-    order = [p.name for p in command_of(command).params]  # the file lists the settings in the help's order
+    order = [p.name for p in ctx.command.params]  # the file lists the settings in the help's order
     write_config(out, command, {k: resolved[k] for k in sorted(resolved, key=lambda k: (k not in order,
                                                                                        k in order and order.index(k)))})
     if folder is not None:
@@ -75,7 +77,7 @@ def train_body(ctx: click.Context, shell: Shell) -> TrainResult:
 
     rows = pd.DataFrame(metrics, columns=["round", "client", "accuracy", "loss"])
     if resolved is not None:
-        _finish(out, "train", resolved)
+        _finish(ctx, out, "train", resolved)
     return TrainResult(summary, rows, out, [_train_line(config, summary, out),
                                             *console.train_protocol_lines(summary, out)])
 
@@ -89,7 +91,7 @@ def _read_summary(out: Path) -> dict:
 def _round_bar(config, shell: Shell):
     from tqdm import tqdm
 
-    bar = tqdm(total=config.federation.rounds, desc=f"{config.method} rounds", unit="round", file=sys_stderr(),
+    bar = tqdm(total=config.federation.rounds, desc=f"{config.method} rounds", unit="round", file=sys.stderr,
                disable=not shell.progress)
 
     def on_round(r, summary):
@@ -100,12 +102,6 @@ def _round_bar(config, shell: Shell):
             bar.close()
 
     return on_round
-
-
-def sys_stderr():
-    import sys
-
-    return sys.stderr
 
 
 def _train_line(config, summary: dict, out) -> str:
@@ -124,7 +120,7 @@ def attack_settings(ctx: click.Context, p: dict):
     import attacks
 
     from . import presets
-    from .attack import AttackSettings, parse_rounds
+    from .jobs.attack import AttackSettings, parse_rounds
 
     attack = p["attack"]
     attack_rounds = p["attack_rounds"] or str(attacks.get(attack).first_round)
@@ -149,7 +145,7 @@ def attack_settings(ctx: click.Context, p: dict):
 
 def attack_body(ctx: click.Context, shell: Shell) -> AttackResult:
     from . import console
-    from .attack import default_out, keep_outcomes, run_attack
+    from .jobs.attack import default_out, keep_outcomes, run_attack
     from .resumable import RunFolder
     from .runner import shared_datasets
 
@@ -165,14 +161,14 @@ def attack_body(ctx: click.Context, shell: Shell) -> AttackResult:
     with shared_datasets(), keep_outcomes() as outcomes:  # the estimate and the attack read the data set once
         shell.echo(f"estimated time: {attack_estimate(config, settings)} (fedsec.estimate)")
         summary = run_attack(config, settings, out=out, progress=shell.progress)
-    _finish(out, "attack", resolved, folder)
+    _finish(ctx, out, "attack", resolved, folder)
     return attack_result(summary, outcomes, out)
 
 
 def attack_estimate(config, settings) -> str:
     """``fedsec.estimate``'s guess for one attack run (training included); bad input raises here."""
     from . import estimate
-    from .attack import check_applicable
+    from .jobs.attack import check_applicable
     from .runner import prepare
 
     resolved = settings.resolved(config.federation.seed, config.execution.threads)
@@ -203,7 +199,7 @@ def attack_result(summary: dict, outcomes: list, out: Path | None, prefix: str =
 
 def audit_body(ctx: click.Context, shell: Shell) -> AuditResult:
     from . import console
-    from .audit import run_audit
+    from .jobs.audit import run_audit
     from .resumable import RunFolder
 
     p = ctx.params
@@ -224,7 +220,7 @@ def audit_body(ctx: click.Context, shell: Shell) -> AuditResult:
     prepare(config)  # bad input fails before anything is written
     result = run_audit(config, out, evidence=p["evidence"], evidence_iterations=p["evidence_iterations"],
                        progress=shell.progress)
-    _finish(out, "audit", resolved, folder)
+    _finish(ctx, out, "audit", resolved, folder)
     return AuditResult(result["summary"], result.get("rows"), out, console.audit_lines(config.method, result, out),
                        result["findings"])
 
@@ -234,7 +230,7 @@ def audit_body(ctx: click.Context, shell: Shell) -> AuditResult:
 
 
 def compare_body(ctx: click.Context, shell: Shell) -> CompareResult:
-    from .compare import compare as run_compare, parse_methods, parse_seeds
+    from .jobs.compare import compare as run_compare, parse_methods, parse_seeds
 
     p = dict(ctx.params)
     for flag in ("method", "seed"):
@@ -248,14 +244,14 @@ def compare_body(ctx: click.Context, shell: Shell) -> CompareResult:
     with workspace(out) as folder:
         frame = run_compare(base, method_list, seed_list, folder, progress=shell.progress)
         markdown = (folder / "accuracy.md").read_text(encoding="utf-8").rstrip()
-        _finish(out, "compare", {**resolved, "method": None, "seed": None})
+        _finish(ctx, out, "compare", {**resolved, "method": None, "seed": None})
     where = [f"{len(frame)} runs → {out}/accuracy.csv, {out}/accuracy.md"] if out else [f"{len(frame)} runs"]
     return CompareResult({"runs": len(frame)}, frame, out, [markdown, *where])
 
 
 def report_body(ctx: click.Context, shell: Shell) -> ReportResult:
     from . import console
-    from . import report as rep
+    from .jobs import report as rep
 
     p = dict(ctx.params)
     if explicit(ctx, "method"):
@@ -268,7 +264,7 @@ def report_body(ctx: click.Context, shell: Shell) -> ReportResult:
     base, resolved = federation(ctx, p)
     mia_settings = None
     if p["mia"]:
-        from .mia import MiaSettings
+        from .jobs.mia import MiaSettings
 
         mia_settings = MiaSettings()
     jobs = p["jobs"] or (2 if p["preset"] == "audit" else 1)
@@ -279,7 +275,7 @@ def report_body(ctx: click.Context, shell: Shell) -> ReportResult:
                                   command=console.command_line("report") if shell.cli else None, mia=mia_settings,
                                   jobs=jobs, progress=shell.progress)
         rows, table = _csv(folder / "results.csv"), _csv(folder / "summary.csv")
-        _finish(out, "report", {**resolved, "method": None})
+        _finish(ctx, out, "report", {**resolved, "method": None})
     lines = [rep.headline_markdown(result["summary"], result["cells"], method_list)]
     if out is not None:
         lines.append(f"→ {out / 'report.html'}, {out / 'report.md'}, {out / 'summary.csv'}, {out / 'results.csv'}"
@@ -312,7 +308,7 @@ def defend_body(ctx: click.Context, shell: Shell) -> DefendResult:
     from reports.tradeoff import value_line
 
     from . import console
-    from .defend import DefendSettings, defend as run_defend
+    from .jobs.defend import DefendSettings, defend as run_defend
 
     p = ctx.params
     config, resolved = federation(ctx, p)
@@ -329,7 +325,7 @@ def defend_body(ctx: click.Context, shell: Shell) -> DefendResult:
         frame = run_defend(config, settings, folder, progress=shell.progress,
                            on_value=lambda row: (shell.echo if not shell.cli else click.echo)("  " + value_line(row)),
                            command=console.command_line("defend") if shell.cli else None)
-        _finish(out, "defend", resolved)
+        _finish(ctx, out, "defend", resolved)
     if out is not None:
         lines.append(f"{len(frame)} values → {out}/tradeoff.csv, {out}/tradeoff.md, {out}/tradeoff.png")
     return DefendResult({"values": len(frame)}, frame, out, lines)
@@ -337,7 +333,7 @@ def defend_body(ctx: click.Context, shell: Shell) -> DefendResult:
 
 def mia_body(ctx: click.Context, shell: Shell) -> MiaResult:
     from . import console
-    from .mia import MiaSettings, parse_attacks, parse_offline_a, run_mia
+    from .jobs.mia import MiaSettings, parse_attacks, parse_offline_a, run_mia
 
     p = ctx.params
     settings = MiaSettings(attacks=parse_attacks(p["attacks"]), reference_runs=p["reference_runs"], gamma=p["gamma"],
@@ -356,7 +352,7 @@ def mia_body(ctx: click.Context, shell: Shell) -> MiaResult:
                           echo=shell.echo if not shell.cli else click.echo,
                           command=console.command_line("mia") if shell.cli else None)
         rows = _csv(folder / "mia.csv")
-        _finish(out, "mia", resolved)
+        _finish(ctx, out, "mia", resolved)
     return MiaResult(summary, rows, out, console.mia_lines(config.method, summary, out) if out else [])
 
 
@@ -371,9 +367,9 @@ def flower_attack_body(ctx: click.Context, shell: Shell) -> AttackResult:
     p = dict(ctx.params)
     attack, app_dir = _flower_positionals(p)
     require_flwr()
-    from .attack import AttackSettings, keep_outcomes, parse_rounds
     from .flower.app import parse_run_config
     from .flower.harness import attack_app, default_out
+    from .jobs.attack import AttackSettings, keep_outcomes, parse_rounds
 
     import attacks
 
@@ -401,7 +397,7 @@ def flower_attack_body(ctx: click.Context, shell: Shell) -> AttackResult:
         summary = attack_app(app_dir, settings, nodes=p["nodes"], run_config=parse_run_config(p["run_config"]),
                              out=out, ray_cpus=p["ray_cpus"], quiet=not p["flower_log"], device=p["device"],
                              progress=shell.progress)
-    _finish(out, "flower attack", resolved, folder)
+    _finish(ctx, out, "flower attack", resolved, folder)
     return attack_result(summary, outcomes, out, prefix=f"{summary['run']}: ")
 
 
@@ -446,7 +442,7 @@ def flower_audit_body(ctx: click.Context, shell: Shell) -> AuditResult:
                            rounds=p["rounds"], evidence=p["evidence"], evidence_iterations=p["evidence_iterations"],
                            out=out, ray_cpus=p["ray_cpus"], threads=p["threads"], quiet=not p["flower_log"],
                            device=p["device"], progress=shell.progress)
-        _finish(out, "flower audit", resolved, folder)
+        _finish(ctx, out, "flower audit", resolved, folder)
     name = f"{result['summary']['run']} ({result['summary']['method']})"
     return AuditResult(result["summary"], result.get("rows", _csv(out / "audit.csv") if out else None), out,
                        console.audit_lines(name, result, out), result["findings"])
@@ -455,3 +451,16 @@ def flower_audit_body(ctx: click.Context, shell: Shell) -> AuditResult:
 BODIES = {"train": train_body, "compare": compare_body, "attack": attack_body, "audit": audit_body,
           "report": report_body, "defend": defend_body, "mia": mia_body, "flower attack": flower_attack_body,
           "flower audit": flower_audit_body}
+
+
+def run_command(ctx: click.Context) -> None:
+    """The command line's entry into a command's body: run it, print what it says."""
+    name = ctx.command.name if ctx.parent is None or ctx.parent.command.name != "flower" else \
+        f"flower {ctx.command.name}"
+    result = BODIES[name](ctx, Shell(cli=True, progress=True))
+    for line in result.lines:
+        click.echo(line)
+    if isinstance(result, ReportResult) and result.failed:
+        click.echo(f"{len(result.failed)} stage(s) failed (marked in the report); rerun the same command to retry "
+                   "them", err=True)
+        sys.exit(1)

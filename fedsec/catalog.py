@@ -79,6 +79,10 @@ EMBEDDED_DATASETS = ("mnist5k", "digits")  # fedecouple.data.registry.EMBEDDED
 PARTITIONS = ("iid", "pathological", "weak", "dirichlet")  # fedecouple.data.SCHEMES
 ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits", "mlp", "mlp-relu", "resnet18", "resnet18-bn",
                  "resnet50")
+# the attacks ``fedsec report`` runs unless --attacks is given (read by ``fedsec.jobs.report.settings``)
+REPORT_ATTACKS = ("dlg", "ig", "proto", "labels", "sum-labels")
+# the attacks ``fedsec defend`` runs against each value unless --attacks is given (``DefendSettings``)
+DEFEND_ATTACKS = ("dlg", "ig", "labels")
 DEFENSES = ("dp", "noise", "clip", "prune", "quantize", "exclude", "download-check", "consistency-check")  # defenses.DEFENSES
 MODES = ("auto", "method", "replay", "scaled")  # attacks.inversion.observation.MODES
 AUGMENTATION_MODELS = ("free", "family", "oracle")

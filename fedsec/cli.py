@@ -1,5 +1,5 @@
 """The ``fedsec`` command line: the command tree of ``fedsec.commands`` (every flag declared once),
-each command's body in ``fedsec.api`` (the same functions a Python user calls). This module adds the
+each command's body in ``fedsec.bodies`` (the same bodies a Python user's call runs). This module adds the
 entry point: user errors become one line on stderr and exit status 2, never a traceback."""
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Both the command line (``fedsec.cli``) and the Python API (``fedsec.api``) parse through this tree: a
 keyword of ``fedsec.attack(...)`` is the flag of ``fedsec attack`` of the same name, converted and
-checked by the same parameter (the same one-line errors). Each command's body is in ``fedsec.api``.
+checked by the same parameter (the same one-line errors; ``command_of`` finds a command by name). Each
+command runs its body through ``fedsec.bodies.run_command``.
 Nothing here imports torch, so ``fedsec --help`` starts fast: the choices come from ``fedsec.catalog``.
 """
 from __future__ import annotations
@@ -10,23 +11,12 @@ from __future__ import annotations
 import click
 
 from . import catalog
-from .flower.cli import flower  # the group imports Flower only when a command runs
+from .bodies import run_command
+from .flower_commands import flower  # the group imports Flower only when a command runs
 from .options import (ATTACK, ATTACK_ROUNDS, ATTACK_SEED, COUNT, EVIDENCE, EVIDENCE_ITERATIONS, IMAGES, ITERATIONS,
                       MODE_OPTION, NON_NEGATIVE, POSITIVE, RESTARTS, SEED, TARGETS, VICTIM_BATCH, VICTIM_STEPS,
-                      CountOrFraction, Number,
+                      AttackListCommand, CountOrFraction, Number,
                       device_option, hide, run_options, threat_model_options)
-
-HYPERPARAMETER_FLAGS = ("lam", "mu", "tau", "teacher", "center_reduction")
-ABLATION_FLAGS = ("no_glf", "no_gfa", "no_gpc", "no_da")
-
-
-class AttackListCommand(click.Command):
-    """A command whose help lists every registered attack with its one-line summary."""
-
-    def format_help_text(self, ctx, formatter):
-        super().format_help_text(ctx, formatter)
-        with formatter.section("Attacks"):
-            formatter.write_dl(list(catalog.attack_summaries().items()))
 
 
 class Listed(click.Option):
@@ -173,12 +163,6 @@ def statistics_dp_options(func):
     return func
 
 
-def _run(ctx: click.Context) -> None:
-    from .api import run_command
-
-    run_command(ctx)
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="fedsec")
 def cli():
@@ -206,7 +190,7 @@ def train(ctx, **_):
 
     Example: fedsec train --method fedecouple --partition pathological --clients 10 --rounds 3 --out runs/fc
     """
-    _run(ctx)
+    run_command(ctx)
 
 
 @cli.command(short_help="Train several methods on the same partitions and seeds; tabulate their accuracy.")
@@ -229,7 +213,7 @@ def compare(ctx, **_):
 
     Example: fedsec compare --methods fedecouple,fedavg,local --seeds 0,1,2 --clients 20 --rounds 5 --out runs/cmp
     """
-    _run(ctx)
+    run_command(ctx)
 
 
 @cli.command(cls=AttackListCommand, short_help="Attack what the server received; score it against the truth.")
@@ -278,7 +262,7 @@ def attack(ctx, **_):
     with --train-images 10 the report's <attack>@real-n10 cell: 4 clients, 500 steps), or with an explicit
     --victim-batch B the textbook setting (16 clients). Explicit flags win.
     """
-    _run(ctx)
+    run_command(ctx)
 
 
 @cli.command(short_help="Inspect every upload of a training run: what leaves each client, what it gives away.")
@@ -295,7 +279,7 @@ def audit(ctx, **_):
 
     Example: fedsec audit --method fedpac --out runs/audit-fedpac
     """
-    _run(ctx)
+    run_command(ctx)
 
 
 @cli.command(short_help="Train, audit and attack several methods; write one comparison report.")
@@ -303,7 +287,8 @@ def audit(ctx, **_):
 @train_options
 @click.option("--methods", default="fedecouple,fedper,fedpac,fedproto", show_default=True,
               help="Comma-separated methods to compare (replaces --method).")
-@click.option("--attacks", default="dlg,ig,proto,labels,sum-labels", show_default=True, cls=Listed, listed=catalog.attack_names,
+@click.option("--attacks", default=",".join(catalog.REPORT_ATTACKS), show_default=True, cls=Listed,
+              listed=catalog.attack_names,
               help="Comma-separated attacks. Where one does not apply to a method (e.g. dlg on fedproto) it is "
                    "recorded as not applicable. A malicious server's attacks (trap, binning) fill the report's "
                    "\"Malicious server\" section (see --malicious-sizes). An attack on the sum (sum-labels, "
@@ -375,7 +360,7 @@ def report(ctx, **_):
     The audit preset adds trap on 4 clients of 10 and of 50 images at round 0, and runs the methods in
     2 processes (--jobs 2: on 2 cores each trains on one thread, as --jobs 1 --threads 1 would).
     """
-    _run(ctx)
+    run_command(ctx)
 
 
 @cli.command(short_help="Measure what a defense costs (accuracy, epsilon) and buys (attack success).")
@@ -391,7 +376,7 @@ def report(ctx, **_):
                    "on the gradient -delta/lr (DLG paper's unit); clip: L2 bound on the update; prune: percent of the "
                    "update zeroed; quantize: bits; exclude: a field kind (prototype, class_counts, statistic, ...) or "
                    "a field-name pattern (prototype.*); download-check: on.")
-@click.option("--attacks", "attacks", default="dlg,ig,labels", show_default=True, cls=Listed,
+@click.option("--attacks", "attacks", default=",".join(catalog.DEFEND_ATTACKS), show_default=True, cls=Listed,
               listed=lambda: catalog.attack_names() + ["mia"],
               help="Comma-separated attacks run against each value (mia: membership inference on the personal "
                    "models with two shadow federations; --defense dp only).")
@@ -416,7 +401,7 @@ def defend(ctx, **_):
 
     Example: fedsec defend --method fedper --defense dp --values 0.5,1,2 --attacks dlg,ig --rounds 3 --out runs/dp-fedper
     """
-    _run(ctx)
+    run_command(ctx)
 
 
 @cli.command(short_help="Membership inference: can a model tell which records a client trained on?")
@@ -454,7 +439,15 @@ def mia(ctx, **_):
 
     Example: fedsec mia --method fedper --clients 20 --rounds 5 --reference-runs 4 --out runs/mia-fedper
     """
-    _run(ctx)
+    run_command(ctx)
 
 
 cli.add_command(flower)
+
+
+def command_of(name: str) -> click.Command:
+    """The command of the tree named ``name`` (``"attack"``, ``"flower audit"``)."""
+    group = cli
+    for part in name.split():
+        group = group.commands[part]
+    return group

@@ -1,5 +1,5 @@
 """What the commands print: the one-line attack headline, its notes, the audit lines, the
-membership-inference lines, and the command line a report records. Each command of ``fedsec.cli`` and ``fedsec.flower.cli`` prints through
+membership-inference lines, and the command line a report records. Each command of ``fedsec.commands`` and ``fedsec.flower_commands`` prints through
 these (they return text; the caller echoes it)."""
 from __future__ import annotations
 

@@ -157,7 +157,7 @@ def with_api_keywords(page: str) -> str:
 
 
 # where findings are declared: fedsec's own audit, and the audit of a Flower app under SecAgg+
-FINDING_SOURCES = ("audit.py", "flower/secagg.py", "flower/harness.py")
+FINDING_SOURCES = ("jobs/audit.py", "flower/secagg.py", "flower/harness.py")
 SEVERITIES = ("high", "medium", "low", "info")  # reports.audit.SEVERITIES, most severe first
 
 
@@ -315,12 +315,12 @@ def _constants() -> dict[str, str]:
     """The thresholds the grading words name, read from where they are defined."""
     values = {}
     for path, names in ((PACKAGE.parent / "attacks" / "verdicts.py", ("LEAK_GAP_DB", "PRESENCE_THRESHOLD")),
-                        (PACKAGE / "audit.py", ("ANCHOR_APPROXIMATE",))):
+                        (PACKAGE / "jobs" / "audit.py", ("ANCHOR_APPROXIMATE",))):
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
             if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id in names:
                 values[node.targets[0].id] = f"{ast.literal_eval(node.value):g}"
-    # the evidence attacks run at AttackSettings' default number of targets (fedsec.audit builds them so)
-    settings = next(n for n in ast.parse((PACKAGE / "attack.py").read_text(encoding="utf-8")).body
+    # the evidence attacks run at AttackSettings' default number of targets (fedsec.jobs.audit builds them so)
+    settings = next(n for n in ast.parse((PACKAGE / "jobs" / "attack.py").read_text(encoding="utf-8")).body
                     if isinstance(n, ast.ClassDef) and n.name == "AttackSettings")
     values["EVIDENCE_TARGETS"] = next(str(ast.literal_eval(a.value)) for a in settings.body
                                       if isinstance(a, ast.AnnAssign) and getattr(a.target, "id", "") == "targets")

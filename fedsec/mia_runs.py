@@ -1,5 +1,5 @@
 """One federation of a membership-inference audit: train it, then record what every model it
-produced says about every audited record (``fedsec.mia`` plans the runs and scores them).
+produced says about every audited record (``fedsec.jobs.mia`` plans the runs and scores them).
 
 A run trains ``config``'s method on a given partition with a given federation seed and keeps,
 for each audited record (every record of every client: its training and held-out splits):

@@ -37,6 +37,16 @@ def deprecated(old: str, new: str) -> None:
                   stacklevel=3)
 
 
+class AttackListCommand(click.Command):
+    """A command whose help lists every registered attack with its one-line summary (``attack``, ``flower
+    attack``)."""
+
+    def format_help_text(self, ctx, formatter):
+        super().format_help_text(ctx, formatter)
+        with formatter.section("Attacks"):
+            formatter.write_dl(list(catalog.attack_summaries().items()))
+
+
 class Number(click.ParamType):
     """An int or float option with a range, checked as it is parsed: a value out of range (or NaN) is
     the one-line ``UserError`` "--flag must be at least 1, got 0" (exit 2, before anything runs)."""
@@ -224,11 +234,6 @@ def threat_model_options(func):
     for option in reversed(options):
         func = option(func)
     return func
-
-
-def pop_threat_model(opts: dict) -> dict:
-    """The threat-model options, removed from a command's keyword arguments."""
-    return {name: opts.pop(name) for name in THREAT_MODEL}
 
 
 def _defaults(field: str) -> str:

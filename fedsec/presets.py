@@ -14,9 +14,6 @@ from .runner import AUDIT_FEDERATION, PAPER_FEDERATION
 
 Explicit = Callable[[str], bool]
 FEDERATIONS = {"paper": PAPER_FEDERATION, "audit": AUDIT_FEDERATION}
-# ``fedsec report --preset audit`` runs the methods in this many processes unless --jobs is given: the
-# 2-core machines it is sized for (≤ 40 min) then compute on both cores
-AUDIT_JOBS = 2
 
 
 def merge_federation(preset: str | None, opts: dict, hyperparameters: dict, is_explicit: Explicit) -> None:
@@ -31,12 +28,12 @@ def merge_federation(preset: str | None, opts: dict, hyperparameters: dict, is_e
 
 
 def attack_plan(attack: str, given: dict, is_explicit: Explicit, train_images: int | None = None) -> dict:
-    """``fedsec attack --preset audit``: the audit's plan for this attack (``report.audit_preset``'s
+    """``fedsec attack --preset audit``: the audit's plan for this attack (``fedsec.jobs.report.audit_preset``'s
     cell: ``<attack>@real`` — ``@real-n<N>`` with ``--train-images N`` — or ``@textbook`` with an
     explicit ``--victim-batch``; a malicious server's attack: the malicious-server section's round and
     targets) under the explicit flags. ``given`` and the result hold attack_rounds, targets,
     iterations, restarts, victim_batch."""
-    from .report import audit_preset
+    from .jobs.report import audit_preset
 
     kind = attacks.get(attack).kind
     gradient = kind == "gradient"
@@ -52,8 +49,8 @@ def attack_plan(attack: str, given: dict, is_explicit: Explicit, train_images: i
 
 def report_methods(preset: str | None, methods: str, is_explicit: Explicit) -> str:
     """``fedsec report``'s ``--methods``: with ``--preset audit`` and no explicit ``--methods``, the
-    preset's (``report.settings.AUDIT_METHODS``: FedAvg beside the four mission methods), else ``methods``."""
-    from .report.settings import AUDIT_METHODS
+    preset's (``fedsec.jobs.report.settings.AUDIT_METHODS``: FedAvg beside the four mission methods), else ``methods``."""
+    from .jobs.report.settings import AUDIT_METHODS
 
     return ",".join(AUDIT_METHODS) if preset == "audit" and not is_explicit("methods") else methods
 
@@ -64,8 +61,8 @@ def report_plan(preset: str | None, attack_text: str, attack_rounds: str, target
     with ``--preset audit`` (IG keeps the textbook cell only while ``fedavg-leak`` carries the real
     ones: ``--attacks ig`` alone gets IG's real cells back), else the flags (``--real-sizes`` alone:
     each gradient attack on the real local training of clients of each size, no textbook cell)."""
-    from . import report as rep
-    from .report.settings import REAL_TRAINING_ATTACK
+    from .jobs import report as rep
+    from .jobs.report.settings import REAL_TRAINING_ATTACK
 
     sizes = rep.parse_sizes(malicious_sizes)
     real = rep.parse_sizes(real_sizes, "--real-sizes", ()) if real_sizes is not None else None

@@ -37,7 +37,7 @@ from .versions import provenance
 # ``--preset paper``: the paper's federation (Section V); each method adds its own ``paper_preset``
 PAPER_FEDERATION = {"clients": 20, "local_epochs": 5, "rounds": 200, "join_ratio": 1.0}
 # ``--preset audit``: a federation trained to a useful accuracy in minutes (report and attack add the
-# audit's attack plan: ``fedsec.report.audit_preset``)
+# audit's attack plan: ``fedsec.jobs.report.audit_preset``)
 AUDIT_FEDERATION = {"clients": 20, "rounds": 20, "join_ratio": 1.0}
 
 

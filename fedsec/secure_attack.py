@@ -44,7 +44,7 @@ def round_targets(participants, rounds) -> dict[int, list[int]]:
 
 
 def attack_round_level(run, args, rounds, progress: bool = True):
-    """The round-level harness on ``run`` with the split settings ``args`` (``fedsec.attack.AttackArguments``)."""
+    """The round-level harness on ``run`` with the split settings ``args`` (``fedsec.jobs.attack.AttackArguments``)."""
     from attacks.secure.harness import attack_rounds
 
     return attack_rounds(run, args.spec, list(rounds), args.threat, args.budget, seed=args.seed, victim=args.victim,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-# finding severities, most severe first (``fedsec.audit`` grades with these; reports sort by them)
+# finding severities, most severe first (``fedsec.jobs.audit`` grades with these; reports sort by them)
 SEVERITIES = ("high", "medium", "low", "info")
 
 

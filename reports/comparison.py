@@ -1,7 +1,7 @@
 """Render a method-by-method privacy comparison: tables in, file contents out.
 
 Pure rendering: nothing here trains, attacks or touches the disk. ``render`` takes the tables
-``fedsec.report`` assembled and returns the contents of every output file; the caller writes them
+``fedsec.jobs.report`` assembled and returns the contents of every output file; the caller writes them
 (atomically). This package never imports ``fedsec``: imports flow ``fedsec`` → ``reports``.
 
 Inputs
@@ -440,7 +440,7 @@ EXPOSURE_NOTE = ("What leaks, for which method, under which threat: one verdict 
 
 
 def exposure_matrix(meta: Mapping):
-    """The exposure matrix of the report's evidence (``meta["exposure"]``, ``fedsec.report``), or None."""
+    """The exposure matrix of the report's evidence (``meta["exposure"]``, ``fedsec.jobs.report``), or None."""
     from .exposure import exposure_matrix as build
 
     evidence = meta.get("exposure")

@@ -20,7 +20,7 @@ side's true leakage may be higher, so the order could flip (``reports.exposure.p
 exposure matrix's rule). A higher side that stopped short changes nothing: its true figure is higher
 still. Each method's own row carries its exposure verdict by the same rule (``reports.exposure.judge``).
 
-Input rows: ``by_round`` (``fedsec.report.tables.leakage_by_round``: method, attack, round, n_images,
+Input rows: ``by_round`` (``fedsec.jobs.report.tables.leakage_by_round``: method, attack, round, n_images,
 n_targets, mean_psnr, mean_psnr_ci_low/high, prior_psnr, mis_specified_targets, not_converged_targets
 (the targets whose optimiser stopped short) and, where recorded, ``model_unknown_targets``) and
 ``results`` (one row per scored image: method, attack, round, client, image, psnr, mis_specified,

@@ -1,5 +1,5 @@
 """The report's malicious-server section: pure rendering (rows in, Markdown/HTML text or PNG bytes
-out; nothing touches the disk). A row (``fedsec.report.malicious.SECTION_COLUMNS``): method,
+out; nothing touches the disk). A row (``fedsec.jobs.report.malicious.SECTION_COLUMNS``): method,
 attack, craft, train_images (N), download_check (on/off), status (done, refused, failed) and reason,
 n_targets, n_images, the shares of the attacked clients' images rebuilt at ≥ 30 dB
 (``rebuilt_30db_share``) and at ≥ prior + 6 dB (``recovered_share``) with ``_ci_low``/``_ci_high``,

@@ -31,6 +31,17 @@ def test_import_fedsec_is_cheap_and_exports_the_functions():
         assert name in result.stdout
 
 
+def test_the_job_modules_leave_the_functions_in_place():
+    """Importing the library behind a job (``fedsec.jobs.report``, ...) does not replace ``fedsec.report``,
+    the function: a submodule of that name would."""
+    code = ("import importlib, fedsec, fedsec.api\n"
+            "for name in ('attack', 'audit', 'report', 'defend', 'mia', 'compare'):\n"
+            "    importlib.import_module('fedsec.jobs.' + name)\n"
+            "    assert getattr(fedsec, name) is getattr(fedsec.api, name), name\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
 def test_train(nothing_written, capsys):
     result = fedsec.train(method="fedavg", **TINY)
     assert isinstance(result, fedsec.TrainResult) and result.out is None

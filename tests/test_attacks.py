@@ -229,7 +229,7 @@ def test_an_attack_given_an_observation_cannot_reach_the_ground_truth(digits):
 
 def test_the_harness_reads_ground_truth_only_after_the_attack(monkeypatch, tmp_path):
     from fedecouple.engine import GroundTruth
-    from fedsec import attack as harness
+    from fedsec.jobs import attack as harness
     from fedsec.runner import RunConfig
 
     events = []
@@ -258,7 +258,7 @@ def test_the_threat_model_builds_the_whole_observation():
     """``RecordedRun.observe``: every switch of the ``ThreatModel`` (and the victim setting) is in the
     Observation it returns; nothing is set on it afterwards."""
     from attacks.recorded import ThreatModel
-    from fedsec.attack import AttackSettings, recording_federation
+    from fedsec.jobs.attack import AttackSettings, recording_federation
     from fedsec.runner import RunConfig, prepare
 
     config = RunConfig.of(method="fedavg", dataset="digits", clients=3, rounds=1, threads=TEST_THREADS)
@@ -366,7 +366,7 @@ def test_cli_inapplicable_attack_stops_before_training(tmp_path, capsys, monkeyp
 def test_dlg_rebuilds_mnist_digits_from_the_padded_cnn_at_round_0():
     """The classic setting (round 0 at the initial weights, one image, one step) on mnist5k with the
     28x28 CNN read with "same" padding: DLG rebuilds the digits (about 38 dB over 4 targets)."""
-    from fedsec.attack import AttackSettings, run_attack
+    from fedsec.jobs.attack import AttackSettings, run_attack
     from fedsec.runner import RunConfig
 
     # two starts per target, the lower objective kept: one start can stall on another CPU's rounding
@@ -382,7 +382,7 @@ def test_a_training_that_diverges_after_an_attacked_round_keeps_that_round(monke
     diverges before any attacked round is done is the one-line error it was."""
     import fedecouple.backends as backends
     from fedecouple.errors import UserError
-    from fedsec import attack as harness
+    from fedsec.jobs import attack as harness
     from fedsec.runner import RunConfig
 
     real_check = backends.check_finite_upload

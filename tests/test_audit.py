@@ -9,7 +9,7 @@ import torch
 from fedecouple.methods import METHODS
 from fedecouple.methods.base import FieldSpec, make_upload
 from fedecouple.methods.fedecouple import FedeCouple
-from fedsec.audit import anchor_check, classify_field, run_audit
+from fedsec.jobs.audit import anchor_check, classify_field, run_audit
 from fedsec.runner import RunConfig
 from helpers import TEST_THREADS
 

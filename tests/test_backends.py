@@ -11,7 +11,7 @@ import torch
 from fedecouple.backends import RayBackend, SequentialBackend, make_backend
 from fedecouple.channel import Interceptor
 from fedecouple.errors import UserError
-from fedsec.attack import AttackSettings, run_attack
+from fedsec.jobs.attack import AttackSettings, run_attack
 from fedsec.runner import RunConfig, prepare, train
 
 from helpers import tiny_federation

@@ -14,7 +14,7 @@ from attacks.base import Budget
 from attacks.inversion.batching import stack_targets
 from attacks.inversion.dlg import _setup
 from attacks.inversion.optimise import BatchedLBFGS
-from fedsec.attack import AttackSettings, run_attack
+from fedsec.jobs.attack import AttackSettings, run_attack
 from fedsec.runner import RunConfig
 
 from test_attacks import synthetic_observation

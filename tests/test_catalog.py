@@ -18,6 +18,8 @@ def test_the_catalog_equals_the_registries():
     from fedecouple.models import ARCHITECTURES
     from fedecouple.secure_aggregation import SecureAggregation
     from fedsec import catalog
+    from fedsec.jobs.defend import DefendSettings
+    from fedsec.jobs.report.settings import DEFAULT_ATTACKS
 
     registered = {n: s for n, s in attacks.ATTACKS.items() if n in catalog.ATTACKS or n != "toy"}
     assert {n: (s.summary, s.kind, s.default_iterations, s.default_restarts, s.first_round)
@@ -30,6 +32,8 @@ def test_the_catalog_equals_the_registries():
     assert tuple(MODES) == catalog.MODES and tuple(AUGMENTATION_MODELS) == catalog.AUGMENTATION_MODELS
     assert tuple(STARTS) == catalog.STARTS
     assert {f.name: f.default for f in fields(SecureAggregation) if f.name != "seed"} == catalog.SECURE_AGGREGATION
+    assert DEFAULT_ATTACKS is catalog.REPORT_ATTACKS  # declared once, read by --help and the report
+    assert DefendSettings("clip", [1]).attacks == list(catalog.DEFEND_ATTACKS)
 
 
 def test_the_help_and_import_fedsec_load_no_torch():

@@ -392,7 +392,7 @@ def test_a_spec_reads_its_values_and_builds_the_defense_for_a_run(digits):
 
 
 def test_defend_sweep_writes_outputs_and_resumes(tmp_path):
-    from fedsec.defend import DefendSettings, defend
+    from fedsec.jobs.defend import DefendSettings, defend
     from fedsec.runner import RunConfig
 
     config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=TEST_THREADS)
@@ -416,7 +416,7 @@ def test_defend_sweep_writes_outputs_and_resumes(tmp_path):
 
 
 def test_defend_measures_membership_inference_next_to_epsilon(tmp_path):
-    from fedsec.defend import DefendSettings, defend
+    from fedsec.jobs.defend import DefendSettings, defend
     from fedsec.runner import RunConfig
 
     config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=TEST_THREADS)
@@ -433,7 +433,7 @@ def test_defend_measures_membership_inference_next_to_epsilon(tmp_path):
 def test_dp_sweep_numbers_move_the_right_way(tmp_path):
     """tradeoff.csv of a DP sweep: ε falls as σ grows, the baseline has no ε, accuracy stays a
     probability, PSNR and class presence are measured for every value."""
-    from fedsec.defend import DefendSettings, defend
+    from fedsec.jobs.defend import DefendSettings, defend
     from fedsec.runner import RunConfig
 
     config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=TEST_THREADS)
@@ -502,11 +502,11 @@ def test_defend_membership_cells_train_under_the_rows_whole_dp_configuration(tmp
     row without DP."""
     from types import SimpleNamespace
 
-    import fedsec.mia
-    from fedsec.defend import DefendSettings, dp_config, membership_defended
+    import fedsec.jobs.mia
+    from fedsec.jobs.defend import DefendSettings, dp_config, membership_defended
 
     seen = []
-    monkeypatch.setattr(fedsec.mia, "run_mia", lambda config, mia, out, **kw: seen.append(mia) or {})
+    monkeypatch.setattr(fedsec.jobs.mia, "run_mia", lambda config, mia, out, **kw: seen.append(mia) or {})
     settings = DefendSettings(defense="dp", values="1", attacks="mia", stat_noise_multiplier=4.0, stat_clip=2.0,
                               counts="withheld")
     membership_defended(SimpleNamespace(config=None), settings, 1.0, tmp_path / "dp")

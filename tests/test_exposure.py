@@ -178,7 +178,7 @@ def test_the_audit_records_fig10_holds_nothing_on_a_lower_bound(results_page):
 def test_the_reports_markdown_and_html_open_with_the_matrix():
     import pandas as pd
 
-    from fedsec.report.tables import exposure_evidence
+    from fedsec.jobs.report.tables import exposure_evidence
     from reports.comparison import render_html, render_markdown
 
     summary = pd.DataFrame([

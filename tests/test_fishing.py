@@ -148,7 +148,7 @@ def test_fishing_refuses_a_method_that_trains_under_its_own_head():
 def test_fedsec_attack_fish_writes_the_fished_columns(tmp_path):
     import pandas as pd
 
-    from fedsec.attack import AttackSettings, check_applicable, run_attack
+    from fedsec.jobs.attack import AttackSettings, check_applicable, run_attack
     from fedsec.runner import RunConfig, prepare
 
     config = RunConfig.of(method="fedavg", dataset="digits", clients=4, rounds=2, samples_per_client=6, threads=1)

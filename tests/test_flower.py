@@ -27,12 +27,12 @@ from fedecouple.engine import Federation, FederationConfig, GroundTruth, VictimS
 from fedecouple.errors import UserError  # noqa: E402
 from fedecouple.methods import make_method  # noqa: E402
 from fedecouple.methods.base import TrainConfig  # noqa: E402
-from fedsec.attack import AttackSettings  # noqa: E402
 from fedsec.cli import main  # noqa: E402
 from defenses.filters import FilterChain, NormClip  # noqa: E402
 from fedsec.flower.harness import recorded_run  # noqa: E402
 from fedsec.flower.recording import RecordingStrategy  # noqa: E402
 from fedsec.flower.simulation import simulate  # noqa: E402
+from fedsec.jobs.attack import AttackSettings  # noqa: E402
 from helpers import TEST_THREADS  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flower_mnist"
@@ -174,7 +174,7 @@ def test_fedavg_app_uploads_equal_the_engine(fedavg_victim_run):
 def test_dlg_recovers_the_images_from_the_recorded_uploads(fedavg_victim_run, tmp_path):
     """The recorded Flower run through fedsec's own attack harness: two targets, one image and one step each."""
     from attacks.harness import attack_recorded
-    from fedsec.attack import choose_targets, write_attack
+    from fedsec.jobs.attack import choose_targets, write_attack
 
     run = fedavg_victim_run
     # two starts, the lower objective kept: a single DLG start can stall on another CPU's rounding

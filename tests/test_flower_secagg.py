@@ -174,8 +174,8 @@ def test_flower_audit_says_the_server_held_only_the_sum(run, tmp_path, capsys):
 
 
 def test_the_library_attack_writes_the_round_level_outputs(run, tmp_path):
-    from fedsec.attack import AttackSettings
-    from fedsec.flower.secagg import attack_secure_app
+    from fedsec.flower.harness import attack_secure_app
+    from fedsec.jobs.attack import AttackSettings
 
     settings = AttackSettings(attack="sum-labels", rounds=(0, 1), train_rounds=2, threads=TEST_THREADS)
     summary = attack_secure_app(EXAMPLE, settings, nodes=NODES, run_config=CONFIG, out=tmp_path, ray_cpus=1,

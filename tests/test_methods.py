@@ -345,8 +345,9 @@ def test_simplex_qp():
 
 
 def test_compare_on_digits(tmp_path, monkeypatch, capsys):
-    from fedsec import compare as cmp, runner
+    from fedsec import runner
     from fedsec.cli import main
+    from fedsec.jobs import compare as cmp
     from fedsec.runner import RunConfig
 
     base = RunConfig.of(dataset="digits", clients=3, rounds=1, threads=TEST_THREADS)

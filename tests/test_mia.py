@@ -17,7 +17,7 @@ from fedecouple.data import make_partition
 from fedecouple.models import build_model
 from fedsec.cli import main
 from attacks.membership.scoring import attack_metrics
-from fedsec.mia import MiaSettings, audit_records, parse_attacks, reference_membership, split_partition
+from fedsec.jobs.mia import MiaSettings, audit_records, parse_attacks, reference_membership, split_partition
 
 
 # ---------------------------------------------------------------------------------------------

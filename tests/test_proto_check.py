@@ -51,7 +51,7 @@ def test_fedproto_has_no_model_at_the_server_so_no_target_is_mis_specified(digit
 
 
 def _proto_summary(method: str, **settings) -> dict:
-    from fedsec.attack import AttackSettings, run_attack
+    from fedsec.jobs.attack import AttackSettings, run_attack
     from fedsec.runner import RunConfig
 
     config = RunConfig.of(method=method, dataset="digits", clients=3, seed=0, threads=1)

@@ -73,7 +73,7 @@ def test_the_truth_is_scored_in_its_true_batches_when_the_slots_are_as_many_as_t
     """One epoch of 6 images in batches of 2: the attack's 6 slots are the places of the client's
     shuffle, not its images in their own order. Scored in its own order the truth matched the upload
     worse than a poor reconstruction (objective 0.23 against 0.08: MIS-SPECIFIED)."""
-    from fedsec.attack import AttackSettings, run_attack
+    from fedsec.jobs.attack import AttackSettings, run_attack
     from fedsec.runner import RunConfig
 
     config = RunConfig.of(method="fedavg", dataset="digits", clients=4, rounds=1, train_images=6, batch_size=2,
@@ -90,7 +90,7 @@ def test_the_truth_is_scored_when_the_client_holds_fewer_images_than_a_batch():
     """4 training images in batches of 10: one step of 4. The check laid the plain replay's step out
     as 10 slots, found it did not match the client's batch of 4 and gave no verdict (the N = 4 cells
     of the client-size curve had no forward check)."""
-    from fedsec.attack import AttackSettings, run_attack
+    from fedsec.jobs.attack import AttackSettings, run_attack
     from fedsec.runner import RunConfig
 
     config = RunConfig.of(method="fedavg", dataset="digits", clients=4, rounds=1, train_images=4, batch_size=10,

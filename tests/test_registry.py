@@ -37,7 +37,7 @@ def test_without_registration_it_is_unknown(capsys, tmp_path):
 
 
 def test_the_toy_attack_runs_in_the_report_as_a_stage_with_its_columns(toy, tmp_path):
-    from fedsec import report as rep
+    from fedsec.jobs import report as rep
     from fedsec.runner import RunConfig
 
     base = RunConfig.of(dataset="digits", clients=3, rounds=1, threads=TEST_THREADS)
@@ -53,7 +53,7 @@ def test_the_toy_attack_runs_in_the_report_as_a_stage_with_its_columns(toy, tmp_
 
 
 def test_the_toy_attack_runs_in_defend(toy, tmp_path):
-    from fedsec.defend import DefendSettings, defend
+    from fedsec.jobs.defend import DefendSettings, defend
     from fedsec.runner import RunConfig
 
     config = RunConfig.of(method="fedavg", dataset="digits", clients=2, rounds=1, threads=TEST_THREADS)

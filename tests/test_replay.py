@@ -341,7 +341,7 @@ def test_fedpac_on_real_local_training_counts_each_image_once():
     a head epoch and a base epoch, two copies); the replayed class counts must count each image once,
     as the client does. With the counts doubled the truth matched the upload worse than the
     reconstruction (objective 0.82 against 0.32 in the audit preset's round 0: mis-specified)."""
-    from fedsec.attack import AttackSettings, run_attack
+    from fedsec.jobs.attack import AttackSettings, run_attack
     from fedsec.runner import RunConfig
 
     summary = run_attack(RunConfig.of(method="fedpac", dataset="digits", clients=4, rounds=1, threads=TEST_THREADS),

@@ -14,10 +14,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fedsec import report as rep
 from fedsec import runner
 from fedsec.cli import main
-from fedsec.report import stages as report_stages
+from fedsec.jobs import report as rep
+from fedsec.jobs.report import stages as report_stages
 from fedsec.runner import RunConfig
 from helpers import TEST_THREADS
 
@@ -41,7 +41,7 @@ def build(out, **kw):
 
 
 class Calls:
-    """Counts the stage functions fedsec.report's stages call; ``crash`` maps (kind, method) to an exception."""
+    """Counts the stage functions fedsec.jobs.report's stages call; ``crash`` maps (kind, method) to an exception."""
 
     def __init__(self, monkeypatch, crash: dict | None = None):
         self.count = {"train": [], "audit": [], "attack": []}
@@ -296,7 +296,7 @@ def test_method_comparisons_call_a_difference_only_when_the_interval_says_so():
     import numpy as np
     import pandas as pd
 
-    from fedsec.report import method_comparisons
+    from fedsec.jobs.report import method_comparisons
 
     rng = np.random.default_rng(0)
     rows = []
@@ -336,8 +336,8 @@ def test_victim_settings_are_cells_and_share_one_recorded_training(tmp_path, mon
     train stage records every round and the audit and the real-training attacks reuse that federation
     instead of retraining it, with the same numbers as an attack that trains on its own."""
     from fedecouple.engine import Federation
-    from fedsec.attack import run_attack
-    from fedsec.compare import method_config
+    from fedsec.jobs.attack import run_attack
+    from fedsec.jobs.compare import method_config
 
     rounds = []
     real_round = Federation.run_round
@@ -461,7 +461,7 @@ def test_iterations_name_sized_real_cells_and_an_unknown_setting_is_one_line_exi
 def test_jobs_run_the_methods_in_processes_and_the_numbers_do_not_change(tmp_path, capfd):
     """``--jobs 2``: the two methods' stages in two spawned processes give the files of ``--jobs 1``
     with the same ``--threads`` (each stage's seeds are its own); the threads are shared out."""
-    from fedsec.report.stages import process_threads
+    from fedsec.jobs.report.stages import process_threads
 
     assert (process_threads(2, 2), process_threads(8, 2), process_threads(1, 2)) == (1, 4, 1)
     common = ["report", "--methods", "fedavg,fedpac", "--attacks", "ig,labels", "--dataset", "digits", "--clients",

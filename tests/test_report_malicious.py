@@ -10,9 +10,9 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from fedsec import report as rep
 from fedsec.cli import main
-from fedsec.report.malicious import client_shares
+from fedsec.jobs import report as rep
+from fedsec.jobs.report.malicious import client_shares
 from fedsec.runner import RunConfig
 from helpers import TEST_THREADS
 

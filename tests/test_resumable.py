@@ -105,7 +105,7 @@ def test_an_interrupted_copy_leaves_the_stage_incomplete_and_is_cleared(tmp_path
 
 def test_folders_written_by_earlier_versions_still_resume(tmp_path):
     """defend's done.json ({"key", "row"}) and a mia run's ({"fingerprint", ...} beside signals.pt)."""
-    from fedsec.defend import _stored_row, value_stage
+    from fedsec.jobs.defend import _stored_row, value_stage
     from fedsec.mia_runs import RunSpec, done_record
 
     key = {"config": {"method": "fedper"}, "settings": {"defense": "clip"}}

@@ -489,7 +489,8 @@ def test_in_memory_training_under_secure_aggregation_writes_nothing(tmp_path, mo
 
 
 def test_a_plain_run_keeps_its_identity_and_a_folder_written_before_the_options_resumes(tmp_path, capsys):
-    from fedsec.api import command_of, federation, identity
+    from fedsec.commands import command_of
+    from fedsec.invocation import federation, identity
     from fedsec.runner import RunConfig
 
     args = ["train", "--method", "fedavg", *SMALL, "--rounds", "1"]
@@ -519,7 +520,7 @@ def test_a_plain_run_keeps_its_identity_and_a_folder_written_before_the_options_
 
 
 def test_the_audit_declares_how_each_method_meets_secure_aggregation():
-    from fedsec.audit import secure_aggregation_status
+    from fedsec.jobs.audit import secure_aggregation_status
 
     status = {name: secure_aggregation_status(cls()) for name, cls in METHODS.items()}
     assert status["fedavg"] == status["ft-fedavg"] == status["fedper"] == status["fedrep"] == "runs on the sum"
@@ -562,7 +563,7 @@ def test_an_audit_under_secure_aggregation_sees_masked_vectors_not_fields(tmp_pa
 def test_the_audit_under_secure_aggregation_measures_what_the_sum_gives_away(tmp_path):
     """FedProto's clients sum their class counts: the audit's evidence reads every round's histogram
     exactly, and no per-class key of a masked upload is taken for a disclosed class."""
-    from fedsec.audit import run_audit
+    from fedsec.jobs.audit import run_audit
     from fedsec.runner import RunConfig
 
     config = RunConfig.of(method="fedproto", dataset="digits", clients=3, rounds=2, threads=TEST_THREADS,

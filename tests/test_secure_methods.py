@@ -183,7 +183,7 @@ def test_the_command_line_trains_two_pass_fedecouple_and_the_audit_says_two_pass
 @pytest.mark.parametrize("method, words", [("fedecouple", "secure variant: two passes"),
                                            ("fedpac", "secure variant: partial (heads local, no head combination)")])
 def test_the_audit_status_declares_each_variant(method, words):
-    from fedsec.audit import secure_aggregation_status
+    from fedsec.jobs.audit import secure_aggregation_status
 
     assert METHODS[method]().secure_refusal() is None
     assert secure_aggregation_status(METHODS[method]()).startswith(words)

@@ -44,7 +44,7 @@ def test_the_toy_is_a_choice_of_attack_report_and_defend(toy_spec, capsys):
 
 def test_the_report_gives_it_the_malicious_stages_and_its_readout_recovers_every_input(toy_spec, tmp_path):
     from fedsec import console
-    from fedsec import report as rep
+    from fedsec.jobs import report as rep
 
     base = RunConfig.of(dataset="digits", clients=3, rounds=1, train_images=1, threads=TEST_THREADS)
     settings = rep.ReportSettings(targets=2, malicious_sizes=(1,))
@@ -66,7 +66,7 @@ def test_the_report_gives_it_the_malicious_stages_and_its_readout_recovers_every
 
 
 def test_a_method_the_open_row_cannot_reach_is_refused_before_training(toy_spec):
-    from fedsec.attack import AttackSettings, check_applicable
+    from fedsec.jobs.attack import AttackSettings, check_applicable
     from fedsec.runner import prepare
 
     config = RunConfig.of(method="fedproto", dataset="digits", clients=3, rounds=1, threads=TEST_THREADS)
@@ -76,7 +76,7 @@ def test_a_method_the_open_row_cannot_reach_is_refused_before_training(toy_spec)
 
 def test_the_estimate_times_it_by_the_rate_it_declares(toy_spec):
     from fedsec import estimate
-    from fedsec.attack import AttackSettings
+    from fedsec.jobs.attack import AttackSettings
 
     settings = AttackSettings(attack=NAME, targets=2).resolved(0, 1)
     work = estimate.attack_work("fedavg", 3, 1.0, settings, 0)
@@ -85,7 +85,7 @@ def test_the_estimate_times_it_by_the_rate_it_declares(toy_spec):
 
 
 def test_defend_runs_it_and_the_download_check_refuses_it(toy_spec, tmp_path):
-    from fedsec.defend import DefendSettings, defend
+    from fedsec.jobs.defend import DefendSettings, defend
 
     config = RunConfig.of(method="fedavg", dataset="digits", clients=3, rounds=1, train_images=1,
                           threads=TEST_THREADS)

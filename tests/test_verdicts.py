@@ -45,7 +45,7 @@ def test_the_forward_check_in_words():
 
 
 def test_the_report_regrades_label_findings_with_the_presence_threshold():
-    from fedsec.report.tables import _measured
+    from fedsec.jobs.report.tables import _measured
 
     low = _measured("LABELS_INFERABLE_FROM_UPDATE", {"labels": {"class_presence_accuracy": 0.79}})
     kept = _measured("LABELS_INFERABLE_FROM_UPDATE", {"labels": {"class_presence_accuracy": 0.8}})
@@ -53,7 +53,7 @@ def test_the_report_regrades_label_findings_with_the_presence_threshold():
 
 
 def test_the_report_flags_lower_bound_cells_and_the_renderer_marks_them():
-    from fedsec.report.tables import lower_bound_flags
+    from fedsec.jobs.report.tables import lower_bound_flags
     from reports.comparison import psnr_cell
 
     # the exposure matrix's rule: not above the prior by the interval while stopped short (a), above it (b)
@@ -93,8 +93,8 @@ def test_no_model_is_its_own_verdict_never_mis_specified_nor_chance():
 
 
 def test_the_audit_and_the_console_say_no_model_with_the_estimate():
-    from fedsec.audit import _brief, _leak_severity
     from fedsec.console import attack_headline
+    from fedsec.jobs.audit import _brief, _leak_severity
 
     severity, why = _leak_severity(_no_model_summary([True, True]), "high")
     assert severity == "high" and why.startswith("measured mean PSNR 14.0 dB [13.5, 14.5]")

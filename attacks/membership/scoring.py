@@ -70,7 +70,7 @@ def score_kind(target: np.ndarray, refs: np.ndarray, records: AuditRecords, ref_
                settings) -> KindScores:
     """Model-based attacks on one target kind. ``target``: (n, C) logits; ``refs``: (R, n, C);
     ``settings``: the attacks to run and their options (``attacks``, ``gamma``, ``temperature``,
-    ``offline_a``: None tunes it; ``fedsec.mia.MiaSettings`` holds them)."""
+    ``offline_a``: None tunes it; ``fedsec.jobs.mia.MiaSettings`` holds them)."""
     result = KindScores()
     valid = np.isfinite(target).all(axis=1) & np.isfinite(refs).all(axis=(0, 2))
     t, y = target[valid], records.labels[valid]

@@ -12,14 +12,14 @@ The only part of fedsec that imports Flower (from a checkout: ``pip install -e '
   (``declaration``);
 * ``SecAggRecording`` (``secagg``): the recording point of a legacy app under Flower's own SecAgg+
   (``SecAggPlusWorkflow``): the masked uploads and each round's unmasked sum, recorded as fedsec's
-  engine records ``--secure-aggregation``; ``audit_secure_app`` and ``attack_secure_app`` audit and
-  attack what such a server holds;
+  engine records ``--secure-aggregation``; ``audit_secure_app`` and ``attack_secure_app`` (``harness``)
+  audit and attack what such a server holds;
 * ``MaliciousSecAggPlusWorkflow`` (``malicious_workflow``): a SecAgg+ server that deviates from the
   protocol (``SECAGG_SERVER_ATTACKS``), run in place of the app's workflow in simulation to audit one's own
   deployment (``attack_secagg_server``); ``UnmaskListCheck`` and ``SignedConsistency``
   (``secagg_defences``): the client mods that stop it, and ``ConsistencyCheckedSecAggPlusWorkflow``, the
   server side of the signed rounds;
-* ``fedsec flower attack|audit`` (``cli``).
+* ``fedsec flower attack|audit``: ``harness``, under the commands of ``fedsec.flower_commands``.
 
 Importing this package does not import Flower: the ground-truth hook (``log_batch``,
 ``log_training_set``, ``GroundTruthMod``) works without it. Everything loads on first use (so the
@@ -64,8 +64,8 @@ _LAZY = {
     "read_app": "app",
     "load_declaration": "declaration",
     "SecAggRecording": "secagg",
-    "audit_secure_app": "secagg",
-    "attack_secure_app": "secagg",
+    "audit_secure_app": "harness",
+    "attack_secure_app": "harness",
 }
 
 

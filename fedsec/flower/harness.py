@@ -1,7 +1,7 @@
 """Library functions behind ``fedsec flower attack|audit``: run the app in Flower's simulation engine
 with the recorder wrapped in, then hand the recorded run (``attacks.recorded.RecordedRun``) to the same
 harnesses as the native commands (the library's ``attacks.harness.attack_recorded``, written by
-``fedsec.attack.write_attack``; ``fedsec.audit.audit_recorded``).
+``fedsec.jobs.attack.write_attack``; ``fedsec.jobs.audit.audit_recorded``).
 
 The app's declaration (``fedsec.flower.declaration``) supplies what the harness needs and cannot
 observe: the model at its initial weights, the pooled data set, the protocol the app follows, the local
@@ -33,8 +33,8 @@ from attacks.recorded import RecordedRun
 from fedecouple.devices import device_record
 from fedecouple.errors import UserError
 
-from ..attack import AttackSettings, choose_targets, write_attack
-from ..audit import audit_recorded, gather_evidence
+from ..jobs.attack import AttackSettings, choose_targets, write_attack
+from ..jobs.audit import audit_recorded, gather_evidence
 from .app import read_app
 from .declaration import Declaration, load_declaration
 from .simulation import FlowerRun, simulate
@@ -97,7 +97,7 @@ def attack_app(app_dir: str | Path, settings: AttackSettings, *, nodes: int | No
     """Run the app up to the last attacked round, attack ``settings.targets`` recorded clients per attacked
     round, score, write ``attack.csv``, ``summary.json``, ``reconstructions.png`` into ``out``; returns the
     summary. ``interceptors`` act on the replies before the app's strategy aggregates them."""
-    from .secagg import attack_secure_app, is_secure_app
+    from .secagg import is_secure_app
 
     if settings.spec.round_level and is_secure_app(app_dir):  # the server holds only sums: attack those
         return attack_secure_app(app_dir, settings, nodes=nodes, run_config=run_config, out=out, ray_cpus=ray_cpus,
@@ -154,6 +154,85 @@ def audit_app(app_dir: str | Path, *, nodes: int | None = None, run_config: dict
             progress=progress, device=device))
     context = {"dataset": declaration.dataset.name, "clients": run.nodes, **run_facts(run), **device_record(device)}
     return audit_recorded(recorded, out, len(run.rounds()), measured, context, start)
+
+
+# ------------------------------------------------------------------------------------------------
+# an app under Flower's SecAgg+ (``fedsec.flower.secagg`` records it): what its honest server holds
+
+
+def audit_secure_app(app_dir, *, nodes: int | None = None, run_config: dict | None = None, rounds: int | None = None,
+                     evidence: bool = True, out=None, ray_cpus: int | None = None, threads: int = 1,
+                     quiet: bool = True, progress: bool = True, device: str = "cpu") -> dict:
+    """Run an app under Flower's SecAgg+, recording every round, and audit what its server received:
+    ``fedsec.jobs.audit.audit_recorded``'s rows and traffic (the fields a masked upload carries unmasked of
+    kind ``clear``), the findings of ``secagg.secure_findings`` and, with ``evidence``, ``sum-labels`` on every
+    round. Writes audit.csv, findings.json, audit.md, summary.json into ``out`` (None: nothing written)."""
+    from reports.audit import SEVERITIES
+
+    from ..jobs.audit import sum_label_evidence, write_audit
+    from .secagg import CLEAR, protocol_line, secure_findings
+
+    start = time.perf_counter()
+    overrides, declaration = plan(app_dir, run_config, rounds=rounds, rounds_required=rounds is not None)
+    run = simulate(app_dir, nodes=nodes, run_config=overrides, threads=threads, ray_cpus=ray_cpus, quiet=quiet)
+    if run.recorder.secure is None:
+        raise UserError(f"{app_dir}: the ClientApp runs Flower's secure-aggregation mod but the ServerApp ran no "
+                        f"SecAggPlusWorkflow; run the fit rounds with "
+                        f"DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))")
+    recorded = recorded_run(run, device)
+    context = {"dataset": declaration.dataset.name, "clients": run.nodes, **run_facts(run), **device_record(device)}
+    base = audit_recorded(recorded, None, len(run.rounds()), {}, context, start)
+    rows = base["rows"]
+    rows.loc[rows["field"] != "masked", "kind"] = CLEAR
+    label, brief = sum_label_evidence(recorded, run.rounds(), progress) if evidence else (None, None)
+    findings = [f for f in base["findings"] if f["code"] != "SECURE_AGGREGATION"] + secure_findings(run.recorder)
+    findings = sorted(findings + ([label] if label else []), key=lambda f: SEVERITIES.index(f["severity"]))
+    clear = sorted({n for up in run.recorder.uploads() for n in up.tensors if n != "masked"})
+    summary = {**base["summary"], "secure_aggregation": protocol_line(run.recorder.secure, run.nodes, clear),
+               "findings_by_severity": {s: sum(f["severity"] == s for f in findings) for s in SEVERITIES},
+               "evidence": {"labels": brief} if brief else {}, "seconds": round(time.perf_counter() - start, 2)}
+    if out is not None:
+        write_audit(Path(out), rows, findings, summary)
+    return {"summary": summary, "findings": findings, "rows": rows}
+
+
+def attack_secure_app(app_dir, settings, *, nodes: int | None = None, run_config: dict | None = None, out=None,
+                      ray_cpus: int | None = None, quiet: bool = True, progress: bool = True,
+                      device: str = "cpu") -> dict:
+    """Run an app under Flower's SecAgg+ up to the last attacked round, recording every round, and run
+    the round-level attack of ``settings`` (an ``AttackSettings`` naming an attack of kind
+    ``"aggregate"``, e.g. sum-labels) on the attacked rounds' sums (``attacks.secure.harness``); writes
+    attack.csv and summary.json into ``out`` as ``write_attack`` does; returns the summary.
+    The library path of ``fedsec flower attack`` for such an app."""
+    from attacks.secure.harness import attack_rounds
+
+    from .secagg import refusal
+
+    start = time.perf_counter()
+    settings = settings.resolved(seed=0)
+    if not settings.spec.round_level:
+        raise UserError(refusal(app_dir, settings.spec.name))
+    overrides, _ = plan(app_dir, run_config, rounds=settings.rounds_to_train,
+                        rounds_required=settings.train_rounds is not None,
+                        victim=(settings.victim_batch, settings.victim_steps, settings.rounds))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(settings.threads)
+    try:
+        run = simulate(app_dir, nodes=nodes, run_config=overrides, threads=settings.threads, ray_cpus=ray_cpus,
+                       quiet=quiet)  # every round recorded: a multi-round attack reads the earlier sums
+        missing = [r for r in settings.rounds if r not in run.recorder.aggregates]
+        if missing:
+            raise UserError(f"round {missing[0]} (Flower round {missing[0] + 1}) was not run: the app ran "
+                            f"{len(run.recorder.aggregates)} round(s); raise its number of rounds or lower "
+                            f"--attack-rounds")
+        args = settings.split()
+        outcome = attack_rounds(recorded_run(run, device), args.spec, list(settings.rounds), args.threat, args.budget,
+                                seed=args.seed, victim=args.victim, threads=args.threads, progress=progress)
+    finally:
+        torch.set_num_threads(previous)
+    targets = {r: list(run.recorder.aggregates[r].survivors) for r in settings.rounds}
+    return write_attack(out, settings, targets, outcome, {**run_facts(run), **device_record(device)}, start,
+                        notes=run.notes)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -268,7 +347,7 @@ def _image_attack(run: FlowerRun, recovered: dict, settings: AttackSettings, out
     """The image attack of ``settings`` on the unmasked updates and, paired, on the same nodes' true updates."""
     from attacks.metrics import paired_difference
 
-    from ..attack import pick_targets
+    from ..jobs.attack import pick_targets
 
     by_round: dict[int, list[int]] = {}
     for round, client in recovered:
@@ -477,9 +556,9 @@ def server_attack_command(ctx) -> None:
     import click
 
     from .. import io
-    from ..api import identity
-    from ..attack import parse_rounds
     from ..config_file import write_config
+    from ..invocation import identity
+    from ..jobs.attack import parse_rounds
     from ..options import THREAT_MODEL, iterations_for
     from ..resumable import RunFolder
     from .app import parse_run_config
@@ -624,7 +703,7 @@ def secagg_protocol_findings(app_dir, evidence: bool = True) -> list[dict]:
 
 
 def secure_audit_command(ctx) -> bool:
-    """``fedsec flower audit`` when the app runs Flower's secure aggregation: ``secagg.audit_secure_app``
+    """``fedsec flower audit`` when the app runs Flower's secure aggregation: ``audit_secure_app``
     (what an honest server held) plus ``secagg_protocol_findings`` (what a deviating one can do), in the
     command's output folder (its folder record and config.toml as every command), its lines printed.
     False, doing nothing, for any other app."""
@@ -633,12 +712,12 @@ def secure_audit_command(ctx) -> bool:
     from reports.audit import SEVERITIES
 
     from .. import console, io
-    from ..api import identity
-    from ..audit import write_audit
     from ..config_file import write_config
+    from ..invocation import identity
+    from ..jobs.audit import write_audit
     from ..resumable import RunFolder
     from .app import parse_run_config
-    from .secagg import audit_secure_app, is_secure_app
+    from .secagg import is_secure_app
 
     p = dict(ctx.params)
     if not is_secure_app(p["app_dir"]):

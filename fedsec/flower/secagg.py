@@ -53,7 +53,6 @@ material, not client data).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -411,86 +410,6 @@ def protocol_line(protocol: SecureAggregation, nodes: int, clear: list[str]) -> 
             f"only each round's sum of the parameters, never one node's{beside}")
 
 
-def audit_secure_app(app_dir, *, nodes: int | None = None, run_config: dict | None = None, rounds: int | None = None,
-                     evidence: bool = True, out=None, ray_cpus: int | None = None, threads: int = 1,
-                     quiet: bool = True, progress: bool = True, device: str = "cpu") -> dict:
-    """Run an app under Flower's SecAgg+, recording every round, and audit what its server received:
-    ``fedsec.audit.audit_recorded``'s rows and traffic (the fields a masked upload carries unmasked of
-    kind ``clear``), the findings of ``secure_findings`` and, with ``evidence``, ``sum-labels`` on every
-    round. Writes audit.csv, findings.json, audit.md, summary.json into ``out`` (None: nothing written)."""
-    from reports.audit import SEVERITIES
-
-    from ..audit import audit_recorded, sum_label_evidence, write_audit
-    from .harness import plan, recorded_run, run_facts
-    from .simulation import simulate
-    from fedecouple.devices import device_record
-
-    start = time.perf_counter()
-    overrides, declaration = plan(app_dir, run_config, rounds=rounds, rounds_required=rounds is not None)
-    run = simulate(app_dir, nodes=nodes, run_config=overrides, threads=threads, ray_cpus=ray_cpus, quiet=quiet)
-    if run.recorder.secure is None:
-        raise UserError(f"{app_dir}: the ClientApp runs Flower's secure-aggregation mod but the ServerApp ran no "
-                        f"SecAggPlusWorkflow; run the fit rounds with "
-                        f"DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))")
-    recorded = recorded_run(run, device)
-    context = {"dataset": declaration.dataset.name, "clients": run.nodes, **run_facts(run), **device_record(device)}
-    base = audit_recorded(recorded, None, len(run.rounds()), {}, context, start)
-    rows = base["rows"]
-    rows.loc[rows["field"] != "masked", "kind"] = CLEAR
-    label, brief = sum_label_evidence(recorded, run.rounds(), progress) if evidence else (None, None)
-    findings = [f for f in base["findings"] if f["code"] != "SECURE_AGGREGATION"] + secure_findings(run.recorder)
-    findings = sorted(findings + ([label] if label else []), key=lambda f: SEVERITIES.index(f["severity"]))
-    clear = sorted({n for up in run.recorder.uploads() for n in up.tensors if n != "masked"})
-    summary = {**base["summary"], "secure_aggregation": protocol_line(run.recorder.secure, run.nodes, clear),
-               "findings_by_severity": {s: sum(f["severity"] == s for f in findings) for s in SEVERITIES},
-               "evidence": {"labels": brief} if brief else {}, "seconds": round(time.perf_counter() - start, 2)}
-    if out is not None:
-        write_audit(Path(out), rows, findings, summary)
-    return {"summary": summary, "findings": findings, "rows": rows}
-
-
-def attack_secure_app(app_dir, settings, *, nodes: int | None = None, run_config: dict | None = None, out=None,
-                      ray_cpus: int | None = None, quiet: bool = True, progress: bool = True,
-                      device: str = "cpu") -> dict:
-    """Run an app under Flower's SecAgg+ up to the last attacked round, recording every round, and run
-    the round-level attack of ``settings`` (a ``fedsec.attack.AttackSettings`` naming an attack of kind
-    ``"aggregate"``, e.g. sum-labels) on the attacked rounds' sums (``attacks.secure.harness``); writes
-    attack.csv and summary.json into ``out`` as ``fedsec.attack.write_attack`` does; returns the summary.
-    The library path of ``fedsec flower attack`` for such an app."""
-    from attacks.secure.harness import attack_rounds
-
-    from ..attack import write_attack
-    from .harness import plan, recorded_run, run_facts
-    from .simulation import simulate
-    from fedecouple.devices import device_record
-
-    start = time.perf_counter()
-    settings = settings.resolved(seed=0)
-    if not settings.spec.round_level:
-        raise UserError(refusal(app_dir, settings.spec.name))
-    overrides, _ = plan(app_dir, run_config, rounds=settings.rounds_to_train,
-                        rounds_required=settings.train_rounds is not None,
-                        victim=(settings.victim_batch, settings.victim_steps, settings.rounds))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(settings.threads)
-    try:
-        run = simulate(app_dir, nodes=nodes, run_config=overrides, threads=settings.threads, ray_cpus=ray_cpus,
-                       quiet=quiet)  # every round recorded: a multi-round attack reads the earlier sums
-        missing = [r for r in settings.rounds if r not in run.recorder.aggregates]
-        if missing:
-            raise UserError(f"round {missing[0]} (Flower round {missing[0] + 1}) was not run: the app ran "
-                            f"{len(run.recorder.aggregates)} round(s); raise its number of rounds or lower "
-                            f"--attack-rounds")
-        args = settings.split()
-        outcome = attack_rounds(recorded_run(run, device), args.spec, list(settings.rounds), args.threat, args.budget,
-                                seed=args.seed, victim=args.victim, threads=args.threads, progress=progress)
-    finally:
-        torch.set_num_threads(previous)
-    targets = {r: list(run.recorder.aggregates[r].survivors) for r in settings.rounds}
-    return write_attack(out, settings, targets, outcome, {**run_facts(run), **device_record(device)}, start,
-                        notes=run.notes)
-
-
 def refusal(app_dir, attack: str) -> str | None:
     """Why ``fedsec flower attack ATTACK`` does not run on an app under Flower's SecAgg+ (one line), or
     None for a round-level attack, which runs on the recorded sums."""
@@ -498,7 +417,7 @@ def refusal(app_dir, attack: str) -> str | None:
 
     spec = attacks.get(attack)
     if spec.round_level:
-        return None  # runs on the sums (``attack_secure_app``)
+        return None  # runs on the sums (``fedsec.flower.harness.attack_secure_app``)
     return (f"{attack} attacks one node's upload, but {app_dir} runs Flower's SecAgg+: its server holds only each "
             f"round's sum (every upload is a masked vector); audit what it holds with fedsec flower audit {app_dir}")
 

@@ -27,9 +27,9 @@ from fedecouple.methods import METHODS
 
 from reports.accuracy import accuracy_markdown
 
-from . import io, runner
-from .resumable import TrainRun
-from .runner import RunConfig
+from .. import io, runner
+from ..resumable import TrainRun
+from ..runner import RunConfig
 
 def parse_list(text: str, what: str) -> list[str]:
     items = [t.strip() for t in str(text).split(",") if t.strip()]
@@ -141,8 +141,3 @@ def compare(base: RunConfig, methods: list[str], seeds: list[int], out: str | Pa
     finally:
         bar.close()
     return accuracy_tables(rows, methods)[0]
-
-
-from .jobs import make_callable as _make_callable  # noqa: E402
-
-_make_callable(__name__)  # fedsec.compare(...) is also the API function (fedsec.jobs)

@@ -17,13 +17,13 @@ from typing import Callable, Iterable
 
 from fedecouple.errors import UserError
 
-from .. import estimate, runner
+from ... import estimate, runner
+from ...resumable import ResumableStage, TrainRun, marked_folders
+from ...runner import RunConfig
+from ...versions import provenance
 from ..attack import AttackSettings, TrainingCache, check_applicable, recording_federation, run_attack, training_key
 from ..audit import run_audit
 from ..compare import method_config
-from ..resumable import ResumableStage, TrainRun, marked_folders
-from ..runner import RunConfig
-from ..versions import provenance
 from .settings import cell_setting
 
 # the files each kind of stage must hold, besides its done.json, to count as complete

@@ -9,6 +9,7 @@ from typing import Iterable
 import attacks
 from fedecouple.errors import UserError
 
+from ...catalog import REPORT_ATTACKS
 from ..attack import AttackSettings
 from ..compare import parse_list
 
@@ -16,7 +17,7 @@ DEFAULT_METHODS = ("fedecouple", "fedper", "fedpac", "fedproto")
 # ``--preset audit``'s methods: FedAvg beside the four, the reference the FedeCouple paper's Fig. 10 ranks
 # the others against (the report's "Fig. 10" section pairs each method with FedeCouple and with FedAvg)
 AUDIT_METHODS = (*DEFAULT_METHODS, "fedavg")
-DEFAULT_ATTACKS = ("dlg", "ig", "proto", "labels", "sum-labels")  # sum-labels: under secure aggregation
+DEFAULT_ATTACKS = REPORT_ATTACKS  # declared with the CLI's catalog (``--help`` loads no torch)
 DEFAULT_TARGETS = 2
 VICTIM_SETTINGS = ("textbook", "real")
 # a real-training cell on clients of N training images: ``ig@real-n10``

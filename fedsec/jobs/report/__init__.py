@@ -4,9 +4,9 @@ and seeds, then render one comparison (``reports.comparison``).
 Stages, for every method (each in ``out/<method>/<stage>/``):
 
 * ``train``          ``fedsec.runner.train`` → accuracy (config.json, metrics.csv, summary.json, ...);
-* ``audit``          ``fedsec.audit.run_audit(evidence=False)`` → upload sizes and findings; the
+* ``audit``          ``fedsec.jobs.audit.run_audit(evidence=False)`` → upload sizes and findings; the
                      evidence numbers come from the attack stages below instead (no attack runs twice);
-* ``attack-<name>``  ``fedsec.attack.run_attack`` for each requested attack → attack.csv,
+* ``attack-<name>``  ``fedsec.jobs.attack.run_attack`` for each requested attack → attack.csv,
                      summary.json, reconstructions.png. An attack that does not apply to a method
                      (``dlg`` on FedProto, ``proto`` on a method that uploads no prototypes, ...)
                      is recorded as ``not applicable: <reason>``. With victim settings
@@ -18,7 +18,7 @@ Stages, for every method (each in ``out/<method>/<stage>/``):
                      client size N, ``attack-<attack>@real-n<N>``, on a federation of clients of exactly
                      N training images (trained by the stage, like the malicious section's).
 
-One training serves several stages (``fedsec.attack.TrainingCache``): the train stage records every
+One training serves several stages (``fedsec.jobs.attack.TrainingCache``): the train stage records every
 round, and the method's audit and its attacks on real local training (same rounds trained, no
 victim setting) use that federation instead of training it again; a textbook cell trains its own
 (its targets train differently in the attacked rounds). The numbers are those of separate runs.
@@ -78,8 +78,3 @@ __all__ = ["AUDIT_ATTACKS", "AUDIT_ITERATIONS", "AUDIT_ROUNDS", "DEFAULT_ATTACKS
            "headline_markdown", "leakage_by_round", "method_comparisons", "parse_attacks", "parse_iterations",
            "parse_methods", "parse_rounds", "parse_sizes", "plan", "run_stage", "section_table", "stage_identity",
            "validate"]
-
-
-from ..jobs import make_callable as _make_callable  # noqa: E402
-
-_make_callable(__name__)  # fedsec.report(...) is also the API function (fedsec.jobs)

@@ -15,7 +15,7 @@ from reports.audit import SEVERITIES
 from reports.exposure import UNDETERMINED_LOWER_BOUND, paired_verdict
 from reports.formatting import finite_or_none, interval_text, is_true
 
-from .. import io
+from ... import io
 from ..attack import IMAGE_COLUMNS, LABEL_COLUMNS
 from .settings import attack_of, cell_setting
 from .stages import Stage

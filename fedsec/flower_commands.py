@@ -1,5 +1,6 @@
-"""``fedsec flower attack|audit APP_DIR``: the CLI group over ``fedsec.flower.harness`` (flags only; the
-bodies are ``fedsec.api``'s, shared with the native commands: the output folder's check, config.toml).
+"""``fedsec flower attack|audit APP_DIR``: the command group over ``fedsec.flower.harness``, a branch of
+``fedsec.commands``' tree (flags only; the bodies are ``fedsec.bodies``', shared with the native commands: the
+output folder's check, config.toml).
 
 Importing this module does not import Flower (nor torch); each command checks for Flower first (one-line
 error naming the extra), so ``fedsec --help`` works without Flower installed.
@@ -8,9 +9,11 @@ from __future__ import annotations
 
 import click
 
-from . import SECAGG_DEFENSES
-from ..options import (ATTACK_ROUNDS, ATTACK_SEED, COUNT, EVIDENCE, EVIDENCE_ITERATIONS, IMAGES, ITERATIONS, RESTARTS,
-                       SEED, TARGETS, VICTIM_BATCH, VICTIM_STEPS, device_option, run_options, threat_model_options)
+from .bodies import run_command
+from .flower import SECAGG_DEFENSES
+from .options import (ATTACK_ROUNDS, ATTACK_SEED, COUNT, EVIDENCE, EVIDENCE_ITERATIONS, IMAGES, ITERATIONS, RESTARTS,
+                      SEED, TARGETS, VICTIM_BATCH, VICTIM_STEPS, AttackListCommand, device_option, run_options,
+                      threat_model_options)
 
 
 def app_options(func):
@@ -34,12 +37,6 @@ def app_options(func):
     return func
 
 
-def _run(ctx: click.Context) -> None:
-    from ..api import run_command
-
-    run_command(ctx)
-
-
 @click.group(short_help="Audit a Flower app: run it with fedsec's recorder, then attack or audit it.")
 def flower():
     """Audit a Flower app: run it in Flower's simulation engine with fedsec's recorder and ground-truth
@@ -50,17 +47,14 @@ def flower():
     """
 
 
-class FlowerAttackCommand(click.Command):
-    """``flower attack``'s help lists every registered attack with its one-line summary, then the attacks of a
+class FlowerAttackCommand(AttackListCommand):
+    """``flower attack``'s help: every registered attack with its one-line summary, then the attacks of a
     SecAgg+ server that deviates from the protocol."""
 
     def format_help_text(self, ctx, formatter):
-        from .. import catalog
-        from . import SECAGG_SERVER_ATTACKS
+        from .flower import SECAGG_SERVER_ATTACKS
 
         super().format_help_text(ctx, formatter)
-        with formatter.section("Attacks"):
-            formatter.write_dl(list(catalog.attack_summaries().items()))
         with formatter.section("SecAgg+ server attacks (an app under secaggplus_mod, in simulation)"):
             formatter.write_dl(list(SECAGG_SERVER_ATTACKS.items()))
 
@@ -129,11 +123,11 @@ def attack(ctx, **_):
     deployment), compare each update it unmasks with the node's true one, and run an image attack on it.
     Example: fedsec flower attack unmask-dropout examples/flower_secagg
     """
-    from . import SECAGG_SERVER_ATTACKS, require_flwr
+    from .flower import SECAGG_SERVER_ATTACKS, require_flwr
 
     if ctx.params.get("attack") in SECAGG_SERVER_ATTACKS:
         require_flwr()
-        from .harness import server_attack_command
+        from .flower.harness import server_attack_command
 
         server_attack_command(ctx)
         return
@@ -141,10 +135,10 @@ def attack(ctx, **_):
     for name in SERVER_OPTIONS:  # not settings of the other attacks: kept out of their config.toml and folder record
         ctx.params.pop(name, None)
     require_flwr()
-    from .secagg import check_attack_command
+    from .flower.secagg import check_attack_command
 
     check_attack_command(ctx)  # an app under SecAgg+: its server holds only sums (fedsec flower audit)
-    _run(ctx)
+    run_command(ctx)
 
 
 @flower.command(short_help="Run a Flower app and audit every upload its server received.")
@@ -170,10 +164,10 @@ def audit(ctx, **_):
     client mods under the installed Flower (demonstrated in this process). Example: fedsec flower audit
     examples/flower_secagg
     """
-    from . import require_flwr
+    from .flower import require_flwr
 
     require_flwr()
-    from .harness import secure_audit_command
+    from .flower.harness import secure_audit_command
 
     if not secure_audit_command(ctx):
-        _run(ctx)
+        run_command(ctx)

@@ -60,10 +60,10 @@ from fedecouple.data.partition import Partition
 from fedecouple.engine import derive_seed
 from fedecouple.errors import UserError
 
-from . import io
-from .mia_runs import KINDS, RunSpec, done_record, load_signals, run_one
-from .runner import Prepared, RunConfig, prepare, run_record
-from .versions import provenance
+from .. import io
+from ..mia_runs import KINDS, RunSpec, done_record, load_signals, run_one
+from ..runner import Prepared, RunConfig, prepare, run_record
+from ..versions import provenance
 
 # the attacks on a model's outputs are registered (attacks.MEMBERSHIP); "update" is the server's test on
 # the uploads (attacks.membership.mia_update), scored from another signal
@@ -247,7 +247,7 @@ def estimate_seconds(prep: Prepared, specs: list[RunSpec], dp: DPConfig | None) 
     methods whose server or uploads hold no classifier) comes on top."""
     from fedecouple.engine import Federation
 
-    from .runner import build_method
+    from ..runner import build_method
 
     method = build_method(prep.config)
     if dp is not None:
@@ -432,8 +432,3 @@ def write_outputs(out: Path, prep: Prepared, records: AuditRecords, scored: dict
     rows = render.summary_rows(summary)
     io.write_text(out / "mia.md", render.markdown_table(rows) + "\n")
     io.write_json(out / "summary.json", io.finite(summary))
-
-
-from .jobs import make_callable as _make_callable  # noqa: E402
-
-_make_callable(__name__)  # fedsec.mia(...) is also the API function (fedsec.jobs)

@@ -18,7 +18,7 @@ import pandas as pd
 from attacks.metrics import PSNR_CAP_DB, leakage_statistics, rate_interval
 from attacks.verdicts import SUCCESS_MARGIN_DB
 
-from .. import io
+from ... import io
 
 REBUILT_DB = 30.0  # "rebuilt": the image at PSNR >= this
 SECTION_COLUMNS = ["method", "attack", "craft", "train_images", "download_check", "status", "reason", "n_targets",
@@ -57,7 +57,7 @@ def client_shares(frame: pd.DataFrame, targets: list[tuple[int, int]], size: int
 
 def section_row(stage, size: int, check: bool, seed: int = 0) -> dict:
     """One row of the section from a malicious-server attack stage's folder (``stage``: a
-    ``fedsec.report.stages.Stage``)."""
+    ``fedsec.jobs.report.stages.Stage``)."""
     done = stage.resumable.record() or {}
     settings = stage.attack_settings
     crafts = getattr(settings.spec, "crafts", ()) or (None,)
@@ -99,7 +99,7 @@ def section_row(stage, size: int, check: bool, seed: int = 0) -> dict:
 
 def section_table(stages: list, cells: list, methods: list[str], seed: int = 0) -> pd.DataFrame:
     """The section's rows (``SECTION_COLUMNS``), method by method, in the cells' order (``cells``:
-    ``fedsec.report.settings.MaliciousCell``)."""
+    ``fedsec.jobs.report.settings.MaliciousCell``)."""
     by = {(s.method, s.attack): s for s in stages if s.kind == "attack"}
     rows = [section_row(by[(m, cell.key)], cell.size, cell.check, seed)
             for m in methods for cell in cells if (m, cell.key) in by]

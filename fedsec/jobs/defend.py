@@ -66,10 +66,11 @@ from fedecouple.channel import Interceptor, ServerChannel
 from fedecouple.errors import UserError
 from reports.tradeoff import BASELINE, tradeoff_markdown, tradeoff_plot
 
-from . import io, runner
+from .. import io, runner
+from ..catalog import DEFEND_ATTACKS
+from ..resumable import ResumableStage
+from ..runner import Prepared, RunConfig
 from .attack import AttackSettings, check_applicable, model_for, parse_attacks, run_attack
-from .resumable import ResumableStage
-from .runner import Prepared, RunConfig
 
 LOCAL_TRAINING = "local training"  # where DP-SGD acts (``DefenseSpec.acts``): it wraps the method, no interceptor
 CONSISTENCY_CHECK = "consistency-check"  # installed as the sweep's interceptor: before a crafting server's
@@ -84,7 +85,7 @@ COLUMNS = ["defense", "value", "accuracy", "accuracy_std", "epsilon", "epsilon_a
 class DefendSettings:
     defense: str
     values: list | str
-    attacks: list[str] | str = field(default_factory=lambda: ["dlg", "ig", "labels"])
+    attacks: list[str] | str = field(default_factory=lambda: list(DEFEND_ATTACKS))
     baseline: bool = True
     max_grad_norm: float = 1.0
     delta: float = 1e-5
@@ -111,8 +112,8 @@ class DefendSettings:
         """``attack_rounds`` (default: round 0, or the attack's first round: 1 for classifier fishing); the
         gradient attacks in the victim setting, the others on real local training; ``iterations`` N or
         ``ATTACK=N,...``."""
+        from ..options import iterations_for
         from .attack import parse_rounds
-        from .options import iterations_for
 
         spec = attacks.get(attack)
         rounds = (spec.first_round,) if self.attack_rounds is None else tuple(parse_rounds(self.attack_rounds))
@@ -271,7 +272,7 @@ def parse_defend_attacks(text: str | list[str]) -> list[str]:
 
 
 def membership_defended(prep: Prepared, settings: DefendSettings, value, out: Path) -> dict:
-    """LiRA on the personal models (``fedsec.mia``, two shadow federations, with the value's DP-SGD):
+    """LiRA on the personal models (``fedsec.jobs.mia``, two shadow federations, with the value's DP-SGD):
     AUC, TPR at 1 % FPR and the empirical ε lower bound implied by it."""
     from .mia import MiaSettings, run_mia
 
@@ -453,8 +454,3 @@ def _render_meta(settings: DefendSettings, prep: Prepared) -> dict:
             "stat_noise_multiplier": settings.stat_noise_multiplier, "stat_clip": settings.stat_clip,
             "counts": settings.counts, "leak_gap_db": LEAK_GAP_DB,
             "attack_rounds": {a: settings.for_attack(a).rounds[0] for a in settings.attacks if a != MIA}}
-
-
-from .jobs import make_callable as _make_callable  # noqa: E402
-
-_make_callable(__name__)  # fedsec.defend(...) is also the API function (fedsec.jobs)

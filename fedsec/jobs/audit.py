@@ -11,7 +11,7 @@ The audit trains with a recorder on every round and inspects every message the s
   row of it is compared with the anchors the client computed (cosine similarity and exact match),
   using the harness-only record of the client's private values.
 
-Evidence from attacks is measured by ``fedsec.attack.run_attack`` on the same config, each written
+Evidence from attacks is measured by ``fedsec.jobs.attack.run_attack`` on the same config, each written
 under ``evidence/<attack>/``: for each kind of attack (gradient, image, labels) the first registered
 attack of that kind that applies to what the method uploads (today: DLG, prototype inversion, label
 inference).
@@ -43,9 +43,9 @@ from fedecouple.models import group_of, set_params
 from reports.audit import SEVERITIES, audit_markdown
 from reports.formatting import interval_text
 
-from . import io
-from .runner import RunConfig, build_federation, prepare
-from .versions import provenance
+from .. import io
+from ..runner import RunConfig, build_federation, prepare
+from ..versions import provenance
 
 AUDIT_COLUMNS = ["method", "round", "client", "field", "kind", "shape", "dtype", "bytes"]
 KIB = 1024.0
@@ -587,8 +587,3 @@ def _brief(summary: dict | None) -> dict | None:
     brief = {k: summary[k] for k in keys if k in summary}
     unknown = model_unknown_targets(summary)
     return {**brief, "model_unknown_targets": unknown} if unknown else brief  # NO MODEL: an estimate
-
-
-from .jobs import make_callable as _make_callable  # noqa: E402
-
-_make_callable(__name__)  # fedsec.audit(...) is also the API function (fedsec.jobs)

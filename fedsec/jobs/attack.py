@@ -64,10 +64,10 @@ from fedecouple.data.registry import EMBEDDED
 from fedecouple.errors import DIVERGED, UserError
 from reports.figures import reconstruction_grid
 
-from . import io
-from .runner import Prepared, RunConfig, build_federation, prepare
-from .secure_attack import attack_round_level, record_rounds, refusal, round_targets
-from .versions import provenance
+from .. import io
+from ..runner import Prepared, RunConfig, build_federation, prepare
+from ..secure_attack import attack_round_level, record_rounds, refusal, round_targets
+from ..versions import provenance
 
 # training and attacks run small models at small batches: on a shared 2-core machine one thread was
 # 6-8x faster than two for IG on the 28x28 CNN (measured)
@@ -447,7 +447,7 @@ def _malicious_server(prep: Prepared, settings: AttackSettings, targets: dict, f
     """The crafting interceptor for the attacked (round, client) pairs (the attack's own craft,
     ``AttackSpec.craft_download``), last in the channel; it crafts from public images: ``--aux-data``,
     else the pooled data without the attacked clients' own."""
-    from .malicious import MaliciousServer, public_rows
+    from ..malicious import MaliciousServer, public_rows
 
     attacked = [prep.partition.train[c] for r in targets for c in targets[r]]
     exclude = np.concatenate(attacked) if attacked else np.zeros(0, dtype=np.int64)
@@ -503,8 +503,3 @@ def write_attack(out: str | Path | None, settings: AttackSettings, targets: dict
                            reconstruction_grid(outcome.panels, f"{outcome.spec.name} on {outcome.summary.run}"))
         io.write_json(out / "summary.json", summary)
     return summary
-
-
-from .jobs import make_callable as _make_callable  # noqa: E402
-
-_make_callable(__name__)  # fedsec.attack(...) is also the API function (fedsec.jobs)

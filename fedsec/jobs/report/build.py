@@ -13,11 +13,11 @@ from attacks.metrics import PSNR_CAP_DB
 from attacks.verdicts import LEAK_GAP_DB, PRESENCE_THRESHOLD, SUCCESS_RULE
 from fedecouple.errors import UserError
 
-from .. import io, runner
+from ... import io, runner
+from ...runner import RunConfig
+from ...versions import provenance
 from ..attack import AttackSettings, parse_attacks, parse_rounds
 from ..compare import parse_methods, unused_hyperparameters
-from ..runner import RunConfig
-from ..versions import provenance
 from .settings import DEFAULT_ATTACKS, ReportSettings, attack_of, parse_sizes
 from .stages import Stage, check_reuse_dirs, plan, run_stages, sized_config
 from .malicious import malicious_meta, section_table
@@ -77,7 +77,7 @@ def build_report(base: RunConfig, methods: list[str], out: str | Path, attacks: 
                  command: str | None = None, log: Callable[[str], None] | None = None, mia=None,
                  jobs: int = 1) -> dict:
     """Run (or resume, or reuse) every stage, then write the report files; returns their paths and the
-    summary. ``mia`` (a ``fedsec.mia.MiaSettings``) adds a membership-inference stage per method.
+    summary. ``mia`` (a ``fedsec.jobs.mia.MiaSettings``) adds a membership-inference stage per method.
     ``jobs``: processes running the methods' stages side by side (``stages.run_stages``; with the
     same threads per stage the numbers do not depend on it)."""
     settings = settings or ReportSettings()
@@ -190,7 +190,7 @@ def _write_report(base: RunConfig, methods: list[str], attack_names: list[str], 
                   stages: list[Stage], records: list[dict], failed: dict, seconds: float, command: str | None,
                   malicious: tuple = (None, None)) -> dict:
     """Assemble the tables from the stage folders and write every report file (``malicious``: the
-    malicious-server section's rows and meta, ``fedsec.report.malicious``)."""
+    malicious-server section's rows and meta, ``fedsec.jobs.report.malicious``)."""
     from reports.comparison import render
 
     summary, results, findings, grids, details = assemble(stages, methods, attack_names, out)
