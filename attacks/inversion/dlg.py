@@ -6,8 +6,12 @@ jointly with L-BFGS (learning rate 1, torch's default of up to 20 function evalu
 no line search, as in the paper's code) to minimise Σ_layers ‖∇W(x, ŷ) − ∇W(true)‖², the squared
 distance between the dummy's gradient and the observed one (in the method mode: the sum over the
 upload's weight groups and statistics of ‖a_g − b_g‖²/‖b_g‖², ``GradientMatcher.l2_objective``). ``budget.iterations`` is the number of
-L-BFGS steps (the paper's 300), ``budget.restarts`` independent starts keep the lowest objective,
-and within a start the lowest-objective iterate is returned (at least one step is taken). A start
+L-BFGS steps (the paper's 300), ``budget.restarts`` starts per target, and within a start the
+lowest-objective iterate is returned (at least one step is taken). The first start runs to its end;
+the others race by successive halving on the objective at equal step counts; the kept start is the
+lowest objective, except that a first start rebuilt by the closed form (``_start``) is kept unless
+another start's objective is ten times lower: among stalled starts a noise start's lower objective
+was a worse image (``attacks.inversion.optimise.matching``). A start
 stops early when it has converged (objective 1e-12 of its first value) or stalled (less than 1 %
 improvement over 15 steps; this also ends a start whose L-BFGS has met its own gradient tolerance,
 as every later step then returns at once): DLG on these models either converges or stalls. Pixels
@@ -28,9 +32,10 @@ Without a classifier update (private head) iDLG falls back to DLG's joint label 
 **The optimisation** is the template's (``attacks.inversion.optimise.matching``): DLG declares its
 objective, its L-BFGS (``RECIPE``) and its start. ``plan``/``plan_idlg`` prepare a list of
 observations. Targets that share a model (``attacks.inversion.batching``) are optimised together:
-torch's L-BFGS algorithm with one state per target, vectorised (``BatchedLBFGS``), their objectives
-evaluated in one ``torch.func.vmap`` call. One target (``dlg``, or a group of one) runs torch's own
-``LBFGS``, which ``BatchedLBFGS`` reproduces.
+torch's L-BFGS algorithm with one state per (target, start), vectorised (``BatchedLBFGS``), their
+objectives evaluated by ``torch.func.vmap``, so a target's starts run concurrently with every other
+target's. One target with one start (``dlg``, or a group of one) runs torch's own ``LBFGS``, which
+``BatchedLBFGS`` reproduces.
 """
 from __future__ import annotations
 
@@ -82,6 +87,12 @@ class _Setup:
     @property
     def device(self):
         return self.matcher.observation.device
+
+    @property
+    def informed_first_start(self) -> bool:
+        """Whether the first start is the closed form's image rather than a random draw (the kept
+        start's rule, ``attacks.inversion.optimise.matching``)."""
+        return self.matcher.has_closed_form_start
 
     @property
     def originals(self) -> int:
@@ -189,7 +200,8 @@ def _start(setup: _Setup, seed: int, restart: int) -> tuple[torch.Tensor, torch.
 def _optimise(setups: Sequence[_Setup], budget: Budget, seeds: Sequence[int]) -> list[AttackResult]:
     """DLG's L-BFGS on targets that share a model (``setups[0]``'s), all at once (the template's
     ``optimise.matching``): up to ``budget.iterations`` steps from each of ``budget.restarts`` starts, the
-    lowest-objective iterate kept, a start ended early when it converged, stalled or diverged."""
+    starts after the first raced by successive halving, the kept start by its rule, a start ended early
+    when it converged, stalled or diverged."""
     return optimise(setups, RECIPE.optimiser, budget.iterations, budget.restarts, seeds)
 
 

@@ -8,7 +8,8 @@ instead of a loop of its own.
   ``AttackResult`` with the forward check's inputs (``result_from_best``, ``check_inputs``);
 * the optimisers: Adam on the sign of the gradient with a step schedule (``adam``: one loop,
   ``run_adam``); L-BFGS (``lbfgs``: torch's, ``run_lbfgs``, and ``BatchedLBFGS`` for many problems at
-  once; ``matching``: L-BFGS over restarts for gradient matching); scipy's L-BFGS-B under a continuation
+  once; ``matching``: L-BFGS for gradient matching, every (target, start) one problem, the starts after
+  the first raced by successive halving); scipy's L-BFGS-B under a continuation
   over the model's kinks (``polish``);
 * the fit of a forward model's unknown parameters with the images fixed (``unknowns``: the forward
   check's private head at the truth);

@@ -96,7 +96,8 @@ class BatchedLBFGS:
     waiting for the objective and gradient at its ``x[k]``; ``tell(ks, losses, grads)`` hands them over
     and returns the problems whose *step* (one ``opt.step(closure)`` of torch) ended with it; the
     caller decides whether such a problem goes on (it then needs the next evaluation, as torch's next
-    step starts with one) or ``stop(k)``.
+    step starts with one) or ``stop(k)``. A stopped problem costs nothing (it is not pending) and
+    keeps its state: ``resume(k)`` takes it on from the step where it stopped.
     """
 
     def __init__(self, problems: int, size: int, lr: float = 1.0, max_iter: int = 20, max_eval: int | None = None,
@@ -129,6 +130,13 @@ class BatchedLBFGS:
 
     def stop(self, k: int) -> None:
         self._running[k] = False
+
+    def resume(self, k: int) -> None:
+        """Problem k, stopped after a step ended, goes on from where it stood (its history and iterate
+        kept): its next evaluation opens the next step, as in torch's next ``opt.step(closure)``."""
+        if self._in_step[k]:
+            raise ValueError(f"problem {k} was stopped inside a step; only a problem between steps resumes")
+        self._running[k] = True
 
     def pending(self) -> list[int]:
         return [k for k, running in enumerate(self._running) if running]
