@@ -343,12 +343,13 @@ def report(ctx, **_):
 
     Example: fedsec report --methods fedecouple,fedper,fedpac,fedproto --out runs/report
 
-    --preset audit: 20 clients, 20 rounds; attacks ig, fedavg-leak, proto and labels at round 0 and
-    round 19; ig@textbook (16 clients, one step on 2 images each); the attack built for real local
+    --preset audit: 20 clients, 20 rounds; attacks ig, fedavg-leak, spear, proto and labels at round 0
+    and round 19; ig@textbook (16 clients, one step on 2 images each); the attack built for real local
     training in three cells, fedavg-leak@real-n4, -n10 and -n50 (8 clients of 4, 4 of 10 and 2 of 50
     training images, each size its own federation; every image they trained on; the report's "Leakage
-    vs client size"); proto on 11 clients, labels on all 20: at least 32 images per image cell, each
-    with its interval and share recovered. One start per reconstruction, 500 steps (textbook, n4, n10)
+    vs client size"); spear@textbook (4 clients, one step on a batch of 8: the column "exact batch
+    recovery"); proto on 11 clients, labels on all 20: at least 32 images per image cell, each with
+    its interval and share recovered. One start per reconstruction, 500 steps (textbook, n4, n10)
     and 100 (n50). Explicit flags win (--iterations fedavg-leak@real=300 for every size,
     fedavg-leak@real-n10=300 for one; --attacks, --attack-rounds, --targets; --attacks without
     fedavg-leak gives ig its real-training cells back).

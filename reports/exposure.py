@@ -25,6 +25,9 @@ Chance levels for the metrics without a per-cell prior: LiRA AUC 0.5; the share 
 inputs rebuilt exactly and of label counts read exactly 0 (an uninformed guess rebuilds nothing exactly);
 class-presence accuracy against the label prior recorded with it (none recorded: n/a).
 
+The column "exact batch recovery" holds the share of a batch's layer inputs that an exact attack (SPEAR)
+recovered within its rule, against 0: that attack has no optimiser, so it never stops short.
+
 Paired comparisons follow the same rule (``paired_verdict``): "A leaks more than B" holds where the
 interval of A − B lies above 0, unless the side the interval puts lower, the side said to leak less,
 stopped short: then it is "undetermined (lower bound)", never "holds".
@@ -50,6 +53,7 @@ THREATS = (("round0", "curious server, round 0", "round 0"),
            ("trained", "curious server, trained", "trained"),
            ("real-small", "real local training, small clients", "small clients"),
            ("real-default", "real local training, default-size clients", "default-size clients"),
+           ("exact-batch", "exact batch recovery (SPEAR)", "exact batch"),
            ("malicious", "malicious server", "malicious"),
            ("secure", "under secure aggregation", "secure aggregation"),
            ("mia", "membership inference", "membership"))

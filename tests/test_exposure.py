@@ -226,3 +226,28 @@ def test_a_cell_key_names_its_threat():
     assert cell_threat("fedavg-leak@real-n50", 19) == "real-default"
     assert cell_threat("fedavg-leak", 0, real_by_default=True) == "real-default"
     assert cell_threat("proto", 19) == "trained"
+
+
+def test_the_exact_batch_attack_fills_its_own_column_from_the_share_of_inputs_recovered():
+    """SPEAR's per-image rows (``input_error``) become the "exact batch recovery" column: the share of inputs
+    within its rule with the interval over clients, judged against 0; a method it does not apply to is REFUSED
+    there too."""
+    import pandas as pd
+
+    from fedsec.jobs.report.tables import exposure_evidence, leakage_by_round
+
+    rows = [{"method": "fedper", "attack": "spear@textbook", "round": 19, "client": c, "image": i, "psnr": 30.0,
+             "ssim": 0.9, "prior_psnr": 12.0, "input_error": 1e-7 if (c, i) != (3, 0) else 0.2, "certified": 1,
+             "not_converged": False, "mis_specified": False} for c in range(4) for i in range(8)]
+    by_round = leakage_by_round(pd.DataFrame(rows), ["fedper"], ["spear@textbook"])
+    (row,) = by_round.to_dict("records")
+    assert row["inputs_exact_share"] == pytest.approx(31 / 32)
+    assert row["inputs_exact_ci_low"] < 31 / 32 <= row["inputs_exact_ci_high"]
+    summary = pd.DataFrame([{"method": "fedper", "spear@textbook_status": "done"},
+                            {"method": "fedproto", "spear@textbook_status": "not applicable: fedproto uploads no "
+                                                                             "extractor weights"}])
+    meta = {"attacks": ["spear@textbook"], "attack_settings": {"spear@textbook": {"rounds": [19]}}}
+    matrix = exposure_matrix(exposure_evidence(summary, by_round, meta))
+    exact = matrix.cells[("fedper", "exact-batch")].verdict
+    assert exact.word == EXPOSED and exact.evidence.metric == "inputs exact" and exact.evidence.stopped_short == 0
+    assert matrix.cells[("fedproto", "exact-batch")].word == REFUSED

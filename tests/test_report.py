@@ -382,12 +382,16 @@ def test_the_audit_preset_plans_at_least_32_images_per_image_cell():
     # IG in the textbook setting, the attack built for real local training in the real one
     real = [f"fedavg-leak@real-n{n}" for n in (4, 10, 50)]
     # and the round's label histogram from each method's secure sum (the "with secure aggregation" column)
-    assert cells == ["ig@textbook", *real, "proto", "labels", "sum-labels"] and settings.rounds == (0, 19)
+    # and SPEAR on one step of a batch of 8 (the "exact batch recovery" column)
+    assert cells == ["ig@textbook", *real, "spear@textbook", "proto", "labels", "sum-labels"]
+    assert settings.rounds == (0, 19)
     prep = prepare(RunConfig.of(dataset="mnist5k", **AUDIT_FEDERATION))
     smallest = min(len(prep.partition.train[c]) for c in range(prep.config.data.clients))
     plan = {c: settings.for_attack(c) for c in cells + ["ig@real"]}
     assert plan["sum-labels"].rounds == (0, 19) and plan["sum-labels"].spec.round_level
     assert plan["ig@textbook"].targets * plan["ig@textbook"].victim_batch >= 32
+    assert plan["ig@textbook"].victim_batch == 2 and plan["spear@textbook"].victim_batch == 8
+    assert plan["spear@textbook"].targets * plan["spear@textbook"].victim_batch >= 32
     for cell in real:  # real local training of clients of N images
         assert plan[cell].victim_batch == 0 and plan[cell].targets * settings.cell_size(cell) >= 32
     assert [plan[c].iterations for c in real] == [500, 500, 100]  # n50: fedavg-leak@real's entry
@@ -511,7 +515,7 @@ def test_preset_audit_gives_ig_its_real_cells_back_when_fedavg_leak_is_not_reque
     assert cells("ig", {"attacks", "real_sizes"}) == ["ig@textbook", "ig@real-n4"]
     assert cells("ig,fedavg-leak", {"attacks", "real_sizes"}) == ["ig@textbook", "fedavg-leak@real-n4"]
     assert cells("", set()) == ["ig@textbook", "fedavg-leak@real-n4", "fedavg-leak@real-n10",
-                                "fedavg-leak@real-n50", "proto", "labels", "sum-labels"]
+                                "fedavg-leak@real-n50", "spear@textbook", "proto", "labels", "sum-labels"]
 
 
 def test_real_sizes_give_one_real_training_cell_per_client_size(tmp_path):

@@ -70,6 +70,9 @@ class ReportSettings:
     malicious_rounds: tuple[int, ...] | None = None  # the section's attacked rounds (None: ``rounds``)
     real_sizes: tuple[int, ...] = ()  # the real-training cells' client sizes (empty: the federation's clients)
     settings_by: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per attack: its victim settings
+    # per cell or attack: the textbook step's batch where it is not ``textbook_batch`` (an exact batch
+    # attack is measured at the batch sizes clients train with)
+    textbook_batch_by: dict[str, int] = field(default_factory=dict)
     mode: str = "auto"  # the gradient attacks' forward model (``AttackSettings.mode``)
 
     def keys(self, attack_names: Iterable[str]) -> list[str]:
@@ -116,10 +119,12 @@ class ReportSettings:
         attack, setting = attack_of(key), cell_setting(key)[0]
         spec = attacks.get(attack)
         # an attack's own setting: the textbook batch where it attacks the textbook setting by default
-        own = self.textbook_batch if spec.default_victim_batch > 0 else spec.default_victim_batch
-        victim = {"": own, "real": 0, "textbook": self.textbook_batch}[setting]
+        own = (int(self.textbook_batch_by.get(attack, self.textbook_batch)) if spec.default_victim_batch > 0
+               else spec.default_victim_batch)
         family = f"{attack}@{setting}"  # a sized cell falls back on its setting's entry, then the attack's
         pick = lambda table, default: table.get(key, table.get(family, table.get(attack, default)))  # noqa: E731
+        textbook = int(pick(self.textbook_batch_by, self.textbook_batch))
+        victim = {"": own, "real": 0, "textbook": textbook}[setting]
         return AttackSettings(attack=attack, rounds=tuple(int(r) for r in self.rounds),
                               targets=int(pick(self.targets_by, self.targets)),
                               iterations=int(pick(self.iterations, spec.default_iterations)),
@@ -165,7 +170,8 @@ def audit_preset(iterations: dict[str, int] | None = None) -> ReportSettings:
     round 0 and at the last round, IG in the textbook setting (16 clients, one step on 2 images each),
     the attack built for real local training (``fedavg-leak``: Dimitrov et al., with the layer-input
     solve where it applies) on clients of 4, 10 and 50 training images (``AUDIT_REAL_SIZES``: 8, 4
-    and 2 clients, every image they trained on; a federation of its own per size), prototype
+    and 2 clients, every image they trained on; a federation of its own per size), the exact batch
+    attack (``spear``) on 4 clients, each one SGD step on a batch of 8 of its images, prototype
     inversion on 11 clients (3 prototypes each) and label inference on all 20: at least 32 images per
     image cell. One start per reconstruction; the budget is cut where each step replays several
     local steps (50 images: five, FedeCouple's phases each). The malicious-server section (``trap``):
@@ -175,11 +181,14 @@ def audit_preset(iterations: dict[str, int] | None = None) -> ReportSettings:
     kept = {k: v for k, v in AUDIT_ITERATIONS.items() if not any(_covers(u, k) for u in user)}
     sized = {f"{a}@real-n{n}": t for a in ("ig", REAL_TRAINING_ATTACK) for n, t in AUDIT_REAL_TARGETS.items()}
     return ReportSettings(rounds=AUDIT_ROUNDS, victim_settings=VICTIM_SETTINGS, textbook_batch=2, restarts=1,
+                          textbook_batch_by={EXACT_BATCH_ATTACK: AUDIT_EXACT_BATCH},
                           targets_by={"ig@textbook": 16, "ig@real": 2, f"{REAL_TRAINING_ATTACK}@real": 2, **sized,
+                                      f"{EXACT_BATCH_ATTACK}@textbook": 4,
                                       "proto": 11, "labels": 20,
                                       **{a: AUDIT_MALICIOUS_TARGETS for a in attacks.names("malicious")}},
                           malicious_sizes=DEFAULT_MALICIOUS_SIZES, malicious_rounds=(0,), real_sizes=AUDIT_REAL_SIZES,
-                          settings_by={"ig": ("textbook",), REAL_TRAINING_ATTACK: ("real",)},
+                          settings_by={"ig": ("textbook",), REAL_TRAINING_ATTACK: ("real",),
+                                       EXACT_BATCH_ATTACK: ("textbook",)},
                           iterations={**kept, **user})
 
 
@@ -191,7 +200,9 @@ def _covers(given: str, key: str) -> bool:
 # the attack built for the clients' real local training (several steps, every image): the preset's
 # real-training cells, where IG keeps the textbook one
 REAL_TRAINING_ATTACK = "fedavg-leak"
-AUDIT_ATTACKS = ("ig", REAL_TRAINING_ATTACK, "proto", "labels", "trap", "sum-labels")
+# the exact batch attack: one step on a batch of this many images, as clients train (SPEAR)
+EXACT_BATCH_ATTACK, AUDIT_EXACT_BATCH = "spear", 8
+AUDIT_ATTACKS = ("ig", REAL_TRAINING_ATTACK, EXACT_BATCH_ATTACK, "proto", "labels", "trap", "sum-labels")
 AUDIT_MALICIOUS_TARGETS = 4
 AUDIT_ROUNDS = (0, 19)
 # ig@real: the federation's own clients (~180 images), as ``fedsec attack ig --preset audit`` runs it

@@ -17,7 +17,7 @@ from reports.formatting import finite_or_none, interval_text, is_true
 
 from ... import io
 from ..attack import IMAGE_COLUMNS, LABEL_COLUMNS
-from .settings import attack_of, cell_setting
+from .settings import EXACT_BATCH_ATTACK, attack_of, cell_setting
 from .stages import Stage
 
 RESULT_COLUMNS = list(dict.fromkeys(IMAGE_COLUMNS + LABEL_COLUMNS))
@@ -241,7 +241,8 @@ def leakage_by_round(results: pd.DataFrame, methods: list[str], cells: list[str]
 
     columns = ["method", "attack", "round", "n_images", "n_targets", "mean_psnr", "mean_psnr_ci_low",
                "mean_psnr_ci_high", "prior_psnr", "success_rate", "success_rate_ci_low", "success_rate_ci_high",
-               "mis_specified_targets", "not_converged_targets", "model_unknown_targets"]
+               "mis_specified_targets", "not_converged_targets", "model_unknown_targets",
+               "inputs_exact_share", "inputs_exact_ci_low", "inputs_exact_ci_high"]
     out = []
     image_cells = [a for a in cells if attacks.get(attack_of(a)).rebuilds_images]
     if not len(results) or "psnr" not in results.columns:
@@ -261,8 +262,19 @@ def leakage_by_round(results: pd.DataFrame, methods: list[str], cells: list[str]
                             "success_rate_ci_low": stats["success_rate_ci"][0],
                             "success_rate_ci_high": stats["success_rate_ci"][1],
                             "mis_specified_targets": flag("mis_specified"), "not_converged_targets": flag("not_converged"),
-                            "model_unknown_targets": flag("model_unknown")})
+                            "model_unknown_targets": flag("model_unknown"), **_inputs_exact(a, records, seed)})
     return pd.DataFrame(out, columns=columns)
+
+
+def _inputs_exact(cell: str, records: list[dict], seed: int) -> dict:
+    """The share of images whose layer input an exact attack recovered (its ``statistics``'
+    ``inputs_exact_share``) with its interval; empty for the other attacks."""
+    statistics = attacks.get(attack_of(cell)).statistics
+    found = statistics(records, seed) if statistics is not None and records and "input_error" in records[0] else {}
+    if found.get("inputs_exact_share") is None:
+        return {}
+    low, high = found["inputs_exact_share_ci"]
+    return {"inputs_exact_share": found["inputs_exact_share"], "inputs_exact_ci_low": low, "inputs_exact_ci_high": high}
 
 
 def client_size_rows(by_round: pd.DataFrame, summary: pd.DataFrame, cells: dict) -> list[dict]:
@@ -334,7 +346,7 @@ def headline_markdown(summary: pd.DataFrame, attack_names: list[str], methods: l
 
 
 NO_WEIGHTS = "uploads no model weights"  # the weight attacks' not-applicable sentence: the NO MODEL case
-SERVER_THREATS = ("round0", "trained", "real-small", "real-default", "malicious", "secure")
+SERVER_THREATS = ("round0", "trained", "real-small", "real-default", "exact-batch", "malicious", "secure")
 
 
 def exposure_evidence(summary: pd.DataFrame, by_round: pd.DataFrame, meta: dict,
@@ -343,7 +355,8 @@ def exposure_evidence(summary: pd.DataFrame, by_round: pd.DataFrame, meta: dict,
     each image cell per method and attacked round (its threat from its victim setting and round), the
     attacks that did not apply (NO MODEL for a weight attack on a method that uploads no weights, else
     REFUSED), the label attacks' class-presence accuracy, the malicious-server section's share recovered
-    with the download check off, LiRA's AUC on the personal models and the audit's secure-aggregation
+    with the download check off, the exact batch attack's share of inputs recovered exactly (its own
+    column), LiRA's AUC on the personal models and the audit's secure-aggregation
     declaration (a method that refuses it, or sends nothing)."""
     from reports.exposure import Evidence, as_dicts, cell_threat
 
@@ -353,7 +366,8 @@ def exposure_evidence(summary: pd.DataFrame, by_round: pd.DataFrame, meta: dict,
     def threats(a: str, rounds) -> list[str]:
         spec = attacks.get(attack_of(a))
         real = spec.kind == "gradient" and spec.default_victim_batch == 0  # no setting: the real local training
-        return list(dict.fromkeys(cell_threat(a, int(r), real) for r in rounds or (0,)))
+        exact = ["exact-batch"] if attack_of(a) == EXACT_BATCH_ATTACK else []  # its own column too
+        return list(dict.fromkeys([*(cell_threat(a, int(r), real) for r in rounds or (0,)), *exact]))
 
     for r in by_round.to_dict("records"):
         a = str(r["attack"])
@@ -363,6 +377,12 @@ def exposure_evidence(summary: pd.DataFrame, by_round: pd.DataFrame, meta: dict,
                             stopped_short=_count(r.get("not_converged_targets")), n_targets=_count(r.get("n_targets")),
                             no_model=_count(r.get("model_unknown_targets")) or 0,
                             mis_specified=_count(r.get("mis_specified_targets")) or 0, what=a))
+        if finite_or_none(r.get("inputs_exact_share")) is not None:
+            out.append(Evidence(method=str(r["method"]), threat="exact-batch", source=f"round {r['round']}",
+                                metric="inputs exact", value=finite_or_none(r["inputs_exact_share"]),
+                                low=finite_or_none(r.get("inputs_exact_ci_low")),
+                                high=finite_or_none(r.get("inputs_exact_ci_high")), stopped_short=0,
+                                n_targets=_count(r.get("n_targets")), what=a))
     for row in summary.to_dict("records"):
         m = str(row["method"])
         for a in meta.get("attacks") or []:
@@ -389,22 +409,7 @@ def exposure_evidence(summary: pd.DataFrame, by_round: pd.DataFrame, meta: dict,
             out += [Evidence(method=m, threat=t, source="", refused="sends nothing to the server")
                     for t in SERVER_THREATS]
     if malicious is not None and len(malicious):
-        for r in malicious.to_dict("records"):
-            if r.get("download_check") != "off":  # the matrix shows the methods without a defence
-                continue
-            what = f"{r['attack']}, N = {r['train_images']}"
-            if r.get("status") == "refused":
-                out.append(Evidence(method=str(r["method"]), threat="malicious", source="", what=what,
-                                    refused=str(r.get("reason") or "refused")))
-            elif r.get("status") != "done":
-                out.append(Evidence(method=str(r["method"]), threat="malicious", source="", what=what,
-                                    missing=f"{r.get('status')}: {r.get('reason')}"))
-            else:
-                out.append(Evidence(method=str(r["method"]), threat="malicious", source="", what=what,
-                                    metric="recovered", value=finite_or_none(r.get("recovered_share")),
-                                    low=finite_or_none(r.get("recovered_ci_low")),
-                                    high=finite_or_none(r.get("recovered_ci_high")),
-                                    n_targets=_count(r.get("n_targets"))))
+        out += _malicious_evidence(malicious)
     for s in meta.get("mia") or []:
         lira = (((s.get("targets") or {}).get("personal") or {}).get("attacks") or {}).get("lira") or {}
         low, high = lira.get("auc_ci") or (None, None)
@@ -413,6 +418,28 @@ def exposure_evidence(summary: pd.DataFrame, by_round: pd.DataFrame, meta: dict,
                             high=finite_or_none(high), stopped_short=0,
                             missing=None if lira else "no personal model to attack"))
     return as_dicts(out)
+
+
+def _malicious_evidence(malicious: pd.DataFrame) -> list:
+    """The malicious-server section's evidence: each attack and client size with the download check off
+    (the matrix shows the methods without a defence), refused, missing or its share recovered."""
+    from reports.exposure import Evidence
+
+    out = []
+    for r in malicious.to_dict("records"):
+        if r.get("download_check") != "off":
+            continue
+        common = {"method": str(r["method"]), "threat": "malicious", "source": "",
+                  "what": f"{r['attack']}, N = {r['train_images']}"}
+        if r.get("status") == "refused":
+            out.append(Evidence(**common, refused=str(r.get("reason") or "refused")))
+        elif r.get("status") != "done":
+            out.append(Evidence(**common, missing=f"{r.get('status')}: {r.get('reason')}"))
+        else:
+            out.append(Evidence(**common, metric="recovered", value=finite_or_none(r.get("recovered_share")),
+                                low=finite_or_none(r.get("recovered_ci_low")),
+                                high=finite_or_none(r.get("recovered_ci_high")), n_targets=_count(r.get("n_targets"))))
+    return out
 
 
 def _count(x) -> int | None:
