@@ -570,6 +570,62 @@ def spear_figures(out: Path, stdout: str) -> dict:
                                     "prior dB", "seconds per target", "images"], "rows": rows}]}
 
 
+SPEAR_LINE = re.compile(rf"^(one-step|real|trained) (.+?) (\S+): (?:exact ({NUMBER}) % \[(\d+), (\d+)\], certified "
+                        rf"({NUMBER}) %, )?PSNR ({NUMBER}) dB \[([^,]+), ([^\]]+)\] \(prior ({NUMBER})\), ({NUMBER}) s "
+                        rf"per target, n = (\d+)", re.M)
+SPEAR_PAIRED = re.compile(rf"^(one-step|real|trained) (.+?) paired: (\S+) - (\S+) = ([+-]{NUMBER}) dB "
+                          rf"\[([^,]+), ([^\]]+)\] over n = (\d+) images", re.M)
+
+
+def spear_compare_figures(out: Path, stdout: str) -> dict:
+    """``bench/spear_compare.py``: per setting and case each attack's share of inputs exact, PSNR against the
+    prior and seconds; the paired PSNR differences; for the exposure matrix's "exact batch recovery" column,
+    each SPEAR share with its interval (the method from the case: FedAvg unless the trained case names it)."""
+    text = printout(stdout)
+    rows, evidence = [], []
+    for m in SPEAR_LINE.finditer(text):
+        setting, case, attack = m.group(1), m.group(2), m.group(3)
+        exact = f"{m.group(4)} % [{m.group(5)}, {m.group(6)}]" if m.group(4) else "—"
+        rows.append([setting, case, attack, exact, f"{m.group(7)} %" if m.group(7) else "—",
+                     f"{m.group(8)} [{m.group(9)}, {m.group(10)}]", m.group(11), m.group(12), m.group(13)])
+        if m.group(4):
+            method = case.split()[0] if setting == "trained" else "fedavg"
+            evidence.append(_evidence(method=method, threat="exact-batch", source="spear-compare", metric="inputs exact",
+                                      value=float(m.group(4)) / 100, low=float(m.group(5)) / 100,
+                                      high=float(m.group(6)) / 100, stopped_short=0, what=f"spear, {setting} {case}"))
+    if not rows:
+        raise CellError("bench/spear_compare.py printed no 'SETTING CASE ATTACK: ... PSNR ...' line")
+    paired = [[m.group(1), m.group(2), f"{m.group(3)} − {m.group(4)}", f"{m.group(5)} [{m.group(6)}, {m.group(7)}]",
+               m.group(8)] for m in SPEAR_PAIRED.finditer(text)]
+    headline = "; ".join(f"{r[0]} {r[1]}: {r[2]} = {r[3]}" for r in paired[:4]) or rows[0][1]
+    return {"headline": f"paired PSNR above the prior, dB: {headline}",
+            "tables": [{"title": "Per setting, case and attack (the same uploads for both attacks of a case)",
+                        "columns": ["setting", "case", "attack", "inputs exact (≤ 1e-4) [95 % CI]", "certified",
+                                    "PSNR dB [95 % CI]", "prior dB", "seconds per target", "images"], "rows": rows},
+                       {"title": "Paired: PSNR above the prior (capped at 100 dB), first attack minus second, on the images both scored",
+                        "columns": ["setting", "case", "attacks", "difference dB [95 % CI]", "images"],
+                        "rows": paired}],
+            "evidence": evidence}
+
+
+def restarts_figures(out: Path, stdout: str) -> dict:
+    """``bench/restarts.py``: the main job at one start and at K, wall seconds, mean PSNR and the targets whose
+    kept start stopped short; the wall-time ratio."""
+    text = printout(stdout)
+    pattern = re.compile(rf"^--restarts (\d+):\s+({NUMBER}) s, mean PSNR ({NUMBER}) dB \[([^,]+), ([^\]]+)\], kept start "
+                         rf"stopped short on (\d+) of (\d+) targets", re.M)
+    rows = [[m.group(1), m.group(2), f"{m.group(3)} [{m.group(4)}, {m.group(5)}]", f"{m.group(6)} of {m.group(7)}"]
+            for m in pattern.finditer(text)]
+    ratio = _need(re.search(rf"^ratio ({NUMBER}) psnr1 ({NUMBER}) psnr8 ({NUMBER})", text, re.M), "'ratio ...' line")
+    if len(rows) != 2:
+        raise CellError("bench/restarts.py printed no two '--restarts K: ...' lines")
+    return {"headline": f"--restarts {rows[1][0]}: {ratio.group(1)}× the wall time of one start, mean PSNR "
+                        f"{ratio.group(3)} dB against {ratio.group(2)}",
+            "tables": [{"title": "The main job (DLG on 8 FedeCouple clients) at one start and at K",
+                        "columns": ["starts", "wall s", "mean PSNR dB [95 % CI]", "kept start stopped short"],
+                        "rows": rows}], "line": text}
+
+
 def batched_figures(out: Path, stdout: str) -> dict:
     """``bench/batched_attack.py``: batched against one by one, seconds and PSNR."""
     text = printout(stdout)
@@ -697,14 +753,24 @@ def _other_cells() -> list[Cell]:
                       ("python", "bench/vs_breaching.py", "--images", "8", "--threads", "1"),
                       vs_breaching_figures, "about 2 min",
                       depends=CODE + ("bench/vs_breaching.py",)))
+    cells.append(Cell("restarts-main-job", "speed", "the main job at --restarts 1 and 8 in one process (every start a "
+                      "slot of one batched L-BFGS, the later starts raced by successive halving), one thread",
+                      ("python", "bench/restarts.py", "--restarts", "8"), restarts_figures, "about 4 min",
+                      depends=CODE + ("bench/restarts.py",)))
     cells.append(Cell("batched-ig", "speed", "IG on 16 targets of one model, batched ÷ one by one",
                       ("python", "bench/batched_attack.py", "--attacks", "ig"), batched_figures,
                       "about 1 min", depends=CODE + ("bench/batched_attack.py", "bench/attack_speed.py")))
     cells.append(Cell("spear-batch-size", "spear", "SPEAR on FedAvg's one-step uploads, mlp-relu (first layer) and "
-                      "pfllib-cnn (fc after the convolutions), 2 clients per batch size",
+                      "pfllib-cnn (fc after the convolutions), and the LeakyReLU models mlp and cnn28, 2 clients per "
+                      "batch size",
                       ("python", "bench/spear.py", "--batches", "4,8,16,24,25,32", "--out", "spear.png"),
-                      spear_figures, "about 4 min", depends=CODE + ("bench/spear.py",),
+                      spear_figures, "about 8 min", depends=CODE + ("bench/spear.py",),
                       pictures=(("spear.png", "docs/img/results/spear-batch-size.png"),)))
+    cells.append(Cell("spear-compare", "spear", "SPEAR beside IG (one step, B = 16/25 on mlp-relu, 8/16 on pfllib-cnn) "
+                      "and fedavg-leak (real local training: 24 images, batches of 8, one epoch) on the same uploads, "
+                      "and on FedAvg, FedPer and FedPAC after 19 rounds (pfllib-cnn, one step of 8), 2 clients per case",
+                      ("python", "bench/spear_compare.py"), spear_compare_figures, "about 15 min",
+                      depends=CODE + ("bench/spear_compare.py",), threat="evidence"))
     cells.append(Cell("leak-small-clients", "speed", "fedavg-leak on FedAvg's smallest clients: 6 images, batches of "
                       "2, one epoch, 4 targets",
                       ("fedsec", "attack", "fedavg-leak", "--method", "fedavg", "--partition", "weak",
