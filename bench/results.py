@@ -782,6 +782,11 @@ def _other_cells() -> list[Cell]:
     cells.append(Cell("device-gpu", "device", "GPU ÷ CPU: one FedeCouple round and batched IG (16 targets)",
                       ("python", "bench/device.py", "--threads", "1", "--ig-iterations", "50"), device_figures,
                       "about 2 min on a GPU machine", depends=CODE + ("bench/device.py",), needs_gpu=True))
+    cells.append(Cell("device-main-job", "device", "the main job on the GPU (DLG on FedeCouple, --device cuda)",
+                      MAIN + ("--device", "cuda"), attack_figures, "about 30 s on a GPU machine", needs_gpu=True))
+    cells.append(Cell("device-audit-preset", "device", "fedsec report --preset audit on the GPU",
+                      ("fedsec", "report", "--preset", "audit", "--device", "cuda", "--out", "runs/audit"),
+                      audit_figures, "5-20 min on a GPU machine", depends=CODE + ("reports",), needs_gpu=True))
     return cells
 
 
