@@ -1177,6 +1177,7 @@ def declared_refusals(methods: list[str]) -> list:
     """What the methods' own declarations refuse (``fedecouple.methods``): secure aggregation where the server
     reads each client's upload, every server threat where the method sends nothing."""
     from fedecouple.methods import METHODS
+    from fedsec.jobs.report.tables import SERVER_THREATS
     from reports.exposure import Evidence
 
     out = []
@@ -1186,7 +1187,7 @@ def declared_refusals(methods: list[str]) -> list:
             continue
         if not method.communicates:
             out += [Evidence(method=name, threat=t, source="its declaration", refused="sends nothing to the server")
-                    for t in ("round0", "trained", "real-small", "real-default", "malicious", "secure")]
+                    for t in SERVER_THREATS]
         elif not method.aggregates_securely():
             out.append(Evidence(method=name, threat="secure", source="its declaration",
                                 refused=f"its server reads {', '.join(method.per_client_fields)} of each client"))
