@@ -597,8 +597,9 @@ def spear_compare_figures(out: Path, stdout: str) -> dict:
         raise CellError("bench/spear_compare.py printed no 'SETTING CASE ATTACK: ... PSNR ...' line")
     paired = [[m.group(1), m.group(2), f"{m.group(3)} − {m.group(4)}", f"{m.group(5)} [{m.group(6)}, {m.group(7)}]",
                m.group(8)] for m in SPEAR_PAIRED.finditer(text)]
-    headline = "; ".join(f"{r[0]} {r[1]}: {r[2]} = {r[3]}" for r in paired[:4]) or rows[0][1]
-    return {"headline": f"paired PSNR above the prior, dB: {headline}",
+    # each case's paired difference without its interval (the table has it): a headline of one line
+    headline = "; ".join(f"{r[1]} {r[3].split(' [')[0]}" for r in paired if r[0] == "one-step")
+    return {"headline": f"SPEAR − IG, paired PSNR above the prior (dB): {headline}" if headline else rows[0][1],
             "tables": [{"title": "Per setting, case and attack (the same uploads for both attacks of a case)",
                         "columns": ["setting", "case", "attack", "inputs exact (≤ 1e-4) [95 % CI]", "certified",
                                     "PSNR dB [95 % CI]", "prior dB", "seconds per target", "images"], "rows": rows},
