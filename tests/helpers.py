@@ -1,5 +1,7 @@
 """Small builders shared by tests."""
 import os
+import subprocess
+import sys
 
 from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.data import make_partition
@@ -57,6 +59,12 @@ def model_factory(model):
         fresh.load_state_dict(state)
         return fresh
     return make
+
+
+def run_python(code: str, **kwargs) -> subprocess.CompletedProcess:
+    """``code`` run by this Python in a fresh process (what a new user's ``import`` sees: no module of the
+    test session loaded), its output captured as text; ``kwargs`` go to ``subprocess.run`` (cwd, timeout)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, **kwargs)
 
 
 # -- running the command line in this process (the entry-point matrix) ---------------------------------

@@ -2,8 +2,6 @@
 the same one-line errors), typed results; ``out=None`` writes nothing, ``progress=False`` is silent."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -11,6 +9,7 @@ import pytest
 
 import fedsec
 from fedecouple.errors import UserError
+from helpers import run_python
 
 TINY = dict(dataset="digits", clients=4, rounds=1, threads=1, progress=False)
 
@@ -25,7 +24,7 @@ def nothing_written(tmp_path, monkeypatch):
 
 def test_import_fedsec_is_cheap_and_exports_the_functions():
     code = "import sys, fedsec; assert 'torch' not in sys.modules; print(sorted(fedsec.__all__))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    result = run_python(code)
     assert result.returncode == 0, result.stderr
     for name in ("train", "attack", "audit", "report", "defend", "mia"):
         assert name in result.stdout
@@ -38,7 +37,7 @@ def test_the_job_modules_leave_the_functions_in_place():
             "for name in ('attack', 'audit', 'report', 'defend', 'mia', 'compare'):\n"
             "    importlib.import_module('fedsec.jobs.' + name)\n"
             "    assert getattr(fedsec, name) is getattr(fedsec.api, name), name\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    result = run_python(code)
     assert result.returncode == 0, result.stderr
 
 

@@ -1,7 +1,6 @@
 """Execution backends: the Ray backend gives the same numbers, the same channel traffic and the same
 interceptor calls as the sequential one; a missing Ray is a one-line error naming the extra."""
 import importlib.util
-import subprocess
 import sys
 
 import numpy as np
@@ -14,7 +13,7 @@ from fedecouple.errors import UserError
 from fedsec.jobs.attack import AttackSettings, run_attack
 from fedsec.runner import RunConfig, prepare, train
 
-from helpers import tiny_federation
+from helpers import run_python, tiny_federation
 from helpers import TEST_THREADS
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None
@@ -165,7 +164,7 @@ def test_backend_flag_errors():
 def test_cli_backend_flag_is_one_line_error_without_ray(tmp_path):
     code = ("import sys; sys.modules['ray'] = None; from fedsec.cli import main; "
             "main(['train', '--dataset', 'digits', '--clients', '3', '--rounds', '1', '--backend', 'ray'])")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    res = run_python(code, timeout=120, cwd=tmp_path)
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "pip install -e '.[ray]'" in res.stderr
 

@@ -2,9 +2,9 @@
 and the help imports no torch."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import fields
+
+from helpers import run_python
 
 
 def test_the_catalog_equals_the_registries():
@@ -41,5 +41,5 @@ def test_the_help_and_import_fedsec_load_no_torch():
             "for args in ([], ['attack'], ['report'], ['flower', 'attack'], ['defend'], ['mia']):\n"
             "    main([*args, '--help'])\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    result = run_python(code)
     assert result.returncode == 0, result.stderr
