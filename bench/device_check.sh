@@ -21,13 +21,17 @@
 # Records go to results/ and, with everything each step wrote, to $OUT (default device-out/).
 set -u
 OUT=${OUT:-device-out}
-mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ls device-wheels/*.whl >/dev/null 2>&1; then
     python -m pip install -q --no-index --no-deps device-wheels/*.whl
 fi
-python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), \
-torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+if ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    echo "error: no torch that sees a GPU here; run this on the device machine (bench/device.py compares CPUs alone)" >&2
+    exit 2
+fi
+python -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+mkdir -p "$OUT"
+touch "$OUT/.started"  # the records this run writes are the ones newer than this
 
 step() {  # step LIMIT_SECONDS NAME COMMAND...: run with a limit, print its wall seconds and exit status
     local limit=$1 name=$2
@@ -53,5 +57,5 @@ else
     echo "=== resnet18-ig: skipped (no device-data/cinic: python bench/skimage_cifar.py device-data/cinic)"
 fi
 step 240 "device-audit-preset" python bench/results.py --cell device-audit-preset
-cp results/device-*.json "$OUT"/ 2>/dev/null
+find results -name 'device-*.json' -newer "$OUT/.started" -exec cp {} "$OUT"/ \;
 echo "records: $(ls "$OUT"/device-*.json 2>/dev/null | tr '\n' ' ')"
