@@ -17,8 +17,8 @@ generator is seeded with ``derive_seed(seed, round, client, 1)`` and torch's glo
 ``derive_seed(seed, round, client, 2)`` right before the update, so the same seed gives the same
 numbers under either backend — provided the torch thread count is the same too (floating-point
 reductions in convolutions depend on it). Ray workers use ``threads`` torch threads (default 1,
-one per reserved CPU); the driver uses the process's setting (``--threads``), so pass
-``--threads 1`` for results bit-identical to a sequential run.
+one per reserved CPU); the driver uses the process's setting (``torch.set_num_threads``), so set both
+to 1 for results bit-identical to a sequential run.
 """
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ RAY_HINT = "pip install ray (from a checkout: pip install -e '.[ray]')"
 @dataclass(frozen=True)
 class ModelSpec:
     """Enough to rebuild the workspace model anywhere (its weights are always set by the method):
-    a built-in architecture, or the user's ``factory`` (``package.module:factory``, ``--model``),
-    on ``device``."""
+    a built-in architecture, or the user's ``factory`` (``package.module:factory``, the federation's
+    ``model``), on ``device``."""
 
     arch: str
     channels: int
@@ -82,7 +82,8 @@ class ModelSpec:
             return
         with torch.random.fork_rng(devices=[]):  # checking draws no number a run would draw
             model = build_custom(self.factory)
-        check_fits(model, self.channels, self.image_size, self.num_classes, f"--model {self.factory!r}")
+        check_fits(model, self.channels, self.image_size, self.num_classes, f"model {self.factory!r}",
+                   fields=("model",))
 
 
 @dataclass
@@ -148,7 +149,7 @@ def check_finite_upload(upload: Upload, client_id: int, round: int) -> None:
            if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
         raise UserError(f"{DIVERGED} (non-finite upload: {', '.join(bad[:3])}) on client {client_id} in round "
-                        f"{round}; lower --lr")
+                        f"{round}; lower lr", fields=("lr",))
 
 
 class Backend:
@@ -217,7 +218,7 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise UserError(f"--backend ray needs Ray, which is not installed: {RAY_HINT}") from None
+        raise UserError(f"backend ray needs Ray, which is not installed: {RAY_HINT}", fields=("backend",)) from None
     return ray
 
 
@@ -277,7 +278,7 @@ class RayBackend(Backend):
         self.ray = import_ray()
         self.threads = int(threads) if threads else 1
         if self.threads < 1:
-            raise UserError(f"--threads must be at least 1, got {threads}")
+            raise UserError(f"threads must be at least 1, got {threads}", fields=("threads",))
         self._started = False
         if not self.ray.is_initialized():
             if address:
@@ -300,8 +301,8 @@ class RayBackend(Backend):
         """A task reserving more CPUs than the cluster has would wait forever: say so instead."""
         cpus = self.ray.cluster_resources().get("CPU", 0)
         if threads > cpus:
-            raise UserError(f"--threads {threads} asks more CPUs per {per} than the Ray cluster has ({cpus:g}); "
-                            f"lower --threads")
+            raise UserError(f"threads {threads} asks more CPUs per {per} than the Ray cluster has ({cpus:g}); "
+                            f"lower threads", fields=("threads",))
 
     def _gpu_share(self, device: str) -> float:
         """GPUs one task asks for: 0 on the CPU; a CUDA device on a cluster without GPUs is an error."""
@@ -310,7 +311,8 @@ class RayBackend(Backend):
         gpus = self.ray.cluster_resources().get("GPU", 0)
         if gpus <= 0:
             self.close()
-            raise UserError(f"--device {device} with --backend ray: the Ray cluster has no GPUs")
+            raise UserError(f"device {device} with backend ray: the Ray cluster has no GPUs",
+                            fields=("device", "backend"))
         return min(1.0, gpus / self.workers())
 
     def workers(self) -> int:
@@ -336,7 +338,7 @@ class RayBackend(Backend):
 
     @contextmanager
     def _user_errors(self):
-        """A UserError raised in a task (e.g. "training diverged ...; lower --lr") surfaces as itself:
+        """A UserError raised in a task (e.g. "training diverged ...; lower lr") surfaces as itself:
         one line, as under the sequential backend."""
         try:
             yield
@@ -372,12 +374,14 @@ class RayBackend(Backend):
         self._started = False
 
 
-def make_backend(name: str = "sequential", address: str | None = None, threads: int | None = None,
+def make_backend(backend: str = "sequential", address: str | None = None, threads: int | None = None,
                  device: str = "cpu") -> Backend:
-    if name == "sequential":
+    """The backend named ``backend``; ``address`` (a Ray cluster's), ``threads`` and ``device`` as
+    ``RayBackend`` takes them."""
+    if backend == "sequential":
         if address:
-            raise UserError("--ray-address needs --backend ray")
+            raise UserError("address needs backend ray", fields=("address", "backend"))
         return SequentialBackend()
-    if name == "ray":
+    if backend == "ray":
         return RayBackend(address=address, threads=threads, device=device)
-    raise UserError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+    raise UserError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")

@@ -1,4 +1,4 @@
-"""Where tensors are computed: ``--device auto|cpu|cuda|cuda:N``.
+"""Where tensors are computed: a ``device`` of ``auto|cpu|cuda|cuda:N``.
 
 One validator (``resolve_device``) for every command. ``auto`` is CUDA when torch sees a GPU, else
 the CPU. Training keeps the federation's bookkeeping (server state, clients' kept state, every
@@ -36,13 +36,13 @@ def resolve_device(text: str | torch.device | None) -> str:
     if name == "cuda" or name.startswith("cuda:"):
         index = name[5:]
         if index and not index.isdigit():
-            raise UserError(f"--device {text!r}: expected {DEVICE_CHOICES}")
+            raise UserError(f"device {text!r}: expected {DEVICE_CHOICES}", fields=("device",))
         if not torch.cuda.is_available():
-            raise UserError(f"--device {text}: torch sees no CUDA GPU on this machine "
-                            f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device cpu")
+            raise UserError(f"device {text}: torch sees no CUDA GPU on this machine (torch {torch.__version__}, "
+                            f"CUDA build {torch.version.cuda or 'none'}); use device cpu", fields=("device",))
         if index and int(index) >= torch.cuda.device_count():
-            raise UserError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
-                            f"numbered from 0")
+            raise UserError(f"device {text}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                            f"numbered from 0", fields=("device",))
         return name
     raise UserError(f"unknown device {text!r}; choose one of: {DEVICE_CHOICES}")
 

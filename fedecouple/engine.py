@@ -46,17 +46,18 @@ class FederationConfig:
 
     def validate(self, num_clients: int) -> None:
         if self.rounds < 0:
-            raise UserError(f"--rounds must be >= 0, got {self.rounds}")
+            raise UserError(f"rounds must be >= 0, got {self.rounds}", fields=("rounds",))
         if not 0 < self.join_ratio <= 1:
-            raise UserError(f"--join-ratio must be in (0, 1], got {self.join_ratio}")
+            raise UserError(f"join_ratio must be in (0, 1], got {self.join_ratio}", fields=("join_ratio",))
         if self.train.local_epochs < 1:
-            raise UserError(f"--local-epochs must be >= 1, got {self.train.local_epochs}")
+            raise UserError(f"local_epochs must be >= 1, got {self.train.local_epochs}",
+                            fields=("local_epochs",))
         if self.train.batch_size < 1:
-            raise UserError(f"--batch-size must be >= 1, got {self.train.batch_size}")
+            raise UserError(f"batch_size must be >= 1, got {self.train.batch_size}", fields=("batch_size",))
         if not self.train.lr > 0:
-            raise UserError(f"--lr must be positive, got {self.train.lr}")
+            raise UserError(f"lr must be positive, got {self.train.lr}", fields=("lr",))
         if not 0 <= self.dropout < 1:
-            raise UserError(f"--dropout must be in [0, 1), got {self.dropout}")
+            raise UserError(f"dropout must be in [0, 1), got {self.dropout}", fields=("dropout",))
 
 
 class GroundTruth:

@@ -27,7 +27,7 @@ training mode (local training, evaluation on the client's test split, and the at
 is given, and the running statistics take part in no result. DP-SGD refuses it (BatchNorm mixes the
 samples of a batch).
 
-``--model package.module:factory`` (``load_factory``) builds the user's own ``SplitModel``.
+A ``model`` of ``package.module:factory`` (``load_factory``) builds the user's own ``SplitModel``.
 """
 from __future__ import annotations
 
@@ -204,7 +204,7 @@ def check_architecture(arch: str, image_size: int) -> None:
         fits = " or ".join(a for a, (_, s, _) in _BUILDERS.items() if _takes(s, image_size)) or "none"
         expects = f"at least {MIN_SIDE}x{MIN_SIDE}" if size is ANY_SIZE else f"{size}x{size}"
         raise UserError(f"model {arch} expects {expects} images, the data set has {image_size}x{image_size}; "
-                        f"use --arch {fits}, or omit --arch")
+                        f"use arch {fits}, or omit arch", fields=("arch",))
 
 
 def build_model(arch: str, channels: int, image_size: int, num_classes: int, mean, std) -> SplitModel:
@@ -221,7 +221,7 @@ def load_factory(reference: str):
     ``python -m``); a one-line UserError when it cannot be found."""
     module_name, _, attribute = str(reference).partition(":")
     if not module_name or not attribute:
-        raise UserError(f"--model {reference!r}: expected package.module:factory ({MODEL_HOW})")
+        raise UserError(f"model {reference!r}: expected package.module:factory ({MODEL_HOW})", fields=("model",))
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     try:
@@ -229,47 +229,53 @@ def load_factory(reference: str):
         for part in attribute.split("."):
             function = getattr(function, part)
     except (ImportError, AttributeError) as exc:
-        raise UserError(f"--model {reference!r}: cannot load it ({str(exc).splitlines()[0]})") from None
+        raise UserError(f"model {reference!r}: cannot load it ({str(exc).splitlines()[0]})",
+                        fields=("model",)) from None
     if not callable(function):
-        raise UserError(f"--model {reference!r} is not a function ({MODEL_HOW})")
+        raise UserError(f"model {reference!r} is not a function ({MODEL_HOW})", fields=("model",))
     return function
 
 
 def build_custom(reference: str) -> SplitModel:
-    """The user's model from ``--model``: called, and held to the SplitModel contract."""
+    """The user's model from ``reference`` (a ``model`` of ``package.module:factory``): called, and held
+    to the SplitModel contract."""
     try:
         model = load_factory(reference)()
     except UserError:
         raise
     except Exception as exc:  # the user's code: one line naming it, not its traceback
         first = (str(exc).splitlines() or [""])[0]
-        raise UserError(f"--model {reference!r} raised {type(exc).__name__}: {first}") from None
+        raise UserError(f"model {reference!r} raised {type(exc).__name__}: {first}", fields=("model",)) from None
     if not isinstance(model, SplitModel):
-        raise UserError(f"--model {reference!r} returned {type(model).__name__}, not a SplitModel ({MODEL_HOW})")
+        raise UserError(f"model {reference!r} returned {type(model).__name__}, not a SplitModel ({MODEL_HOW})",
+                        fields=("model",))
     groups = {group_of(n) for n, _ in model.named_parameters()}
     missing = [g for g in GROUPS if g not in groups]
     if missing or not groups <= set(GROUPS):
         other = sorted(groups - set(GROUPS))
-        raise UserError(f"--model {reference!r}: its parameters must all be extractor.* or classifier.*"
+        raise UserError(f"model {reference!r}: its parameters must all be extractor.* or classifier.*"
                         + (f"; it has none in {', '.join(missing)}" if missing else "")
-                        + (f"; it has {', '.join(g + '.*' for g in other)}" if other else ""))
+                        + (f"; it has {', '.join(g + '.*' for g in other)}" if other else ""), fields=("model",))
     return model
 
 
 @torch.no_grad()
-def check_fits(model: SplitModel, channels: int, image_size: int, num_classes: int, what: str) -> None:
+def check_fits(model: SplitModel, channels: int, image_size: int, num_classes: int, what: str,
+               fields: tuple[str, ...] = ()) -> None:
     """A one-line UserError unless ``model`` takes (N, channels, image_size, image_size) images in [0, 1]
-    and gives ``num_classes`` logits (one forward pass on two blank images)."""
+    and gives ``num_classes`` logits (one forward pass on two blank images); ``what`` names the model in
+    it, and ``fields`` the fields ``what`` names (``UserError.fields``)."""
     shape = f"{channels}x{image_size}x{image_size}"
     try:
         logits = model(torch.zeros(2, channels, image_size, image_size,
                                    device=next(model.parameters()).device))
     except Exception as exc:  # shapes the user's layers reject
         first = (str(exc).splitlines() or [""])[0]
-        raise UserError(f"{what} does not take the data set's {shape} images ({type(exc).__name__}: {first})") from None
+        raise UserError(f"{what} does not take the data set's {shape} images ({type(exc).__name__}: {first})",
+                        fields=fields) from None
     if tuple(logits.shape) != (2, num_classes):
         raise UserError(f"{what} gives logits of shape {tuple(logits.shape)[1:]} per image; the data set has "
-                        f"{num_classes} classes")
+                        f"{num_classes} classes", fields=fields)
 
 
 def use_batch_statistics(model: nn.Module) -> nn.Module:

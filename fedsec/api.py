@@ -6,7 +6,8 @@
 
 Each function takes the flags of its command as keywords (``--attack-rounds`` is ``attack_rounds``),
 parsed and checked by the very parameters the command line uses (``fedsec.commands``), so a bad value
-is the same one-line ``fedecouple.errors.UserError``. Keywords left out take the flag's default;
+is the same one-line ``fedecouple.errors.UserError``, naming keywords where the command line names flags
+(``fedsec.field_names``). Keywords left out take the flag's default;
 ``config="run/config.toml"`` reads settings from a file (keywords override it). Two keywords are the
 API's own: ``out=None`` (the default) keeps everything in memory and writes no file (report, defend,
 mia and compare work in a temporary folder, removed when they return), and ``progress=False`` silences
@@ -32,6 +33,7 @@ import click
 
 from fedecouple.errors import UserError
 
+from . import field_names
 from .bodies import BODIES
 from .commands import command_of
 from .invocation import Shell
@@ -84,7 +86,18 @@ def compare(*, progress: bool = True, **options) -> CompareResult:
 
 def _call(name: str, options: dict, progress: bool):
     """Parse ``options`` through the command's own parameters (as a config file's settings are: each
-    converted and checked, and counted as given), then run the command's body."""
+    converted and checked, and counted as given), then run the command's body. An engine error names
+    the keywords that set its fields."""
+    try:
+        return _run(name, options, progress)
+    except UserError as exc:
+        translated = field_names.for_api(exc)
+        if translated is exc:
+            raise
+        raise translated from exc.__cause__  # exc's cause, not exc: its message is shown once
+
+
+def _run(name: str, options: dict, progress: bool):
     command = command_of(name)
     params = {p.name for p in command.params if p.name}
     unknown = sorted(set(options) - params)

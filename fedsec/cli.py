@@ -10,15 +10,16 @@ import click
 
 from fedecouple.errors import UserError
 
+from . import field_names
 from .commands import cli
 
 __all__ = ["cli", "main"]
 
 
 def main(argv=None) -> None:
-    """Entry point: user errors become one line on stderr and exit status 2, never a traceback.
-    Deprecation warnings (an old flag's spelling) are printed as ``warning:`` lines once the command
-    has run, so an error stays one line."""
+    """Entry point: user errors become one line on stderr and exit status 2, never a traceback (an
+    engine error's fields named by their flags: ``fedsec.field_names``). Deprecation warnings (an old
+    flag's spelling) are printed as ``warning:`` lines once the command has run, so an error stays one line."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", FutureWarning)
         try:
@@ -30,8 +31,8 @@ def main(argv=None) -> None:
             where = f" (see '{exc.ctx.command_path} --help')" if getattr(exc, "ctx", None) is not None else ""
             click.echo(f"error: {exc.format_message()}{where}", err=True)
             sys.exit(2)
-        except UserError as exc:
-            click.echo(f"error: {exc}", err=True)
+        except UserError as exc:  # the engine names its own fields: the user gave their flags
+            click.echo(f"error: {field_names.for_cli(exc)}", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted; completed rounds are checkpointed (rerun the same command to resume)", err=True)

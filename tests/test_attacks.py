@@ -389,7 +389,7 @@ def test_a_training_that_diverges_after_an_attacked_round_keeps_that_round(monke
 
     def diverging(upload, client_id, round):
         if round >= 2:
-            raise UserError(f"training diverged (non-finite upload: w) on client {client_id} in round {round}; lower --lr")
+            raise UserError(f"training diverged (non-finite upload: w) on client {client_id} in round {round}; lower lr", fields=("lr",))
         return real_check(upload, client_id, round)
 
     monkeypatch.setattr(backends, "check_finite_upload", diverging)

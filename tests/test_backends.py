@@ -176,5 +176,5 @@ def test_user_errors_in_a_ray_task_reach_the_driver_as_user_errors(digits, ray_l
         fed = tiny_federation(digits, method="fedavg", clients=2, lr=1e9, backend=backend)
         with pytest.raises(UserError, match="diverged"):
             fed.run_round()
-    with pytest.raises(UserError, match="lower --threads"):
+    with pytest.raises(UserError, match="lower threads"):
         RayBackend(threads=64)

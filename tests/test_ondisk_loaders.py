@@ -203,7 +203,7 @@ def test_cifar100_uses_fine_labels(tmp_path, monkeypatch):
 def test_cifar10_missing_folder_names_expected_path(tmp_path):
     with pytest.raises(UserError) as excinfo:
         ondisk.load_cifar10(tmp_path, False)
-    assert_one_line_error(excinfo, tmp_path / "cifar-10-batches-py", "data_batch_1..5", "test_batch", "--download")
+    assert_one_line_error(excinfo, tmp_path / "cifar-10-batches-py", "data_batch_1..5", "test_batch", "pass download")
 
 
 def test_cifar100_missing_one_file(tmp_path, monkeypatch):
@@ -299,7 +299,7 @@ def test_emnist_balanced_is_transposed_upright(tmp_path):
 def test_fmnist_missing_folder_names_expected_path(tmp_path):
     with pytest.raises(UserError) as excinfo:
         ondisk.load_fmnist(tmp_path, False)
-    assert_one_line_error(excinfo, tmp_path / "FashionMNIST" / "raw", "train-images-idx3-ubyte", "--download")
+    assert_one_line_error(excinfo, tmp_path / "FashionMNIST" / "raw", "train-images-idx3-ubyte", "pass download")
 
 
 def test_fmnist_only_gz_files_says_gunzip(tmp_path):

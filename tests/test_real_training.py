@@ -28,8 +28,8 @@ def test_train_images_gives_every_client_exactly_that_many_training_images(schem
 
 def test_train_images_refuses_a_client_that_holds_fewer():
     labels = np.repeat(np.arange(10), 200)
-    with pytest.raises(UserError, match=r"--train-images 9: client \d+ has only \d+ training images.*"
-                                        r"raise --samples-per-client"):
+    with pytest.raises(UserError, match=r"train_images 9: client \d+ has only \d+ training images.*"
+                                        r"raise samples_per_client"):
         make_partition(labels, 5, "weak", num_classes=10, samples_per_client=8, train_images=9)
 
 
@@ -49,7 +49,7 @@ def test_samples_per_client_outside_weak_still_caps_at_most():
     capped = make_partition(labels, 4, "dirichlet", num_classes=10, beta=0.1, samples_per_client=40)
     sizes = [len(t) for t in capped.train]
     assert max(sizes) == 40 and min(sizes) < 40
-    with pytest.raises(UserError, match="--train-images 40: client"):
+    with pytest.raises(UserError, match="train_images 40: client"):
         make_partition(labels, 4, "dirichlet", num_classes=10, beta=0.1, train_images=40)
 
 

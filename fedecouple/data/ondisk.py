@@ -82,8 +82,8 @@ def load_cinic10(root: Path, download: bool) -> ImageDataset:
     root = Path(root)
     layout = f"{root}/{{{','.join(CINIC10_SPLITS)}}}/<class>/*.png (same class folders in each split, 32x32 RGB)"
     if download:
-        raise UserError(f"cinic10: torchvision has no CINIC-10 downloader, so --download cannot fetch it; "
-                        f"put a local copy at {layout}")
+        raise UserError(f"cinic10: torchvision has no CINIC-10 downloader, so download cannot fetch it; "
+                        f"put a local copy at {layout}", fields=("download",))
     missing = [str(root / s) for s in CINIC10_SPLITS if not (root / s).is_dir()]
     if missing:
         raise UserError(f"cinic10: expected CINIC-10 in ImageFolder layout at {layout}; "
@@ -131,13 +131,13 @@ def _load_cifar(name: str, title: str, cls_name: str, root: Path, download: bool
         classes = list(parts[0].classes)
         _check_labels(labels, len(images), len(classes))
     except Exception as exc:
-        raise UserError(_cifar_problem(name, title, cls, root, download, label_key, num_classes, exc)) from exc
+        raise _cifar_problem(name, title, cls, root, download, label_key, num_classes, exc) from exc
     return _make(name, torch.from_numpy(images), torch.from_numpy(labels), classes)
 
 
 def _cifar_problem(name: str, title: str, cls, root: Path, download: bool, label_key: str,
-                   num_classes: int, exc: Exception) -> str:
-    """Explain why torchvision could not load a CIFAR folder (only runs after a failure)."""
+                   num_classes: int, exc: Exception) -> UserError:
+    """The error explaining why torchvision could not load a CIFAR folder (only runs after a failure)."""
     from torchvision.datasets.utils import check_integrity
 
     folder = root / cls.base_folder
@@ -145,18 +145,21 @@ def _cifar_problem(name: str, title: str, cls, root: Path, download: bool, label
     files = batches + [(cls.meta["filename"], cls.meta["md5"])]
     missing = [f for f, _ in files if not (folder / f).is_file()]
     if missing:
-        fix = f"download failed ({_one_line(exc)})" if download else "put a local copy there or pass --download"
-        return (f"{name}: expected torchvision's {title} files at {folder} ({_brief_list([f for f, _ in files])}); "
-                f"{_missing(folder, missing, len(files))}; {fix}")
+        fix, named = ((f"download failed ({_one_line(exc)})", ()) if download else
+                      ("put a local copy there or pass download", ("download",)))
+        return UserError(f"{name}: expected torchvision's {title} files at {folder} "
+                         f"({_brief_list([f for f, _ in files])}); {_missing(folder, missing, len(files))}; {fix}",
+                         fields=named)
     for f, md5 in files:
         if not check_integrity(folder / f, md5):
-            return (f"{name}: {folder / f} is corrupt (its MD5 differs from the official {title} file); "
-                    f"replace it with a good copy (or delete {folder} and pass --download)")
+            return UserError(f"{name}: {folder / f} is corrupt (its MD5 differs from the official {title} file); "
+                             f"replace it with a good copy (or delete {folder} and pass download)",
+                             fields=("download",))
     for f, _ in batches:
         problem = _cifar_batch_problem(folder / f, label_key, num_classes)
         if problem:
-            return f"{name}: {folder / f} is not a valid {title} batch: {problem}"
-    return f"{name}: could not load {title} from {folder}: {_one_line(exc)}"
+            return UserError(f"{name}: {folder / f} is not a valid {title} batch: {problem}")
+    return UserError(f"{name}: could not load {title} from {folder}: {_one_line(exc)}")
 
 
 def _cifar_batch_problem(path: Path, label_key: str, num_classes: int) -> str | None:
@@ -192,39 +195,41 @@ def _load_idx(name: str, title: str, cls, root: Path, download: bool, names: lis
         classes = list(parts[0].classes)
         _check_labels(labels.numpy(), len(images), len(classes))
     except Exception as exc:
-        raise UserError(_idx_problem(name, title, cls, root, download, names, exc)) from exc
+        raise _idx_problem(name, title, cls, root, download, names, exc) from exc
     if transpose:
         images = images.transpose(1, 2)
     return _make(name, images.unsqueeze(1), labels, classes)
 
 
 def _idx_problem(name: str, title: str, cls, root: Path, download: bool, names: list[str],
-                 exc: Exception) -> str:
-    """Explain why torchvision could not load an MNIST-style folder (only runs after a failure)."""
+                 exc: Exception) -> UserError:
+    """The error explaining why torchvision could not load an MNIST-style folder (only runs after a failure)."""
     from torchvision.datasets.mnist import read_image_file, read_label_file
 
     raw = root / cls.__name__ / "raw"
     missing = [n for n in names if not (raw / n).is_file()]
     if missing:
+        named = ()
         if download:
             fix = f"download failed ({_one_line(exc)})"
         elif any((raw / f"{n}.gz").is_file() for n in missing):
             fix = "only .gz copies are there: gunzip them in place"
         else:
-            fix = "put a local copy there or pass --download"
-        return (f"{name}: expected torchvision's {title} files at {raw} ({', '.join(names)}; uncompressed); "
-                f"{_missing(raw, missing, len(names))}; {fix}")
+            fix, named = "put a local copy there or pass download", ("download",)
+        return UserError(f"{name}: expected torchvision's {title} files at {raw} ({', '.join(names)}; uncompressed); "
+                         f"{_missing(raw, missing, len(names))}; {fix}", fields=named)
     for image_name, label_name in (names[:2], names[2:]):
         arrays = []
         for file_name, reader in ((image_name, read_image_file), (label_name, read_label_file)):
             try:
                 arrays.append(reader(str(raw / file_name)))
             except Exception as exc2:  # torchvision asserts on bad headers and sizes
-                return f"{name}: {raw / file_name} is truncated or not an uncompressed IDX file ({_one_line(exc2)})"
+                return UserError(f"{name}: {raw / file_name} is truncated or not an uncompressed IDX file "
+                                 f"({_one_line(exc2)})")
         if len(arrays[0]) != len(arrays[1]):
-            return (f"{name}: {raw / image_name} holds {len(arrays[0])} images but {raw / label_name} "
-                    f"holds {len(arrays[1])} labels")
-    return f"{name}: could not load {title} from {raw}: {_one_line(exc)}"
+            return UserError(f"{name}: {raw / image_name} holds {len(arrays[0])} images but {raw / label_name} "
+                             f"holds {len(arrays[1])} labels")
+    return UserError(f"{name}: could not load {title} from {raw}: {_one_line(exc)}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -45,9 +45,10 @@ class Partition:
 
 def _check_common(labels: np.ndarray, num_clients: int, num_classes: int) -> None:
     if num_clients < 1:
-        raise UserError(f"--clients must be at least 1, got {num_clients}")
+        raise UserError(f"num_clients must be at least 1, got {num_clients}", fields=("num_clients",))
     if num_clients > len(labels):
-        raise UserError(f"--clients {num_clients} exceeds the {len(labels)} samples of the data set")
+        raise UserError(f"num_clients {num_clients} exceeds the {len(labels)} samples of the data set",
+                        fields=("num_clients",))
     if num_classes < 1:
         raise UserError("the data set has no classes")
 
@@ -68,7 +69,8 @@ def pathological_split(labels: np.ndarray, num_clients: int, num_classes: int, c
     """Each client holds ``classes_per_client`` classes; a class's samples are divided equally among
     the clients holding it. Every sample goes to exactly one client (unless a class has no holder)."""
     if not 1 <= classes_per_client <= num_classes:
-        raise UserError(f"--classes-per-client must be in [1, {num_classes}] for this data set, got {classes_per_client}")
+        raise UserError(f"classes_per_client must be in [1, {num_classes}] for this data set, got {classes_per_client}",
+                        fields=("classes_per_client",))
     slots = _class_slots(num_clients, classes_per_client, num_classes, rng)
     holders: dict[int, list[int]] = {c: [] for c in range(num_classes)}
     for client, classes in enumerate(slots):
@@ -92,11 +94,14 @@ def weak_pathological_split(labels: np.ndarray, num_clients: int, num_classes: i
     from ``dominant_classes`` randomly chosen dominant classes (equal share each). Samples are
     drawn without replacement, so clients stay disjoint."""
     if not 0 <= s <= 100:
-        raise UserError(f"--s must be a percentage in [0, 100], got {s}")
+        raise UserError(f"s must be a percentage in [0, 100], got {s}", fields=("s",))
     if not 1 <= dominant_classes <= num_classes:
-        raise UserError(f"--classes-per-client (dominant classes) must be in [1, {num_classes}], got {dominant_classes}")
+        # make_partition passes its classes_per_client as the dominant classes
+        raise UserError(f"classes_per_client (dominant classes) must be in [1, {num_classes}], got {dominant_classes}",
+                        fields=("classes_per_client",))
     if samples_per_client < 1:
-        raise UserError(f"--samples-per-client must be at least 1, got {samples_per_client}")
+        raise UserError(f"samples_per_client must be at least 1, got {samples_per_client}",
+                        fields=("samples_per_client",))
     pools = {c: list(rng.permutation(np.flatnonzero(labels == c))) for c in range(num_classes)}
     n_uniform = int(round(samples_per_client * s / 100.0))
     n_dominant = samples_per_client - n_uniform
@@ -111,8 +116,7 @@ def weak_pathological_split(labels: np.ndarray, num_clients: int, num_classes: i
             if want[c] > len(pools[c]):
                 raise UserError(
                     f"weak partition needs {int(want[c])} more samples of class {c} but only {len(pools[c])} are left; "
-                    f"lower --samples-per-client or --clients"
-                )
+                    f"lower samples_per_client or num_clients", fields=("samples_per_client", "num_clients"))
             chosen.extend(pools[c][: want[c]])
             pools[c] = pools[c][want[c]:]
         parts.append(np.sort(np.asarray(chosen, dtype=np.int64)))
@@ -134,7 +138,7 @@ def dirichlet_split(labels: np.ndarray, num_clients: int, num_classes: int, beta
     """Per class, proportions over clients ~ Dir(beta); redrawn until every client has ``min_size``
     samples (the usual practice, so no client is empty)."""
     if not beta > 0:
-        raise UserError(f"--beta must be positive, got {beta}")
+        raise UserError(f"beta must be positive, got {beta}", fields=("beta",))
     min_size = min(min_size, len(labels) // num_clients)
     for _ in range(max_tries):
         parts: list[list[int]] = [[] for _ in range(num_clients)]
@@ -147,7 +151,7 @@ def dirichlet_split(labels: np.ndarray, num_clients: int, num_classes: int, beta
         if min(len(p) for p in parts) >= min_size:
             return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
     raise UserError(f"could not draw a Dirichlet({beta}) partition giving every client {min_size} samples; "
-                    f"raise --beta or lower --clients")
+                    f"raise beta or lower num_clients", fields=("beta", "num_clients"))
 
 
 def split_train_test(labels: np.ndarray, indices: np.ndarray, test_fraction: float,
@@ -201,25 +205,26 @@ def make_partition(labels, num_clients: int, scheme: str, *, num_classes: int | 
         raise UserError(f"unknown partition {scheme!r}; choose one of: {', '.join(SCHEMES)}")
     train, test = zip(*(split_train_test(labels, p, test_fraction, rng) for p in parts))
     train = list(train)
-    cap, flag = ((train_images, "--train-images") if train_images is not None else
-                 (samples_per_client, "--samples-per-client") if scheme != "weak" else (None, ""))
+    cap, name = ((train_images, "train_images") if train_images is not None else
+                 (samples_per_client, "samples_per_client") if scheme != "weak" else (None, ""))
     if cap is not None:
-        # the older name caps (at most N, as it always did); --train-images asks for exactly N
-        train = cap_training_sets(train, cap, rng, flag, scheme, exact=train_images is not None)
+        # the older name caps (at most N, as it always did); train_images asks for exactly N
+        train = cap_training_sets(train, cap, rng, name, scheme, exact=train_images is not None)
     return Partition(scheme, num_classes, train, list(test))
 
 
-def cap_training_sets(train: list[np.ndarray], cap: int, rng: np.random.Generator, flag: str = "--train-images",
+def cap_training_sets(train: list[np.ndarray], cap: int, rng: np.random.Generator, name: str = "train_images",
                       scheme: str = "", exact: bool = True) -> list[np.ndarray]:
-    """Each client's training indices cut to ``cap`` (a seeded sample, kept sorted). ``exact``: a client
-    whose split holds fewer is a ``UserError`` naming the fix; otherwise it keeps what it has."""
+    """Each client's training indices cut to ``cap`` (a seeded sample, kept sorted); ``name`` is the
+    parameter of ``make_partition`` that set it. ``exact``: a client whose split holds fewer is a
+    ``UserError`` naming the fix; otherwise it keeps what it has."""
     if cap < 1:
-        raise UserError(f"{flag} must be at least 1, got {cap}")
+        raise UserError(f"{name} must be at least 1, got {cap}", fields=(name,))
     short = [(c, len(t)) for c, t in enumerate(train) if len(t) < cap] if exact else []
     if short:
         c, have = short[0]
-        fix = ("raise --samples-per-client (train + test per client)" if scheme == "weak" else
-               "use --partition iid or weak, or fewer --clients")
-        raise UserError(f"{flag} {cap}: client {c} has only {have} training images ({len(short)} client(s) short); "
-                        f"lower {flag} or {fix}")
+        fix, named = (("raise samples_per_client (train + test per client)", ("samples_per_client",)) if scheme == "weak"
+                      else ("use scheme iid or weak, or fewer num_clients", ("scheme", "num_clients")))
+        raise UserError(f"{name} {cap}: client {c} has only {have} training images ({len(short)} client(s) short); "
+                        f"lower {name} or {fix}", fields=(name, *named))
     return [np.sort(rng.permutation(t)[:cap]) if len(t) > cap else t for t in train]

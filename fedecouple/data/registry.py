@@ -20,9 +20,8 @@ def load_dataset(name: str, data_dir: str | Path | None = None, download: bool =
     if name in ON_DISK:
         if data_dir is None:
             raise UserError(
-                f"data set {name!r} is read from disk: pass --data-dir DIR pointing at a local copy "
-                f"(or use an embedded set: {', '.join(EMBEDDED)})"
-            )
+                f"data set {name!r} is read from disk: pass data_dir DIR pointing at a local copy "
+                f"(or use an embedded set: {', '.join(EMBEDDED)})", fields=("data_dir",))
         from . import ondisk
 
         return getattr(ondisk, f"load_{name}")(Path(data_dir), download)

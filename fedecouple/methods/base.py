@@ -183,8 +183,8 @@ class ClientContext:
     def check_finite(self, loss: torch.Tensor) -> None:
         if not torch.isfinite(loss):
             raise UserError(
-                f"{DIVERGED} (non-finite loss) on client {self.client_id} in round {self.round}; lower --lr"
-            )
+                f"{DIVERGED} (non-finite loss) on client {self.client_id} in round {self.round}; lower lr",
+                fields=("lr",))
 
 
 # Optional wrapper around every optimizer a method builds with ``sgd`` (e.g. DP-SGD: per-sample
@@ -374,7 +374,7 @@ class Method:
     # True: local training is T plain cross-entropy SGD steps on every trained parameter, one phase,
     # no augmentation, no extra loss; replaying those steps on the true batch gives the upload exactly
     plain_sgd: ClassVar[bool] = False
-    # hyperparameters that ``--preset paper`` sets for this method (explicit flags win)
+    # the hyperparameters a paper preset sets for this method (a value the user gave wins)
     paper_preset: ClassVar[dict] = {}
     # which loss terms are per-sample, in words (DP-SGD's per-sample clipping needs them to be)
     dp_per_sample: ClassVar[str] = "n/a"
@@ -460,12 +460,13 @@ class Method:
         return not cls.communicates or cls.secure_summands is not Method.secure_summands
 
     def secure_refusal(self) -> str | None:
-        """Why it cannot run under ``--secure-aggregation`` (one line naming the fields), or None."""
+        """Why it cannot run under secure aggregation (one line naming the upload fields its server reads
+        one by one), or None."""
         if self.aggregates_securely():
             return None
         fields = ", ".join(self.per_client_fields) or "every upload field"
-        return (f"{self.name} cannot run under --secure-aggregation: its server reads {fields} of each client on "
-                f"its own ({self.per_client_reason}), which the protocol never reveals; drop --secure-aggregation, "
+        return (f"{self.name} cannot run under secure aggregation: its server reads {fields} of each client on "
+                f"its own ({self.per_client_reason}), which the protocol never reveals; turn secure aggregation off, "
                 f"or pick a method that aggregates a sum (fedavg, ft-fedavg, fedper, fedrep, fedproto, fedecouple, fedpac)")
 
     def init_server(self, model: SplitModel) -> State:

@@ -79,7 +79,7 @@ class FTFedAvg(FedAvg):
 
     def __post_init__(self) -> None:
         if self.finetune_epochs < 0:
-            raise UserError(f"finetune_epochs must be >= 0, got {self.finetune_epochs}")
+            raise UserError(f"finetune_epochs must be >= 0, got {self.finetune_epochs}", fields=("finetune_epochs",))
 
     def personalized(self, ctx: ClientContext, server: State, state: State):
         model = ctx.model

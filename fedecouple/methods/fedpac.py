@@ -14,7 +14,7 @@ uses its own head (the common initial one). Then, as in the authors' reference c
    ``head_lr`` with ``momentum`` and ``weight_decay``.
 3. ``local_epochs`` epochs on the base with the head frozen: CE + λ·MSE(f(x), c̄_y) (mean over batch
    and feature elements, torch ``MSELoss``); classes without a global prototype use the local one
-   of step 1; in round 0 (no global prototypes at all) CE alone. SGD at the shared ``--lr`` with
+   of step 1; in round 0 (no global prototypes at all) CE alone. SGD at the shared ``lr`` with
    ``momentum`` and ``weight_decay``; each phase builds a fresh optimiser (its momentum starts empty).
 4. Upload: base θ_i, head φ_i, per-class prototypes c_ik (mean feature of the trained base) of the
    classes it holds, ``class_counts`` (the C-vector n_ik, kind ``class_counts``: it gives p_ik =
@@ -43,12 +43,13 @@ Personalised model for evaluation: newest global base + φ̂_i if the server has
 (the reference code installs it at the end of the round), else the client's own head.
 
 Defaults: λ = 1.0 (paper); from the reference code ``head_epochs`` = 1, ``head_lr`` = 0.1,
-``momentum`` = 0.5 and ``weight_decay`` = 5e-4 (``--hp NAME=VALUE``). The reference trains the base at
-its ``--lr`` (default 0.01) with batches of 50; ours trains it at the shared ``--lr`` and
-``--batch-size`` (0.05 and 10 by default). With the shared plain SGD on both phases instead (head at
-``--lr``, no momentum, no weight decay), clients of 4 or 10 images (one SGD step per phase) saw their
-uploaded prototypes grow round by round until the base step overflowed (round 16 and 19 of 20 on the
-audit preset's federations); with the reference's settings both finish. No data augmentation.
+``momentum`` = 0.5 and ``weight_decay`` = 5e-4 (hyperparameters: ``make_method("fedpac", head_lr=...)``).
+The reference trains the base at its learning rate (default 0.01) with batches of 50; ours trains it at
+the shared ``TrainConfig`` ``lr`` and ``batch_size`` (0.05 and 10 by default). With the shared plain SGD
+on both phases instead (head at ``lr``, no momentum, no weight decay), clients of 4 or 10 images (one
+SGD step per phase) saw their uploaded prototypes grow round by round until the base step overflowed
+(round 16 and 19 of 20 on the audit preset's federations); with the reference's settings both finish.
+No data augmentation.
 """
 from __future__ import annotations
 
@@ -148,7 +149,7 @@ class FedPAC(Method):
     """FedPAC: λ = 1.0 (paper) weights the feature-alignment term; ``head_epochs`` = 1 (reference
     code); ``min_weight`` = 1e-3 (reference code) zeroes tiny combination weights; both phases use
     SGD with ``momentum`` 0.5 and ``weight_decay`` 5e-4, a fresh optimiser per phase, the head at
-    ``head_lr`` 0.1 and the base at the shared ``--lr`` (reference code)."""
+    ``head_lr`` 0.1 and the base at the shared ``lr`` (reference code)."""
 
     lam: float = 1.0
     head_epochs: int = 1
@@ -181,13 +182,15 @@ class FedPAC(Method):
 
     def __post_init__(self) -> None:
         if self.head_epochs < 0:
-            raise UserError(f"head_epochs must be >= 0, got {self.head_epochs}")
+            raise UserError(f"head_epochs must be >= 0, got {self.head_epochs}", fields=("head_epochs",))
         if not self.head_lr > 0:
-            raise UserError(f"head_lr must be > 0, got {self.head_lr}; pass e.g. --hp head_lr=0.1")
+            raise UserError(f"head_lr must be > 0, got {self.head_lr}; pass e.g. head_lr=0.1", fields=("head_lr",))
         if not 0 <= self.momentum < 1:
-            raise UserError(f"momentum must be in [0, 1), got {self.momentum}; pass e.g. --hp momentum=0.5")
+            raise UserError(f"momentum must be in [0, 1), got {self.momentum}; pass e.g. momentum=0.5",
+                            fields=("momentum",))
         if not self.weight_decay >= 0:
-            raise UserError(f"weight_decay must be >= 0, got {self.weight_decay}; pass e.g. --hp weight_decay=5e-4")
+            raise UserError(f"weight_decay must be >= 0, got {self.weight_decay}; pass e.g. weight_decay=5e-4",
+                            fields=("weight_decay",))
 
     def manifest(self, model: SplitModel):
         c, d = model.num_classes, model.feature_dim

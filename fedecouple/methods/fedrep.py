@@ -12,7 +12,7 @@ Epoch split (a choice; the sources differ):
 * PFLlib runs ``plocal_epochs`` (default 1) head epochs, then ``local_epochs`` base epochs.
 We default ``head_epochs`` to ``local_epochs`` (E head epochs then E base epochs), the same split
 FedeCouple uses (E_cl = E_fe), so methods compare at equal local work; pass
-``--hp head_epochs=9 --local-epochs 1`` for the reference code's split. No data augmentation.
+``head_epochs=9`` with ``local_epochs`` 1 for the reference code's split. No data augmentation.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class FedRep(FedPer):
 
     def __post_init__(self) -> None:
         if self.head_epochs is not None and self.head_epochs < 0:
-            raise UserError(f"head_epochs must be >= 0, got {self.head_epochs}")
+            raise UserError(f"head_epochs must be >= 0, got {self.head_epochs}", fields=("head_epochs",))
 
     def local_phases(self, epochs: int) -> list[tuple[str, int, bool]]:
         return [("classifier", self.head_epochs if self.head_epochs is not None else epochs, False),

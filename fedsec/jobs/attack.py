@@ -65,6 +65,7 @@ from fedecouple.errors import DIVERGED, UserError
 from reports.figures import reconstruction_grid
 
 from .. import io
+from ..field_names import for_cli
 from ..runner import Prepared, RunConfig, build_federation, prepare
 from ..secure_attack import attack_round_level, record_rounds, refusal, round_targets
 from ..versions import provenance
@@ -403,7 +404,7 @@ def train_recorded(prep: Prepared, settings: AttackSettings, interceptors: Itera
         except UserError as exc:
             if not str(exc).startswith(DIVERGED) or not set(settings.rounds) & set(completed):
                 raise
-            diverged = str(exc)
+            diverged = for_cli(exc)  # a note the run's files keep: named as the command line names it
         bar.close()
     except BaseException:
         fed.close()

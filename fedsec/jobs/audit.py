@@ -44,6 +44,7 @@ from reports.audit import SEVERITIES, audit_markdown
 from reports.formatting import interval_text
 
 from .. import io
+from ..field_names import for_cli
 from ..runner import RunConfig, build_federation, prepare
 from ..versions import provenance
 
@@ -161,7 +162,7 @@ def gather_evidence(method_name: str, kinds: set[str], run_one: Callable[[str], 
         try:
             measured[kind] = run_one(name)
         except UserError as exc:
-            measured[kind] = {"attack": name, "not_applicable": str(exc).strip().rstrip(".")}
+            measured[kind] = {"attack": name, "not_applicable": for_cli(exc).strip().rstrip(".")}
     return measured
 
 

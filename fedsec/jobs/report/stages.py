@@ -20,6 +20,7 @@ from fedecouple.errors import UserError
 from ... import estimate, runner
 from ...resumable import ResumableStage, TrainRun, marked_folders
 from ...runner import RunConfig
+from ...field_names import for_cli
 from ...versions import provenance
 from ..attack import AttackSettings, TrainingCache, check_applicable, recording_federation, run_attack, training_key
 from ..audit import run_audit
@@ -188,7 +189,7 @@ def _attack_stage(stage: Stage, trainings: TrainingCache | None = None) -> str |
         check_applicable(settings.spec, runner.prepare(stage.config))
         summary = run_attack(stage.config, settings, out=stage.path, progress=False, trainings=trainings)
     except UserError as exc:
-        return str(exc)
+        return for_cli(exc)
     if settings.download_check and summary.get("download_check"):
         return None  # the check's decisions are the result, even where it left nothing to score
     return summary.get("not_applicable")  # attacks.harness.nothing_scored
