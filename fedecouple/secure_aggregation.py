@@ -36,6 +36,23 @@ later pass as a fresh instance of the protocol among the previous pass's survivo
 key agreement, so new neighbourhoods and masks; a mask used twice would let the server subtract a
 client's two masked uploads and read the difference of its two vectors.
 
+Distributed differential privacy (``dp_noise`` > 0; the Skellam mechanism of Agarwal, Kairouz and Liu
+2021, "The Skellam Mechanism for Differentially Private Federated Learning"): before quantising, each
+client clips the L2 norm of its (weighted) value vector to ``dp_l2_clip`` (``SecureAggregation.l2_clip``;
+the record counts the clients clipped), and after quantising it adds to every value an independent
+Skellam(μ, μ) draw, Poisson(μ) − Poisson(μ) with μ = ``dp_noise`` (``skellam_noise``), before masking.
+Flower's weight factor travels without noise (under ``clear_fields="flower"`` the sample count it
+carries is in the clear anyway). The server unmasks the survivors' integers plus the sum of their noise,
+a Skellam(nμ, nμ) draw for n survivors: dropouts only leave fewer summands. The sum is read centred
+(``decode``): the known offset n·quantization_range/2 subtracted modulo the modulus and the rest taken as
+a signed integer, which is exact while n·quantization_range/2 plus the noise stays below modulus/2
+(``check_headroom`` refuses a round where ten standard deviations of the summed noise reach it).
+Sensitivity (``sensitivity``), for neighbouring rounds in which one client's contribution is removed
+(its vector replaced by zero: its participation is public, as in Flower): with the scale
+s = quantization_range / (2·clipping_range) a client's centred integers z = q − quantization_range/2
+have ‖z‖₂ ≤ Δ₂ = dp_l2_clip·s + √d (stochastic rounding moves each of the d values by less than one
+step) and, being integers, ‖z‖₁ ≤ min(√d·Δ₂, Δ₂²). The accounting is ``defenses.distributed_dp``'s.
+
 What is simulated, not computed: the key agreement and the Shamir shares. The masks' seeds are
 derived from (seed, round, the pair) and the server obtains exactly the seeds the protocol gives
 it, at the step it gives them; the arithmetic of masking and unmasking is the protocol's.
@@ -68,7 +85,7 @@ def _count_or_fraction(value, name: str) -> int | float:
     """``value`` as Flower's workflow reads it: an integer is a count, a float a fraction; the integer 1
     means the fraction 1.0 (``SecAggPlusWorkflow._check_init_params``)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise UserError(f"{name} must be an integer or a float, got {value!r}")
+        raise UserError(f"{name} must be an integer or a float, got {value!r}", fields=(name,))
     if isinstance(value, numbers.Integral):
         return 1.0 if int(value) == 1 else int(value)
     return float(value)
@@ -85,7 +102,12 @@ class SecureAggregation:
     an integer count or a float fraction of the shares (at least 2). ``max_weight``: the largest client
     weight (sample count) the sum is scaled for: a method's weighted summands are divided by it so they
     fit the clipping range. ``clear_fields``: ``"flower"``, each upload's sample count and training
-    metrics travel unmasked beside it as in Flower's SecAgg+; ``"hidden"``, nothing does."""
+    metrics travel unmasked beside it as in Flower's SecAgg+; ``"hidden"``, nothing does.
+
+    Distributed DP (module docstring): ``dp_noise``, μ of the Skellam(μ, μ) noise each client adds to each
+    quantised value before masking (0: off); ``dp_l2_clip``, the L2 norm (in value units) each client's
+    value vector is clipped to first, required with noise; ``dp_delta``, the δ at which the run's ε is
+    reported (the noise does not depend on it once μ is given)."""
 
     clipping_range: float = 8.0
     quantization_range: int = 2 ** 22
@@ -95,6 +117,9 @@ class SecureAggregation:
     max_weight: float = 1000.0
     seed: int = 0
     clear_fields: str = "flower"
+    dp_noise: float = 0.0
+    dp_l2_clip: float | None = None
+    dp_delta: float = 1e-5
 
     def __post_init__(self) -> None:
         shares = _count_or_fraction(self.num_shares, "num_shares")
@@ -102,27 +127,73 @@ class SecureAggregation:
         object.__setattr__(self, "num_shares", shares)
         object.__setattr__(self, "reconstruction_threshold", threshold)
         if not self.clipping_range > 0:
-            raise UserError(f"clipping_range must be positive, got {self.clipping_range}")
+            raise UserError(f"clipping_range must be positive, got {self.clipping_range}", fields=("clipping_range",))
         if self.quantization_range < 2:
-            raise UserError(f"quantization_range must be at least 2, got {self.quantization_range}")
+            raise UserError(f"quantization_range must be at least 2, got {self.quantization_range}", fields=("quantization_range",))
         if self.modulus <= self.quantization_range or self.modulus > 2 ** 62:
             raise UserError(f"modulus must exceed quantization_range ({self.quantization_range}) and be at most "
-                            f"2**62, got {self.modulus}")
+                            f"2**62, got {self.modulus}", fields=("modulus", "quantization_range"))
         # Flower's own checks (``_check_init_params``), and a threshold of at least one share
         if isinstance(shares, int) and shares <= 2:
-            raise UserError(f"num_shares as an integer must be at least 3 (or 1: every pair), got {shares}")
+            raise UserError(f"num_shares as an integer must be at least 3 (or 1: every pair), got {shares}", fields=("num_shares",))
         if isinstance(shares, float) and not shares > 0:
-            raise UserError(f"num_shares as a fraction must be positive, got {shares}")
+            raise UserError(f"num_shares as a fraction must be positive, got {shares}", fields=("num_shares",))
         if isinstance(threshold, int) and threshold < 1:
-            raise UserError(f"reconstruction_threshold as an integer must be at least 1, got {threshold}")
+            raise UserError(f"reconstruction_threshold as an integer must be at least 1, got {threshold}", fields=("reconstruction_threshold",))
         if isinstance(threshold, int) and isinstance(shares, int) and threshold >= shares:
-            raise UserError(f"reconstruction_threshold ({threshold}) must be less than num_shares ({shares})")
+            raise UserError(f"reconstruction_threshold ({threshold}) must be less than num_shares ({shares})", fields=("reconstruction_threshold", "num_shares"))
         if isinstance(threshold, float) and not 0 < threshold <= 1:
-            raise UserError(f"reconstruction_threshold as a fraction must be in (0, 1], got {threshold}")
+            raise UserError(f"reconstruction_threshold as a fraction must be in (0, 1], got {threshold}", fields=("reconstruction_threshold",))
         if not self.max_weight > 0:
-            raise UserError(f"max_weight must be positive, got {self.max_weight}")
+            raise UserError(f"max_weight must be positive, got {self.max_weight}", fields=("max_weight",))
         if self.clear_fields not in CLEAR_FIELDS:
-            raise UserError(f"clear_fields must be one of {', '.join(CLEAR_FIELDS)}, got {self.clear_fields!r}")
+            raise UserError(f"clear_fields must be one of {', '.join(CLEAR_FIELDS)}, got {self.clear_fields!r}", fields=("clear_fields",))
+        self._check_dp()
+
+    def _check_dp(self) -> None:
+        if not (isinstance(self.dp_noise, numbers.Real) and math.isfinite(self.dp_noise) and self.dp_noise >= 0):
+            raise UserError(f"dp_noise must be a finite number >= 0 (0: no noise), got {self.dp_noise}",
+                            fields=("dp_noise",))
+        if self.dp_noise > 0 and not (self.dp_l2_clip is not None and math.isfinite(self.dp_l2_clip)
+                                      and self.dp_l2_clip > 0):
+            raise UserError(f"dp_l2_clip must be positive when dp_noise is set, got {self.dp_l2_clip}",
+                            fields=("dp_l2_clip", "dp_noise"))
+        if not 0 < self.dp_delta < 1:
+            raise UserError(f"dp_delta must be in (0, 1), got {self.dp_delta}", fields=("dp_delta",))
+
+    @property
+    def private(self) -> bool:
+        """Whether each client adds Skellam noise before masking (distributed DP)."""
+        return self.dp_noise > 0
+
+    @property
+    def scale(self) -> float:
+        """Integer steps per value unit: s = quantization_range / (2·clipping_range)."""
+        return self.quantization_range / (2.0 * self.clipping_range)
+
+    def sensitivity(self, dimension: int) -> tuple[float, float]:
+        """(Δ₁, Δ₂): the L1 and L2 norms, in integer steps, of one client's centred quantised values
+        (``dimension`` of them, the weight factor not counted) after the L2 clip: Δ₂ = dp_l2_clip·s + √d
+        (stochastic rounding moves each value by less than one step), Δ₁ = min(√d·Δ₂, Δ₂²) (an integer
+        vector's L1 norm is at most its squared L2 norm)."""
+        if not self.private:
+            raise ValueError("sensitivity is defined under distributed DP (dp_noise > 0)")
+        root = math.sqrt(dimension)
+        l2 = self.dp_l2_clip * self.scale + root
+        return min(root * l2, l2 * l2), l2
+
+    def check_headroom(self, count: int) -> None:
+        """Refuse noise the centred decoding could misread: ``count`` survivors' offset
+        count·quantization_range/2 plus ten standard deviations of their summed noise (√(2·count·μ)) must
+        stay below modulus/2."""
+        if not self.private or count < 1:
+            return
+        reach = count * self.quantization_range / 2 + 10 * math.sqrt(2 * count * self.dp_noise)
+        if reach >= self.modulus / 2:
+            raise UserError(f"{count} clients' offset (count x quantization_range / 2) plus ten standard deviations of "
+                            f"their summed noise reach {reach:.4g}, not below modulus / 2 = {self.modulus / 2:.4g}, so "
+                            f"the sum could wrap: raise modulus, or lower quantization_range or dp_noise "
+                            f"(now {self.dp_noise:.4g})", fields=("dp_noise", "quantization_range", "modulus"))
 
     @property
     def quantum(self) -> float:
@@ -160,7 +231,9 @@ class SecureAggregation:
         return {"clipping_range": self.clipping_range, "quantization_range": self.quantization_range,
                 "modulus": self.modulus, "num_shares": self.num_shares,
                 "reconstruction_threshold": self.reconstruction_threshold, "max_weight": self.max_weight,
-                "clear_fields": self.clear_fields}
+                "clear_fields": self.clear_fields,
+                **({"dp_noise": self.dp_noise, "dp_l2_clip": self.dp_l2_clip, "dp_delta": self.dp_delta}
+                   if self.private else {})}
 
 
 def for_pass(protocol: SecureAggregation, pass_index: int) -> SecureAggregation:
@@ -218,7 +291,10 @@ class AggregateRecord:
     empty when ``aborted`` says why the round could not be unmasked. ``clipped``: values beyond the
     clipping range, summed over the survivors (counted client-side and reported; they were clipped before
     masking). ``clear``: survivor → the fields its upload carried unmasked (``clear_values``: its
-    ``sample_count`` and ``metric.*``), empty under ``clear_fields="hidden"``."""
+    ``sample_count`` and ``metric.*``), empty under ``clear_fields="hidden"``. Under distributed DP
+    (``SecureAggregation.private``) ``total`` carries the survivors' summed Skellam noise, ``dp_clipped``
+    counts the survivors whose value vector the L2 clip shortened and ``noise`` is the summed noise's
+    parameter (survivors × dp_noise; its variance is twice that, in integer steps)."""
 
     round: int
     participants: tuple[int, ...]
@@ -230,6 +306,15 @@ class AggregateRecord:
     aborted: str | None = None
     layout: Layout | None = field(default=None, repr=False)
     clear: dict[int, dict[str, float]] = field(default_factory=dict)
+    dp_clipped: int = 0
+    noise: float = 0.0
+
+    @property
+    def dimension(self) -> int:
+        """How many values carried noise: the layout's values without the weight factor."""
+        if self.layout is None:
+            return 0
+        return self.layout.size - (1 if self.layout.weighted else 0)
 
 
 def clear_values(tensors: Mapping[str, torch.Tensor], meta: Mapping) -> dict[str, float]:
@@ -376,26 +461,67 @@ def dequantize_sum(protocol: SecureAggregation, total: np.ndarray, count: int) -
     return total.astype(np.float64) * (2 * c / protocol.quantization_range) - count * c
 
 
+def clip_l2(protocol: SecureAggregation, values: np.ndarray) -> tuple[np.ndarray, bool]:
+    """(the values scaled to L2 norm at most ``dp_l2_clip``, whether they were scaled)."""
+    norm = float(np.linalg.norm(values))
+    if norm <= protocol.dp_l2_clip:
+        return values, False
+    return values * (protocol.dp_l2_clip / norm), True
+
+
+def skellam_noise(protocol: SecureAggregation, size: int, round: int, client: int) -> np.ndarray:
+    """One client's noise (int64): ``size`` independent Skellam(μ, μ) draws, Poisson(μ) − Poisson(μ) with
+    μ = ``dp_noise``, seeded by the protocol's seed, the round and the client."""
+    rng = np.random.default_rng(_seed(protocol.seed, round, client, 0x5CE1))
+    return rng.poisson(protocol.dp_noise, size).astype(np.int64) - rng.poisson(protocol.dp_noise, size).astype(np.int64)
+
+
+def _quantize_private(protocol: SecureAggregation, values: np.ndarray, round: int, client: int
+                      ) -> tuple[np.ndarray, int, bool]:
+    """Under distributed DP: L2-clipped, quantised, Skellam noise added, reduced modulo the modulus."""
+    clipped, shortened = clip_l2(protocol, values)
+    quantised, beyond = quantize(protocol, clipped, round, client)
+    noisy = quantised.astype(np.int64) + skellam_noise(protocol, len(values), round, client)
+    return (noisy % protocol.modulus).astype(np.uint64), beyond, shortened
+
+
 def encode(protocol: SecureAggregation, layout: Layout, summands: Mapping[str, torch.Tensor], round: int,
-           client: int) -> tuple[np.ndarray, int]:
-    """(the client's integer vector before masking, its values beyond the clipping range): under a
-    weighted layout Flower's weight factor, then the reweighted values (``with_flower_weight``)
-    quantised; otherwise every value quantised."""
+           client: int) -> tuple[np.ndarray, int, bool]:
+    """(the client's integer vector before masking, its values beyond the clipping range, whether the L2
+    clip of distributed DP shortened its values): under a weighted layout Flower's weight factor, then
+    the reweighted values (``with_flower_weight``) quantised; otherwise every value quantised. Under
+    distributed DP the values (never the weight factor) are L2-clipped first and carry Skellam noise."""
+    values = layout.flatten(with_flower_weight(protocol, summands) if layout.weighted else summands)
+    values = values[1:] if layout.weighted else values
+    if protocol.private:
+        quantised, beyond, shortened = _quantize_private(protocol, values, round, client)
+    else:
+        (quantised, beyond), shortened = quantize(protocol, values, round, client), False
     if not layout.weighted:
-        return quantize(protocol, layout.flatten(summands), round, client)
-    values = layout.flatten(with_flower_weight(protocol, summands))
-    quantised, beyond = quantize(protocol, values[1:], round, client)
+        return quantised, beyond, shortened
     factor = np.array([weight_factor(protocol, float(summands[WEIGHT]))], dtype=np.uint64)
-    return np.concatenate([factor, quantised]), beyond
+    return np.concatenate([factor, quantised]), beyond, shortened
+
+
+def _dequantize_centred(protocol: SecureAggregation, total: np.ndarray, count: int) -> np.ndarray:
+    """The float sum of ``count`` clients' noisy values: the known offset count·quantization_range/2
+    subtracted modulo the modulus, the rest read as a signed integer in (−modulus/2, modulus/2]."""
+    m, offset = protocol.modulus, count * protocol.quantization_range
+    centred = (total.astype(np.int64) - offset // 2) % m
+    signed = np.where(centred > m // 2, centred - m, centred).astype(np.float64) - (offset % 2) / 2
+    return signed * (2 * protocol.clipping_range / protocol.quantization_range)
 
 
 def decode(protocol: SecureAggregation, layout: Layout, total: np.ndarray, count: int) -> np.ndarray:
     """The float sum of ``count`` clients' summands from the sum of their integer vectors (``encode``):
-    the summed weight factor over the quantisation range (exact), the other values dequantised."""
+    the summed weight factor over the quantisation range (exact), the other values dequantised (read
+    centred under distributed DP, where the noise may take the sum below zero)."""
+    values = total[1:] if layout.weighted else total
+    values = (_dequantize_centred(protocol, values, count) if protocol.private
+              else dequantize_sum(protocol, values, count))
     if not layout.weighted:
-        return dequantize_sum(protocol, total, count)
-    weight = np.array([float(total[0]) / protocol.quantization_range])
-    return np.concatenate([weight, dequantize_sum(protocol, total[1:], count)])
+        return values
+    return np.concatenate([np.array([float(total[0]) / protocol.quantization_range]), values])
 
 
 def secure_round(protocol: SecureAggregation, round: int, participants: list[int],
@@ -411,24 +537,25 @@ def secure_round(protocol: SecureAggregation, round: int, participants: list[int
     dropped = tuple(c for c in participants if c not in summands)
     if len(survivors) > protocol.max_clients():
         raise UserError(f"{len(survivors)} clients would overflow the modulus {protocol.modulus} at quantization_range "
-                        f"{protocol.quantization_range}; raise modulus or lower quantization_range")
+                        f"{protocol.quantization_range}; raise modulus or lower quantization_range", fields=("modulus", "quantization_range"))
     layout = Layout.of(summands[survivors[0]]) if survivors else Layout(())
     if layout.weighted:
         factors = sum(weight_factor(protocol, float(summands[c][WEIGHT])) for c in survivors)
         if factors >= protocol.modulus:
             raise UserError(f"the survivors' weight factors sum to {factors}, beyond the modulus {protocol.modulus}: "
                             f"raise max_weight (a weight n / max_weight above 1 needs more than quantization_range "
-                            f"per client) or modulus")
+                            f"per client) or modulus", fields=("max_weight", "modulus"))
+    protocol.check_headroom(len(survivors))
     graph = neighbours(protocol, round, participants)
-    masked, clipped = {}, 0
+    masked, clipped, shortened = {}, 0, 0
     for client in survivors:
-        vector, beyond = encode(protocol, layout, summands[client], round, client)
-        clipped += beyond
+        vector, beyond, short = encode(protocol, layout, summands[client], round, client)
+        clipped, shortened = clipped + beyond, shortened + short
         masked[client] = mask(protocol, vector, round, client, graph)
     shown = {c: dict(clear[c]) for c in survivors if clear.get(c)} if clear and protocol.clear_fields == "flower" \
         else {}
     record = AggregateRecord(round, tuple(participants), tuple(survivors), dropped, {}, protocol.quantum, clipped,
-                             None, layout, shown)
+                             None, layout, shown, shortened, len(survivors) * protocol.dp_noise)
     record.aborted = halted(protocol, round, participants, survivors)
     if record.aborted is not None:
         return record, masked

@@ -60,6 +60,9 @@ ATTACKS: dict[str, AttackEntry] = {
                          "participant is the server's, so it subtracts their updates from the sum"
                          " and reads the target's binning (an upper bound)",
                          "aggregate", 300, 1, 0),
+    "sum-fishing": AttackEntry("malicious server under secure aggregation: the same fishing classifier for every "
+                               "client (Wen et al.); the sum's mean update is the round's fished images', rebuilt",
+                               "aggregate", 1000, 1, 1),
     "sum-labels": AttackEntry("secure aggregation: the round's label histogram from the sum (class counts, or the "
                               "summed classifier-bias update)", "aggregate", 1, 1, 0),
     "sum-inversion": AttackEntry("secure aggregation: the round's sum inverted as one batch of every survivor's images "
@@ -70,7 +73,8 @@ ATTACKS: dict[str, AttackEntry] = {
 }
 # fedecouple.secure_aggregation.SecureAggregation's defaults (Flower's SecAggPlusWorkflow's): the options' defaults
 SECURE_AGGREGATION = {"clipping_range": 8.0, "quantization_range": 2 ** 22, "modulus": 2 ** 32, "num_shares": 1.0,
-                      "reconstruction_threshold": 0.5, "max_weight": 1000.0, "clear_fields": "flower"}
+                      "reconstruction_threshold": 0.5, "max_weight": 1000.0, "clear_fields": "flower",
+                      "dp_noise": 0.0, "dp_l2_clip": None, "dp_delta": 1e-5}
 SECURE_AGGREGATION_CLEAR_FIELDS = ("flower", "hidden")  # fedecouple.secure_aggregation.CLEAR_FIELDS
 MEMBERSHIP_ATTACKS = ("lira", "loss", "entropy", "population", "rmia")  # attacks.MEMBERSHIP
 METHODS = ("fedecouple", "fedavg", "ft-fedavg", "fedper", "fedrep", "fedpac", "fedproto", "local")
@@ -81,6 +85,7 @@ ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits", "mlp", 
                  "resnet50")
 # the attacks ``fedsec report`` runs unless --attacks is given (read by ``fedsec.jobs.report.settings``)
 REPORT_ATTACKS = ("dlg", "ig", "proto", "labels", "sum-labels")
+REPORT_METHODS = ("fedecouple", "fedper", "fedpac", "fedproto")  # the report's default methods
 # the attacks ``fedsec defend`` runs against each value unless --attacks is given (``DefendSettings``)
 DEFEND_ATTACKS = ("dlg", "ig", "labels")
 DEFENSES = ("dp", "noise", "clip", "prune", "quantize", "exclude", "download-check", "consistency-check")  # defenses.DEFENSES

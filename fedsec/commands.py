@@ -13,6 +13,7 @@ import click
 from . import catalog
 from .bodies import run_command
 from .flower_commands import flower  # the group imports Flower only when a command runs
+from .invocation import SECURE_DP
 from .options import (ATTACK, ATTACK_ROUNDS, ATTACK_SEED, COUNT, EVIDENCE, EVIDENCE_ITERATIONS, IMAGES, ITERATIONS,
                       MODE_OPTION, NON_NEGATIVE, POSITIVE, RESTARTS, SEED, TARGETS, VICTIM_BATCH, VICTIM_STEPS,
                       AttackListCommand, CountOrFraction, Number,
@@ -63,6 +64,15 @@ SECURE_AGGREGATION_OPTIONS = [  # the protocol (fedecouple.secure_aggregation), 
                  default=SECURE["clear_fields"], show_default=True,
                  help="--secure-aggregation: flower: each upload's sample count and training metrics reach the "
                       "server in the clear beside the masked sum, as in Flower's SecAgg+; hidden: nothing does."),
+    click.option("--sa-dp-epsilon", type=POSITIVE, default=SECURE_DP["sa_dp_epsilon"],
+                 help="--secure-aggregation: distributed differential privacy: each client adds Skellam noise to its "
+                      "quantised values before masking, calibrated once so the run's sums spend this epsilon in all "
+                      "(no amplification by sampling) [off]."),
+    click.option("--sa-dp-delta", type=Number(float, 0, 1, low_open=True, high_open=True),
+                 default=SECURE_DP["sa_dp_delta"], show_default=True,
+                 help="--sa-dp-epsilon: the delta of the run's (epsilon, delta)."),
+    click.option("--sa-dp-clip", type=POSITIVE, default=SECURE_DP["sa_dp_clip"], show_default=True,
+                 help="--sa-dp-epsilon: each client's (weighted) values are clipped to this L2 norm before quantising."),
 ]
 
 
@@ -285,7 +295,7 @@ def audit(ctx, **_):
 @cli.command(short_help="Train, audit and attack several methods; write one comparison report.")
 @hide("method")
 @train_options
-@click.option("--methods", default="fedecouple,fedper,fedpac,fedproto", show_default=True,
+@click.option("--methods", default=",".join(catalog.REPORT_METHODS), show_default=True,
               help="Comma-separated methods to compare (replaces --method).")
 @click.option("--attacks", default=",".join(catalog.REPORT_ATTACKS), show_default=True, cls=Listed,
               listed=catalog.attack_names,

@@ -24,11 +24,13 @@ TRAIN_KEYS = ("method", "dataset", "data_dir", "download", "partition", "classes
               "samples_per_client", "beta", "clients", "rounds", "local_epochs", "join_ratio", "lr", "batch_size",
               "seed", "arch", "model", "device", "threads", "backend", "ray_address", "dropout", "secure_aggregation",
               "sa_clipping_range", "sa_quantization_range", "sa_modulus", "sa_num_shares", "sa_threshold",
-              "sa_max_weight", "sa_clear_fields")
+              "sa_max_weight", "sa_clear_fields", "sa_dp_epsilon", "sa_dp_delta", "sa_dp_clip")
+# distributed DP under secure aggregation (``fedsec.runner.SecureConfig``): off without a target epsilon
+SECURE_DP = {"sa_dp_epsilon": None, "sa_dp_delta": catalog.SECURE_AGGREGATION["dp_delta"], "sa_dp_clip": 1.0}
 # protocol settings left out of a folder's identity at their defaults (folders written before they existed)
 QUIET_AT_DEFAULT = {"dropout": 0.0, "secure_aggregation": False,
                     **{f"sa_{'threshold' if k == 'reconstruction_threshold' else k}": v
-                       for k, v in catalog.SECURE_AGGREGATION.items()}}
+                       for k, v in catalog.SECURE_AGGREGATION.items() if not k.startswith("dp_")}, **SECURE_DP}
 HYPERPARAMETER_FLAGS = ("lam", "mu", "tau", "teacher", "center_reduction")
 ABLATION_FLAGS = ("no_glf", "no_gfa", "no_gpc", "no_da")
 DEFAULT_ROUNDS = 3

@@ -10,25 +10,26 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
-import re
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
 import pandas as pd
 import torch
 
 from fedecouple.backends import BACKENDS, ModelSpec, import_ray, make_backend
-from fedecouple.channel import ServerChannel
+from fedecouple.channel import ServerChannel, Upload
 from fedecouple.data import load_dataset, make_partition
 from fedecouple.data.dataset import ImageDataset
 from fedecouple.data.partition import Partition
-from fedecouple.engine import Federation, FederationConfig, GroundTruth, VictimSetting, summarize
+from fedecouple.engine import Federation, FederationConfig, GroundTruth, VictimSetting, round_half_up, summarize
 from fedecouple.errors import UserError
 from fedecouple.methods import make_method, method_class
 from fedecouple.methods.base import Method, TrainConfig
-from fedecouple.secure_aggregation import SecureAggregation
+from fedecouple.secure_aggregation import Layout, SecureAggregation
 from fedecouple.devices import deterministic, device_record, resolve_device
 
 from . import io
@@ -74,7 +75,10 @@ class ExecutionConfig:
 class SecureConfig:
     """``--secure-aggregation`` and the protocol's parameters (``fedecouple.secure_aggregation``, with the
     meaning Flower's ``SecAggPlusWorkflow`` gives them; defaults: its own, every pair masking). Off: the
-    server sees every upload."""
+    server sees every upload. ``sa_dp_epsilon`` (None: off) turns on distributed differential privacy:
+    each client adds Skellam noise before masking, calibrated once per run (``calibrated_protocol``) so
+    that the run's sums compose to that ε at ``sa_dp_delta``, each client's values L2-clipped to
+    ``sa_dp_clip`` first (``defenses.distributed_dp``)."""
 
     secure_aggregation: bool = False
     sa_clipping_range: float = SecureAggregation.clipping_range
@@ -84,26 +88,40 @@ class SecureConfig:
     sa_threshold: int | float = SecureAggregation.reconstruction_threshold
     sa_max_weight: float = SecureAggregation.max_weight
     sa_clear_fields: str = SecureAggregation.clear_fields
+    sa_dp_epsilon: float | None = None
+    sa_dp_delta: float = SecureAggregation.dp_delta
+    sa_dp_clip: float = 1.0
 
-    def protocol(self, seed: int) -> SecureAggregation | None:
-        """The protocol (None: off); a bad combination of values is a one-line error naming the flags."""
+    def protocol(self, seed: int, dp_noise: float = 0.0) -> SecureAggregation | None:
+        """The protocol (None: off), with ``dp_noise`` as each client's Skellam μ (``calibrated_protocol``
+        finds it from ``sa_dp_epsilon``; 0, the default, leaves the noise out: the parameters alone); a bad
+        combination of values is a one-line error naming the fields (``fedsec.field_names`` names them as each
+        front end does)."""
         if not self.secure_aggregation:
             return None
-        try:
-            return SecureAggregation(clipping_range=self.sa_clipping_range,
+        self._check_dp()
+        return SecureAggregation(clipping_range=self.sa_clipping_range,
                                      quantization_range=self.sa_quantization_range, modulus=self.sa_modulus,
-                                     num_shares=self.sa_num_shares, reconstruction_threshold=self.sa_threshold,
-                                     max_weight=self.sa_max_weight, seed=seed, clear_fields=self.sa_clear_fields)
-        except UserError as exc:  # the engine names its own fields; the user gave flags
-            raise UserError(_PROTOCOL_FIELD.sub(lambda m: PROTOCOL_FLAGS[m.group(0)], str(exc))) from None
+                                 num_shares=self.sa_num_shares, reconstruction_threshold=self.sa_threshold,
+                                 max_weight=self.sa_max_weight, seed=seed, clear_fields=self.sa_clear_fields,
+                                 dp_noise=dp_noise, dp_l2_clip=self.sa_dp_clip if dp_noise else None,
+                                 dp_delta=self.sa_dp_delta)
 
-
-# the protocol's fields (``SecureAggregation``) and the flags that set them
-PROTOCOL_FLAGS = {"clipping_range": "--sa-clipping-range", "quantization_range": "--sa-quantization-range",
-                  "modulus": "--sa-modulus", "num_shares": "--sa-num-shares",
-                  "reconstruction_threshold": "--sa-threshold", "max_weight": "--sa-max-weight",
-                  "clear_fields": "--sa-clear-fields"}
-_PROTOCOL_FIELD = re.compile(r"\b(" + "|".join(PROTOCOL_FLAGS) + r")\b")
+    def _check_dp(self) -> None:
+        eps = self.sa_dp_epsilon
+        if eps is not None and not (0 < eps < math.inf):
+            raise UserError(f"sa_dp_epsilon must be positive and finite (leave it out for no noise), got {eps}",
+                            fields=("sa_dp_epsilon",))
+        if not 0 < self.sa_dp_delta < 1:
+            raise UserError(f"sa_dp_delta must be in (0, 1), got {self.sa_dp_delta}", fields=("sa_dp_delta",))
+        if not (0 < self.sa_dp_clip < math.inf):
+            raise UserError(f"sa_dp_clip must be positive, got {self.sa_dp_clip}", fields=("sa_dp_clip",))
+        changed = [name for name, value, default in (("sa_dp_delta", self.sa_dp_delta, SecureAggregation.dp_delta),
+                                                     ("sa_dp_clip", self.sa_dp_clip, 1.0)) if value != default]
+        if eps is None and changed:  # a user who sets them believes the noise is on
+            raise UserError(f"{' and '.join(changed)} set{'s' if len(changed) == 1 else ''} distributed differential "
+                            f"privacy, which is off: add sa_dp_epsilon or drop the option",
+                            fields=(*changed, "sa_dp_epsilon"))
 
 
 # the settings that never change a result: where the data lives and how (where) it is computed
@@ -228,6 +246,7 @@ class Prepared:
     dataset: ImageDataset
     partition: Partition
     method: Method
+    protocol: SecureAggregation | None = None  # the run's secure aggregation, its noise calibrated (None: off)
 
 
 def prepare(config: RunConfig) -> Prepared:
@@ -240,8 +259,8 @@ def prepare(config: RunConfig) -> Prepared:
     if config.secure.protocol(config.federation.seed) is not None and (refusal := method.secure_refusal()):
         raise UserError(refusal)  # before any data is loaded (the protocol's parameters are checked above)
     if data.train_images is not None and data.samples_per_client is not None and data.partition != "weak":
-        raise UserError(f"give --train-images or --samples-per-client, not both: outside the weak partition "
-                        f"--samples-per-client caps the training set (at most N), --train-images fixes it (exactly N)")
+        raise UserError("give --train-images or --samples-per-client, not both: outside the weak partition "
+                        "--samples-per-client caps the training set (at most N), --train-images fixes it (exactly N)")
     if execution.backend not in BACKENDS:
         raise UserError(f"unknown backend {execution.backend!r}; choose one of: {', '.join(BACKENDS)}")
     if execution.ray_address and execution.backend != "ray":
@@ -262,7 +281,45 @@ def prepare(config: RunConfig) -> Prepared:
                                s=data.s, samples_per_client=data.samples_per_client, beta=data.beta,
                                test_fraction=data.test_fraction, seed=config.federation.seed,
                                train_images=data.train_images)
-    return Prepared(config, dataset, partition, method)
+    return Prepared(config, dataset, partition, method, calibrated_protocol(config, method, dataset))
+
+
+def summand_size(method: Method, model, num_classes: int, max_weight: float) -> int:
+    """How many values one client's secure sum carries besides Flower's weight factor: the layout of the
+    method's summands (``Method.secure_summands``) for an upload holding every field of its manifest
+    (per-class fields for every class, as a method's summands always cover every class)."""
+    tensors = {}
+    for spec in method.manifest(model):
+        for name in ([spec.name.format(k=k) for k in range(num_classes)] if spec.per_class else [spec.name]):
+            tensors[name] = torch.ones(spec.shape, dtype=torch.float64)
+    layout = Layout.of(method.secure_summands(Upload(0, 0, tensors), max_weight, num_classes))
+    return layout.size - (1 if layout.weighted else 0)
+
+
+def participants_per_round(config: RunConfig) -> int:
+    """The clients a round samples (``Federation.sample_clients``): round(join_ratio · clients), at least 1."""
+    return max(1, round_half_up(config.federation.join_ratio * config.data.clients))
+
+
+def calibrated_protocol(config: RunConfig, method: Method, dataset: ImageDataset) -> SecureAggregation | None:
+    """The run's protocol (None: off). Under ``--sa-dp-epsilon`` each client's Skellam μ is calibrated
+    once, here (``defenses.distributed_dp.calibrate``): the run's sums (its rounds times the method's
+    secure passes) of every sampled client (no dropout assumed), of the method's summand size on the
+    configured model, compose to that ε at ``--sa-dp-delta``; a noise the modulus cannot hold is refused."""
+    base = config.secure.protocol(config.federation.seed)
+    if base is None or config.secure.sa_dp_epsilon is None or not method.communicates:
+        return base  # a method that never communicates sends nothing to noise
+    from defenses.distributed_dp import calibrate
+
+    model = ModelSpec.for_data(dataset, config.federation.arch, config.federation.model).build()
+    dimension = summand_size(method, model, dataset.num_classes, base.max_weight)
+    clients = participants_per_round(config)
+    releases = max(1, config.federation.rounds) * getattr(method, "secure_passes", 1)
+    mu = calibrate(config.secure.sa_dp_epsilon, config.secure.sa_dp_delta, releases, clients, dimension,
+                   config.secure.sa_dp_clip, base)
+    protocol = config.secure.protocol(config.federation.seed, dp_noise=mu)
+    protocol.check_headroom(clients)
+    return protocol
 
 
 def build_federation(prep: Prepared, channel: ServerChannel | None = None, ground_truth: GroundTruth | None = None,
@@ -272,7 +329,8 @@ def build_federation(prep: Prepared, channel: ServerChannel | None = None, groun
         torch.set_num_threads(execution.threads)
     deterministic(prep.config.federation.device)
     backend = make_backend(execution.backend, execution.ray_address, execution.threads, prep.config.federation.device)
-    protocol = prep.config.secure.protocol(prep.config.federation.seed)
+    protocol = prep.protocol if prep.protocol is not None else calibrated_protocol(prep.config, prep.method,
+                                                                                   prep.dataset)
     if protocol is not None:
         channel = channel if channel is not None else ServerChannel()
         channel.recorder.secure = protocol  # the channel reads it there
@@ -290,14 +348,22 @@ def run_record(config: RunConfig, method: Method) -> dict:
 ROUND_COLUMNS = ["round", "participants", "survivors", "dropped", "clipped", "aborted"]
 
 
+DP_ROUND_COLUMNS = ["epsilon_round", "epsilon_total", "epsilon_isolated"]
+
+
 def round_summary(fed: Federation, config: RunConfig) -> tuple[dict, pd.DataFrame | None]:
     """Under secure aggregation or dropout: (summary.json's entries on what the server held and the
-    round log's totals, rounds.csv's rows); otherwise ({}, None)."""
-    protocol = config.secure.protocol(config.federation.seed)
+    round log's totals, rounds.csv's rows); otherwise ({}, None). Under distributed DP rounds.csv adds
+    each round's ε, the run's ε up to it and a client's ε up to it against a server that isolates it
+    (``distributed_privacy``)."""
+    protocol = fed.channel.secure if config.secure.secure_aggregation else None
     if protocol is None and not config.federation.dropout:
         return {}, None
     frame = pd.DataFrame([{**r, "dropped": r["participants"] - r["survivors"]} for r in fed.round_log],
                          columns=ROUND_COLUMNS)
+    private = distributed_privacy(fed, protocol, config.secure.sa_dp_epsilon) if protocol is not None and protocol.private else None
+    if private is not None:
+        frame = pd.concat([frame, pd.DataFrame(private.pop("per_round"), columns=DP_ROUND_COLUMNS)], axis=1)
     entries = {"dropout": config.federation.dropout, "round_log": {
         "rounds": len(frame), "participants": int(frame["participants"].sum()),
         "survivors": int(frame["survivors"].sum()), "dropped": int(frame["dropped"].sum()),
@@ -319,7 +385,44 @@ def round_summary(fed: Federation, config: RunConfig) -> tuple[dict, pd.DataFram
             "decoding_bound": "each summed value within (survivors x quantum) of the sum of what the survivors "
                               "sent; a client's weight n / max_weight is sent as round(weight x quantization_range), "
                               "exactly"}
+        if private is not None:
+            entries["secure_aggregation"]["distributed_dp"] = private
     return entries, frame
+
+
+def round_releases(entry: dict) -> list[int]:
+    """The survivor counts of the sums a round of the round log released: none when it aborted; two for a
+    two-pass round whose second sum decoded (the log keeps that pass's survivors, at most the first's, so
+    the first sum is accounted with at most its survivors: an upper bound on its ε); one otherwise."""
+    if entry.get("aborted"):
+        return []
+    return [int(entry["survivors"])] * (2 if entry.get("second_pass", None) == "" else 1)
+
+
+def distributed_privacy(fed: Federation, protocol: SecureAggregation, target: float | None) -> dict:
+    """What distributed DP spent over the rounds of ``fed``'s round log (``defenses.distributed_dp``):
+    summary.json's entry, with ``per_round`` (rounds.csv's ``DP_ROUND_COLUMNS``) to be popped; ``target``:
+    the ε the noise was calibrated for."""
+    from defenses.distributed_dp import ORDERS, epsilon_of, round_rdp
+
+    dimension = summand_size(fed.method, fed.model, fed.dataset.num_classes, protocol.max_weight)
+    total, isolated, rows = np.zeros_like(ORDERS), np.zeros_like(ORDERS), []
+    for entry in fed.round_log:
+        releases = round_releases(entry)
+        spent = sum((round_rdp(protocol, n, dimension) for n in releases), np.zeros_like(ORDERS))
+        total, isolated = total + spent, isolated + len(releases) * round_rdp(protocol, 1, dimension)
+        rows.append({"epsilon_round": epsilon_of(spent, protocol.dp_delta) if releases else 0.0,
+                     "epsilon_total": epsilon_of(total, protocol.dp_delta),
+                     "epsilon_isolated": epsilon_of(isolated, protocol.dp_delta)})
+    l1, l2 = protocol.sensitivity(dimension)
+    return {"mechanism": "Skellam noise added by each client before masking (The Skellam Mechanism for "
+                         "Differentially Private Federated Learning); no amplification by sampling",
+            "target_epsilon": target, "delta": protocol.dp_delta, "mu_per_client": protocol.dp_noise,
+            "l2_clip": protocol.dp_l2_clip, "dimension": dimension, "l1_sensitivity": l1, "l2_sensitivity": l2,
+            "epsilon_total": rows[-1]["epsilon_total"] if rows else 0.0,
+            "epsilon_isolated": rows[-1]["epsilon_isolated"] if rows else 0.0,
+            "not_protected": "each client's weight (sample count): Flower's weight factor travels without noise",
+            "per_round": rows}
 
 
 def in_the_clear(protocol: SecureAggregation, upload_kinds: set[str], records) -> list[str]:

@@ -44,8 +44,20 @@ def round_targets(participants, rounds) -> dict[int, list[int]]:
 
 
 def attack_round_level(run, args, rounds, progress: bool = True):
-    """The round-level harness on ``run`` with the split settings ``args`` (``fedsec.jobs.attack.AttackArguments``)."""
+    """The round-level harness on ``run`` with the split settings ``args`` (``fedsec.jobs.attack.AttackArguments``).
+    Under distributed DP the summary says what the noise bought: the ε spent up to each attacked round
+    (``defenses.distributed_dp.recorded_privacy``) as ``distributed_dp``, in each round's ``per_target``
+    entry and as the first note."""
     from attacks.secure.harness import attack_rounds
+    from defenses.distributed_dp import privacy_note, recorded_privacy
 
-    return attack_rounds(run, args.spec, list(rounds), args.threat, args.budget, seed=args.seed, victim=args.victim,
-                         threads=args.threads, progress=progress)
+    outcome = attack_rounds(run, args.spec, list(rounds), args.threat, args.budget, seed=args.seed,
+                            victim=args.victim, threads=args.threads, progress=progress)
+    privacy = recorded_privacy(run.recorder, rounds)
+    if privacy is not None:
+        spent = {row["round"]: row for row in privacy["per_round"]}
+        for entry in outcome.summary.per_target:
+            entry.update({k: v for k, v in spent.get(entry["round"], {}).items() if k.startswith("epsilon")})
+        outcome.summary.statistics["distributed_dp"] = privacy
+        outcome.summary.notes.insert(0, privacy_note(privacy))
+    return outcome

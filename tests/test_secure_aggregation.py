@@ -396,7 +396,7 @@ def test_a_method_whose_server_reads_each_upload_refuses_in_one_line(digits):
         Federation(PerClient(), digits, part, FederationConfig(rounds=1),
                    channel=ServerChannel(recorder=Recorder(), secure=SecureAggregation()))
     message = str(refused.value)
-    assert "\n" not in message and message.startswith("per-client cannot run under --secure-aggregation")
+    assert "\n" not in message and message.startswith("per-client cannot run under secure aggregation")
     assert "h, classifier.*" in message and "it weights each head by its h" in message
     assert not [name for name, cls in METHODS.items() if cls().secure_refusal() is not None]
 

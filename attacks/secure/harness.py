@@ -67,10 +67,15 @@ def server_sees(protocol) -> str:
     ``protocol`` (a ``SecureAggregation``; None: not recorded)."""
     if protocol is None:
         return SERVER_SEES
+    noise = ""
+    if getattr(protocol, "private", False):  # distributed DP: the sum the server decodes carries noise
+        noise = (f"; distributed DP: each survivor added Skellam noise (mu {protocol.dp_noise:.4g} per value, its "
+                 f"values L2-clipped to {protocol.dp_l2_clip:g}) before masking, so the decoded sum carries the "
+                 f"survivors' summed noise (its weight factor none)")
     if getattr(protocol, "clear_fields", "flower") == "flower":
-        return (SERVER_SEES + "; in the clear beside each masked upload, as Flower's SecAgg+ leaves them: each "
-                "survivor's sample count and training metrics")
-    return SERVER_SEES + "; nothing in the clear (clear fields hidden, stricter than Flower's SecAgg+)"
+        return (SERVER_SEES + noise + "; in the clear beside each masked upload, as Flower's SecAgg+ leaves them: "
+                "each survivor's sample count and training metrics")
+    return SERVER_SEES + noise + "; nothing in the clear (clear fields hidden, stricter than Flower's SecAgg+)"
 
 
 @dataclass

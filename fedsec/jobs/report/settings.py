@@ -9,11 +9,11 @@ from typing import Iterable
 import attacks
 from fedecouple.errors import UserError
 
-from ...catalog import REPORT_ATTACKS
+from ...catalog import REPORT_ATTACKS, REPORT_METHODS
 from ..attack import AttackSettings
 from ..compare import parse_list
 
-DEFAULT_METHODS = ("fedecouple", "fedper", "fedpac", "fedproto")
+DEFAULT_METHODS = REPORT_METHODS
 # ``--preset audit``'s methods: FedAvg beside the four, the reference the FedeCouple paper's Fig. 10 ranks
 # the others against (the report's "Fig. 10" section pairs each method with FedeCouple and with FedAvg)
 AUDIT_METHODS = (*DEFAULT_METHODS, "fedavg")
@@ -118,12 +118,11 @@ class ReportSettings:
         """The ``AttackSettings`` of one cell (``ig``, ``ig@real``, ``ig@real-n10``)."""
         attack, setting = attack_of(key), cell_setting(key)[0]
         spec = attacks.get(attack)
-        # an attack's own setting: the textbook batch where it attacks the textbook setting by default
-        own = (int(self.textbook_batch_by.get(attack, self.textbook_batch)) if spec.default_victim_batch > 0
-               else spec.default_victim_batch)
         family = f"{attack}@{setting}"  # a sized cell falls back on its setting's entry, then the attack's
         pick = lambda table, default: table.get(key, table.get(family, table.get(attack, default)))  # noqa: E731
         textbook = int(pick(self.textbook_batch_by, self.textbook_batch))
+        # an attack's own setting: the textbook batch where it attacks the textbook setting by default
+        own = textbook if spec.default_victim_batch > 0 else spec.default_victim_batch
         victim = {"": own, "real": 0, "textbook": textbook}[setting]
         return AttackSettings(attack=attack, rounds=tuple(int(r) for r in self.rounds),
                               targets=int(pick(self.targets_by, self.targets)),
