@@ -32,7 +32,7 @@ from . import malicious  # noqa: F401
 from .membership import lira, mia_threshold, rmia  # noqa: F401
 from .inversion import fedavg_leakage  # noqa: F401
 from .inversion import spear  # noqa: F401
-from .secure import sum_binning, inconsistency, sybil, sum_labels, sum_inversion, disaggregation  # noqa: F401  (secure aggregation)
+from .secure import sum_binning, inconsistency, sybil, sum_fishing, sum_labels, sum_inversion, disaggregation  # noqa: F401  (secure aggregation)
 from .base import AttackResult, Budget, LocalHyperparameters, NotApplicable, Observation
 from .inversion.batching import Batch, plan_one_by_one, run_plan
 from .registry import ATTACKS, MEMBERSHIP, AttackSpec, MembershipSpec, get, names, register, unregister

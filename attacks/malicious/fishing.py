@@ -112,11 +112,13 @@ def rarest_present(counts: torch.Tensor) -> tuple[int, int] | None:
 
 
 def fishing_download(download: dict[str, torch.Tensor], model, public: torch.Tensor, public_labels: torch.Tensor,
-                     counts: torch.Tensor, steps: int = 1) -> tuple[dict[str, torch.Tensor], FishingRecord]:
+                     counts: torch.Tensor, steps: int = 1,
+                     feature: bool = True) -> tuple[dict[str, torch.Tensor], FishingRecord]:
     """The crafted download for a client whose label counts the server estimated as ``counts`` (C,)
     and who trains ``steps`` SGD steps against the classifier, and the server's record of it (module
     docstring). With more than ``MAX_FEATURE_STEPS`` steps, class fishing only: the sharp feature row
-    moves the extractor so far that later steps' images cross τ and the client's loss diverges."""
+    moves the extractor so far that later steps' images cross τ and the client's loss diverges.
+    ``feature`` False: class fishing only, whatever the counts (the caller says why)."""
     sent = {k: v.detach().clone() for k, v in download.items()}
     counts = torch.as_tensor(counts, dtype=torch.float64)
     found = rarest_present(counts)
@@ -137,7 +139,7 @@ def fishing_download(download: dict[str, torch.Tensor], model, public: torch.Ten
     if k > 1 and steps > MAX_FEATURE_STEPS:
         record.notes.append(f"the client trains {steps} steps against the classifier: class fishing only (a sharp "
                             f"feature-fishing row would make its training diverge)")
-    if k == 1 or int(own.sum()) < 2 or steps > MAX_FEATURE_STEPS:
+    if k == 1 or int(own.sum()) < 2 or steps > MAX_FEATURE_STEPS or not feature:
         weight[t], bias[t] = download["classifier.weight"][t], download["classifier.bias"][t]
     else:
         others = {j: int(round(float(counts[j]))) for j in range(c) if j != t and round(float(counts[j])) >= 1}
