@@ -5,12 +5,14 @@ One simulation of the example app (examples/flower_secagg) with 4 nodes and 2 ro
 the textbook setting (every node one SGD step on 4 images), round 2 real local training (one epoch on
 751 or 1125 images: unequal weights). The protocol runs with a max weight above every node's sample
 count and 2**26 quantisation steps (Flower's defaults otherwise). About 25 s on a shared 2-core machine,
-mostly Ray's start-up; the audit through the command line reuses the same simulation.
+mostly Ray's start-up; the audit through the command line reuses the same simulation, and fedsec's engine
+runs the same federation (a few seconds) to compare what its server holds in the clear.
 """
 import json
 import math
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,11 @@ from scipy.stats import chisquare  # noqa: E402
 
 from attacks.base import Budget  # noqa: E402
 from attacks.recorded import ThreatModel  # noqa: E402
-from fedecouple.channel import Recorder  # noqa: E402
+from fedecouple.channel import Recorder, ServerChannel  # noqa: E402
+from fedecouple.engine import Federation, FederationConfig, VictimSetting  # noqa: E402
+from fedecouple.methods.base import TrainConfig, cross_entropy_loss, make_upload, train_supervised  # noqa: E402
+from fedecouple.methods.fedavg import FedAvg  # noqa: E402
+from fedecouple.models import get_params, set_params  # noqa: E402
 from fedecouple.secure_aggregation import AggregateRecord, SecureAggregation  # noqa: E402
 from fedsec.cli import main  # noqa: E402
 from fedsec.flower.harness import recorded_run  # noqa: E402
@@ -139,6 +145,90 @@ def test_the_recorded_aggregate_is_the_weighted_average_of_the_true_updates(run,
             assert np.abs(aggregate - truth).max() <= bound, (round, name)
             spread = max(spread, max(np.abs(np.asarray(u[0][i]) - truth).max() for u in updates))
         assert spread > 10 * bound  # the nodes' parameters differ by more: the check could fail
+
+
+# -- the same federation in fedsec's engine: what its server holds in the clear ------------------------------
+class _LossReportingFedAvg(FedAvg):
+    """fedsec's FedAvg that sends its mean training loss with its upload, as the app's node sends it as a
+    FitRes metric (fedsec's own methods send no metric)."""
+
+    def client_update(self, ctx, state, download):
+        model = ctx.model
+        set_params(model, dict(download.tensors))
+        loss = train_supervised(ctx, model.parameters(), ctx.config.local_epochs, "local", cross_entropy_loss(model))
+        return {}, make_upload(ctx, get_params(model), train_loss=loss)
+
+
+def _engine_run(run, task, clear_fields: str, rounds: int) -> Recorder:
+    """The recorded federation in fedsec's engine under secure aggregation: the app's model, data, seed and
+    victim round, the protocol the Flower server sent, with ``clear_fields``."""
+    torch.set_num_threads(TEST_THREADS)
+    config = run.run_config
+    recorder = Recorder()
+    victim = VictimSetting(int(config["victim-batch"]), int(config["victim-steps"]),
+                           {(r - 1, c) for r in task.victim_rounds(config) for c in range(NODES)})
+    federation = Federation(
+        _LossReportingFedAvg(), task.load_pool(), task.load_partition(NODES, config),
+        FederationConfig(rounds=rounds, seed=int(config["seed"]), arch=str(config["arch"]),
+                         train=TrainConfig(lr=float(config["lr"]), batch_size=int(config["batch-size"]),
+                                           local_epochs=int(config["local-epochs"]))),
+        channel=ServerChannel(recorder=recorder, secure=replace(run.recorder.secure, clear_fields=clear_fields)),
+        victim=victim)
+    federation.run(rounds)
+    return recorder
+
+
+@pytest.fixture(scope="module")
+def engine_clear(run, task):
+    return _engine_run(run, task, "flower", rounds=2)
+
+
+def _beside(upload) -> dict[str, torch.Tensor]:
+    return {name: tensor for name, tensor in upload.tensors.items() if name != "masked"}
+
+
+def test_the_engine_holds_in_the_clear_what_the_flower_server_holds(run, task, true_updates, engine_clear):
+    """secaggplus_mod clears only its FitRes' arrays: num_examples and the metrics reach the server beside
+    each masked vector. The same federation in fedsec's engine under clear_fields="flower" holds the same
+    fields of the same clients, round by round, in its records and beside each masked upload. Sample counts
+    are equal; round 0's losses too (same model, batch and seeds). Later rounds start from each server's own
+    decoding of the previous sum, which the two sides' rounding draws make differ (by about 1e-4 here), so
+    each side's loss is checked against the app's own update from that side's download instead."""
+    flower = run.recorder
+    assert sorted(engine_clear.aggregates) == sorted(flower.aggregates) == [0, 1]
+    for round, record in flower.aggregates.items():
+        ours = engine_clear.aggregates[round]
+        assert ours.survivors == record.survivors == tuple(range(NODES))
+        assert {c: sorted(f) for c, f in ours.clear.items()} == {c: sorted(f) for c, f in record.clear.items()} \
+            == {c: ["metric.train_loss", "sample_count"] for c in range(NODES)}
+        for client, shown in record.clear.items():
+            held = ours.clear[client]
+            assert type(held["sample_count"]) is int and held["sample_count"] == shown["sample_count"]
+            # beside the masked vector: the same names and dtypes, carrying the record's values
+            theirs, mine = _beside(flower.get(round, client).upload), _beside(engine_clear.get(round, client).upload)
+            assert {n: t.dtype for n, t in mine.items()} == {n: t.dtype for n, t in theirs.items()}
+            assert {n: t.item() for n, t in mine.items()} == held
+            assert {n: t.item() for n, t in theirs.items()} == shown
+            if round == 0:
+                assert held["metric.train_loss"] == pytest.approx(shown["metric.train_loss"], rel=1e-6)
+            else:
+                sent = [engine_clear.get(round, client).download.tensors[n].numpy()
+                        for n, _ in task.build_model(run.run_config).named_parameters()]
+                _, count, loss = task.local_update(sent, client, NODES, round + 1, run.run_config)
+                assert held == {"sample_count": count, "metric.train_loss": pytest.approx(loss, rel=1e-6)}
+                assert shown["metric.train_loss"] == pytest.approx(true_updates[round, client][2], rel=1e-6)
+
+
+def test_hidden_the_engine_holds_nothing_beside_the_masked_uploads(run, task, engine_clear):
+    """clear_fields="hidden" sends nothing of what the Flower server held in the clear, and the same
+    masked vectors."""
+    hidden = _engine_run(run, task, "hidden", rounds=1)
+    assert run.recorder.aggregates[0].clear  # what Flower's server held of round 0
+    assert hidden.aggregates[0].clear == {}
+    for client in range(NODES):
+        upload = hidden.get(0, client).upload
+        assert set(upload.tensors) == {"masked"}
+        assert torch.equal(upload.tensors["masked"], engine_clear.get(0, client).upload.tensors["masked"])
 
 
 def test_the_round_label_histogram_is_read_from_the_aggregate(run):
