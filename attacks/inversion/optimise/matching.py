@@ -172,8 +172,6 @@ class Lockstep:
         lead, n = problems[0], len(problems)
         self.lead, self.n, self.fixed = lead, n, lead.labels is not None
         self.slots = [(k, c) for k in range(n) for c in range(K)]
-        # each slot's target (one start: the slot is the target, no index needed)
-        self.owner = torch.tensor([k for k, _ in self.slots], device=lead.device) if K > 1 else None
         self.transform = vmap(lead.gradient_and_value())
         self.targets = stack_targets([p.target for p in problems])
         self.labels = torch.stack([p.labels for p in problems]) if self.fixed else None
@@ -280,7 +278,7 @@ class Lockstep:
                  if self.state[s] != "dropped" and self.runs[s]["images"] is not None]
         best = min(alive, key=lambda s: (self.runs[s]["objective"], s), default=None)
         if (best is not None and best != first and first in alive
-                and getattr(self.problems[k], "informed_first_start", False)
+                and self.problems[k].informed_first_start
                 and self.runs[best]["objective"] * INFORMED_MARGIN > self.runs[first]["objective"]):
             return first
         return best
@@ -289,7 +287,7 @@ class Lockstep:
         """One evaluation of the ``pending`` slots (one vmapped call) and their L-BFGS updates."""
         if pending != cache.get("members"):  # the running slots change rarely: select their rows only then
             rows = torch.tensor(pending, device=self.lbfgs.x.device)
-            owners = self.owner[rows] if self.candidates > 1 else rows
+            owners = torch.div(rows, self.candidates, rounding_mode="floor")  # slot k·K + c belongs to target k
             cache.update(members=pending, rows=rows, target=[t[owners] for t in self.targets],
                          fixed_labels=self.labels[owners] if self.fixed else None)
         x, y, z, values, grads = self.evaluate(pending, cache["rows"], cache["target"], cache["fixed_labels"])
