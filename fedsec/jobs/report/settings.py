@@ -124,7 +124,9 @@ class ReportSettings:
         # an attack's own setting: the textbook batch where it attacks the textbook setting by default
         own = textbook if spec.default_victim_batch > 0 else spec.default_victim_batch
         victim = {"": own, "real": 0, "textbook": textbook}[setting]
-        return AttackSettings(attack=attack, rounds=tuple(int(r) for r in self.rounds),
+        # a round before the attack's first moves to it (fishing reads an earlier round's upload or sum)
+        rounds = tuple(sorted({max(int(r), spec.first_round) for r in self.rounds}))
+        return AttackSettings(attack=attack, rounds=rounds,
                               targets=int(pick(self.targets_by, self.targets)),
                               iterations=int(pick(self.iterations, spec.default_iterations)),
                               restarts=spec.default_restarts if self.restarts is None else int(self.restarts),
