@@ -251,6 +251,8 @@ class Federation:
             lambda u: self.method.secure_summands(u, protocol.max_weight, self.dataset.num_classes))
         entry = {"round": t, "participants": len(record.participants), "survivors": len(record.survivors),
                  "clipped": record.clipped, "aborted": record.aborted or ""}
+        if protocol.private:  # the survivors whose values distributed DP's L2 clip shortened
+            entry["dp_clipped"] = record.dp_clipped
         # a wrapper (the DP method) forwards attributes its class lacks, so the two-pass hooks are looked up
         if record.aborted is None and getattr(self.method, "secure_passes", 1) == 2:
             entry.update(self._second_pass(t, uploads, record))
@@ -279,7 +281,8 @@ class Federation:
         if second is not None and second.aborted is None:
             self.server = method.secure_second_aggregate(self.server, first.total, second.total, t,
                                                          protocol.max_weight)
-            return {"survivors": len(second.survivors), "clipped": first.clipped + second.clipped, "second_pass": ""}
+            return {"survivors": len(second.survivors), "clipped": first.clipped + second.clipped, "second_pass": "",
+                    **({"dp_clipped": first.dp_clipped + second.dp_clipped} if protocol.private else {})}
         self.server = method.secure_aggregate(self.server, first.total, t, protocol.max_weight)
         why = (f"skipped: {len(staying)} of {len(first.survivors)} stayed, fewer than {minimum}"
                if second is None else f"aborted: {second.aborted}")

@@ -348,7 +348,7 @@ def run_record(config: RunConfig, method: Method) -> dict:
 ROUND_COLUMNS = ["round", "participants", "survivors", "dropped", "clipped", "aborted"]
 
 
-DP_ROUND_COLUMNS = ["epsilon_round", "epsilon_total", "epsilon_isolated"]
+DP_ROUND_COLUMNS = ["dp_clipped", "epsilon_round", "epsilon_total", "epsilon_isolated"]
 
 
 def round_summary(fed: Federation, config: RunConfig) -> tuple[dict, pd.DataFrame | None]:
@@ -411,7 +411,8 @@ def distributed_privacy(fed: Federation, protocol: SecureAggregation, target: fl
         releases = round_releases(entry)
         spent = sum((round_rdp(protocol, n, dimension) for n in releases), np.zeros_like(ORDERS))
         total, isolated = total + spent, isolated + len(releases) * round_rdp(protocol, 1, dimension)
-        rows.append({"epsilon_round": epsilon_of(spent, protocol.dp_delta) if releases else 0.0,
+        rows.append({"dp_clipped": int(entry.get("dp_clipped", 0)),
+                     "epsilon_round": epsilon_of(spent, protocol.dp_delta) if releases else 0.0,
                      "epsilon_total": epsilon_of(total, protocol.dp_delta),
                      "epsilon_isolated": epsilon_of(isolated, protocol.dp_delta)})
     l1, l2 = protocol.sensitivity(dimension)

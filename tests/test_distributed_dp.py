@@ -142,7 +142,8 @@ def test_training_under_distributed_dp_writes_epsilon_per_round(tmp_path, capsys
                             "--sa-dp-clip", "0.5", "--out", out], capsys)
     assert code == 0, err[-2000:]
     rounds = pd.read_csv(out / "rounds.csv")
-    assert list(rounds.columns)[-3:] == ["epsilon_round", "epsilon_total", "epsilon_isolated"]
+    assert list(rounds.columns)[-4:] == ["dp_clipped", "epsilon_round", "epsilon_total", "epsilon_isolated"]
+    assert rounds["dp_clipped"].between(0, 3).all()  # at most the round's 3 survivors
     assert abs(rounds["epsilon_total"].iloc[-1] / 4 - 1) < 0.01  # no dropout: the planned 3 survivors a round
     assert rounds["epsilon_total"].iloc[0] < rounds["epsilon_total"].iloc[1] < rounds["epsilon_isolated"].iloc[1]
     held = json.loads((out / "summary.json").read_text())["secure_aggregation"]

@@ -175,10 +175,10 @@ class AttackSettings:
                                                       ("--images", self.images_per_target)) if value < 1]
         if bad:
             raise UserError(f"{', '.join(bad)}: must be at least 1")
-        if min(self.rounds) < self.spec.first_round:  # classifier fishing reads the client's earlier upload
-            raise UserError(f"--attack-rounds {min(self.rounds)}: {self.attack} picks what it crafts from the client's "
-                            f"earlier upload, which round 0 has none of; use --attack-rounds "
-                            f"{self.spec.first_round} or later")
+        if min(self.rounds) < self.spec.first_round:  # classifier fishing reads an earlier round
+            raise UserError(f"--attack-rounds {min(self.rounds)}: {self.attack} picks what it crafts from an earlier "
+                            f"round (the client's upload, or the round's sum under secure aggregation), which round "
+                            f"{min(self.rounds)} has none of; use --attack-rounds {self.spec.first_round} or later")
         if self.train_rounds is not None and self.train_rounds <= max(self.rounds):
             raise UserError(f"--rounds {self.train_rounds} stops before attack round {max(self.rounds)} "
                             f"(rounds count from 0)")
