@@ -11,8 +11,9 @@ subset, 10 clients, one round (the attacked one), per attack:
   (5 images a client);
 * ``inconsistency`` (a malicious server isolating one target by model inconsistency): the others'
   updates of the attacked layers are zero, but each of them still adds its own noise, so the sum's ε
-  applies; the isolated ε (the target's own noise alone, n = 1) is what sybils that add no noise would
-  leave, printed beside it.
+  applies; the isolated ε (the target's own noise alone, n = 1) is printed beside it;
+* ``sybil`` (a malicious server whose sybils are every other participant): it subtracts their updates and
+  the noise they drew, so the target's own noise is all that remains: the isolated ε applies.
 
 Printed per attack and ε: mean PSNR [95 % interval], the share recovered [interval], the images scored,
 and the ε of the round's sum, the run's total and the isolated client's, each from the run's summary.
@@ -35,7 +36,8 @@ EPSILONS = (1.0, 8.0, math.inf)
 BASE = ["--method", "fedavg", "--clients", "10", "--rounds", "1", "--attack-rounds", "0", "--threads", "1"]
 ATTACKS = {"sum-inversion": ["--train-images", "1"],
            "sum-binning": ["--partition", "iid", "--train-images", "5", "--victim-batch", "0"],
-           "inconsistency": ["--partition", "iid", "--train-images", "5", "--victim-batch", "0"]}
+           "inconsistency": ["--partition", "iid", "--train-images", "5", "--victim-batch", "0"],
+           "sybil": ["--partition", "iid", "--train-images", "5", "--victim-batch", "0"]}
 
 
 def fedsec(args: list[str], out: Path) -> dict:

@@ -163,3 +163,24 @@ def test_bad_distributed_dp_options_are_one_line_errors(tmp_path, capsys, flags,
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and expected in errors[0], err[-2000:]
     assert not (tmp_path / "x").exists()
+
+
+def test_sybils_subtract_their_own_noise_leaving_the_targets_alone():
+    """A server whose sybils fill a round knows the noise they drew: the target's summand it reads back
+    carries the target's noise only (the isolated client's ε applies), not the round's."""
+    from types import SimpleNamespace
+
+    from attacks.secure.sybil import sybil_noise, without_sybils
+
+    protocol = SecureAggregation(dp_noise=5_000.0, dp_l2_clip=1e9, seed=6)
+    generator = torch.Generator().manual_seed(0)
+    summands = {c: {"v": 1e-3 * torch.randn(40_000, generator=generator, dtype=torch.float64)} for c in range(4)}
+    record, _ = secure_round(protocol, 2, [0, 1, 2, 3], summands)
+    crafted = {0: SimpleNamespace(role="target"), **{c: SimpleNamespace(role="sybil") for c in (1, 2, 3)}}
+    known = [summands[c] for c in (1, 2, 3)] + sybil_noise(protocol, record.total, crafted, record.survivors, 2)
+    residual = (without_sybils(record.total, known)["v"] - summands[0]["v"]).numpy() / protocol.quantum
+    # one client's Skellam(μ, μ): variance 2μ = 10,000 (the quantisation adds at most 4 x 1/4); four
+    # clients' would be 40,000
+    assert abs(residual.var() / 10_000 - 1) < 0.05
+    without = (without_sybils(record.total, known[:3])["v"] - summands[0]["v"]).numpy() / protocol.quantum
+    assert abs(without.var() / 40_000 - 1) < 0.05

@@ -13,15 +13,21 @@ target's own quantisation (and the sybils', since the server subtracts their flo
 the integers the protocol rounded them to: each value stays within ``len(survivors) * quantum``).
 Against sybils a download-consistency check (``defenses.consistency_check``) is void: a sybil
 reports whatever digest the server wants.
+
+Under distributed DP (``SecureAggregation.private``) each client adds its own noise before masking. A
+sybil is the server's: it knows the noise its sybils drew, so it subtracts that too (``sybil_noise``), and
+the target's own noise is all that remains on its summand: the isolated client's ε applies
+(``defenses.distributed_dp``), not the sum's.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from attacks.malicious.craft import first_linear, load, not_reachable
 from fedecouple.channel import Upload
-from fedecouple.secure_aggregation import with_flower_weight
+from fedecouple.secure_aggregation import Layout, skellam_noise, with_flower_weight
 
 from ..base import AttackResult, Budget, NotApplicable
 from ..registry import AttackSpec, CraftRequest, register
@@ -75,6 +81,27 @@ def sybil_summands(method, crafted: dict[int, RoundCraft], survivors, round: int
     return out
 
 
+def sybil_noise(protocol, total: dict[str, torch.Tensor], crafted: dict, survivors, round: int
+                ) -> list[dict[str, torch.Tensor]]:
+    """Under distributed DP, the noise each surviving sybil added to the sum, in value units (the server
+    drew it: ``skellam_noise`` with the sybil's seed), laid out as the sum is (Flower's weight factor, which
+    carries none, first); no entries otherwise."""
+    if protocol is None or not protocol.private:
+        return []
+    layout = Layout.of(total)
+    dimension = layout.size - (1 if layout.weighted else 0)
+    step = 2 * protocol.clipping_range / protocol.quantization_range
+    out = []
+    for client in survivors:
+        if getattr(crafted.get(int(client)), "role", None) != "sybil":
+            continue
+        noise = skellam_noise(protocol, dimension, round, int(client)).astype("float64") * step
+        if layout.weighted:
+            noise = np.concatenate([[0.0], noise])
+        out.append({k: v.to(total[k].device) for k, v in layout.unflatten(noise).items()})
+    return out
+
+
 def read_target(record, total: dict[str, torch.Tensor], summands: list[dict[str, torch.Tensor]],
                 error: float = 0.0):
     """(candidate inputs of the target's crafted layer, its weight w_t) from the sum and the sybils'
@@ -104,6 +131,8 @@ def sybil(observation, budget: Budget, seed: int) -> AttackResult:
     target, record = target_record(observation.crafted)
     summands = sybil_summands(observation.method, observation.crafted, observation.survivors, observation.round,
                               observation.max_weight, observation.num_classes, observation.protocol)
+    summands += sybil_noise(observation.protocol, observation.total, observation.crafted, observation.survivors,
+                            observation.round)
     inputs, weight = read_target(record, observation.total, summands,
                                  len(observation.survivors) * observation.quantum)
     notes = list(record.notes) + ["sybils: every other participant is the server's, an upper bound on one round's "
@@ -118,4 +147,4 @@ SPEC = register(AttackSpec(
             "subtracts their updates from the sum and reads the target's binning (an upper bound)",
     crafts=CRAFTS, craft_download=sybil_request, unreachable=not_reachable, attack_round=sybil, **SPEC_COMMON))
 
-__all__ = ["CRAFTS", "SPEC", "read_target", "sybil", "sybil_craft", "sybil_summands", "without_sybils"]
+__all__ = ["CRAFTS", "SPEC", "read_target", "sybil", "sybil_craft", "sybil_noise", "sybil_summands", "without_sybils"]
