@@ -491,6 +491,28 @@ def secure_malicious_figures(out: Path, stdout: str) -> dict:
          "columns": ["server, protocol, clients", "check", "outcome"], "rows": check}]}
 
 
+SECURE_DP = re.compile(rf"^\s*(sum-inversion|sum-binning|inconsistency|sybil)\s+eps (\S+)\s+mean PSNR (n/a|{NUMBER} dB "
+                       rf"\[[^\]]*\]), recovered (n/a|\d+ % \[[^\]]*\]), n = (\d+); epsilon round (\S+), "
+                       rf"total (\S+), isolated (\S+)$")
+
+
+def secure_dp_figures(out: Path, stdout: str) -> dict:
+    """``bench/secure_dp.py``: one row per attack and target epsilon (mean PSNR, share recovered, images, and
+    the epsilon of the round's sum, the run's total and an isolated client's)."""
+    text = printout(stdout)
+    rows = [list(m.groups()) for line in text.splitlines() if (m := SECURE_DP.match(line))]
+    if not rows:
+        raise CellError("the bench printed no 'ATTACK eps E  mean PSNR ...' line")
+    shown = {(r[0], r[1]): r for r in rows}
+    parts = [f"{attack} at eps {eps}: recovered {shown[(attack, eps)][3]}"
+             for attack, eps in (("sum-binning", "inf"), ("sum-binning", "1")) if (attack, eps) in shown]
+    return {"headline": "; ".join(parts) or f"{len(rows)} settings", "line": text, "tables": [
+        {"title": "distributed DP (Skellam noise before masking, delta 1e-5, L2 clip 1): the round-level attacks",
+         "columns": ["attack", "target epsilon", "mean PSNR [95 % CI]", "recovered [95 % CI]", "n",
+                     "epsilon of the round's sum", "epsilon total", "epsilon isolated"],
+         "rows": rows}]}
+
+
 def flower_secagg_figures(out: Path, stdout: str) -> dict:
     """``bench/flower_secagg.py``: one labelled row per setting (the aggregate against the true average, one
     masked upload's uniformity and correlation, the round's label histogram) and, for the exposure matrix,
@@ -530,6 +552,95 @@ def flower_secagg_figures(out: Path, stdout: str) -> dict:
                   "round's label histogram read from the sum",
          "columns": ["setting", "max weight", "aggregate vs true weighted average", "one masked upload",
                      "label histogram exact [95 % CI]", "count error"], "rows": rows}]}
+
+
+SECURE_METHOD = re.compile(rf"^(\S.*?)\s+({NUMBER}) ± ({NUMBER})(?:\s+vs (\S+): ([-+]\S+) \(95 % t interval "
+                           rf"([-+]?\S+) \.\. ([-+]?\S+)\))?$")
+
+
+def secure_methods_figures(out: Path, stdout: str) -> dict:
+    """``bench/secure_methods.py``: per variant the final accuracy (mean ± std over seeds) and, for a secure
+    variant, its difference to the plain method paired by seed with a 95 % t interval."""
+    text = printout(stdout)
+    rows, paired = [], {}
+    for line in text.splitlines():
+        m = SECURE_METHOD.match(line)
+        if not m:
+            continue
+        name, mean, std, plain, diff, low, high = m.groups()
+        rows.append([name, f"{mean} ± {std}", f"{diff} [{low}, {high}] vs {plain}" if plain else ""])
+        if plain:
+            paired[name] = (float(diff), float(low), float(high))
+    if not rows:
+        raise CellError("the bench printed no 'VARIANT MEAN ± STD' line")
+    seeds = re.search(r"seeds ([\d,]+):", text)
+    n = len(seeds.group(1).split(",")) if seeds else None
+
+    def points(name: str) -> str:
+        d, low, high = (100 * x for x in paired[name])
+        return f"{d:+.2f} [{low:+.2f}, {high:+.2f}]"
+
+    parts = []
+    if "fedecouple two-pass" in paired:  # the largest distance the interval allows (the mean alone with one seed)
+        d, low, high = paired["fedecouple two-pass"]
+        far = max(abs(x) for x in (low, high)) if low == low and high == high else abs(d)
+        parts.append(f"FedeCouple two-pass within {100 * far:.2f} points of plain ({points('fedecouple two-pass')})")
+    if "fedpac secure-partial" in paired:
+        parts.append(f"FedPAC partial {points('fedpac secure-partial')}")
+    headline = "; ".join(parts) or f"{len(rows)} variants"
+    return {"headline": headline + (f" over {n} seed{'s' if n != 1 else ''}" if n else ""), "line": text, "tables": [
+        {"title": "mnist5k, pathological partition: final accuracy (mean over clients), mean ± std over the seeds; "
+                  "secure variants against their plain method, paired by seed (95 % t interval)",
+         "columns": ["variant", "accuracy", "paired difference [95 % t interval]"], "rows": rows}]}
+
+
+FLOWER_HEAD = re.compile(r"^max weight (\S+)( \(the app's\))?: unmasked (\d+) of (\d+)$")
+FLOWER_ERROR = re.compile(r"^\s+relative error of the parameters: median (\S+) \(max (\S+), (within|NOT within) the "
+                          r"quantisation bound\); of their change from the download: median (\S+)$")
+FLOWER_IMAGE = re.compile(rf"^\s+(\w+) on the unmasked update: mean PSNR ({NUMBER}) dB (\[[^\]]*\]); on the true "
+                          rf"update: ({NUMBER}) dB (\[[^\]]*\]); prior ({NUMBER}) dB$")
+FLOWER_PAIRED = re.compile(rf"^\s+paired difference \(unmasked - true\): ([-+]{NUMBER}) dB (\[[^\]]*\]), n = (\d+)$")
+FLOWER_MATRIX = re.compile(r"^\s+(unmask-dropout|split-view|key-substitution|sybil)\s+"
+                           r"(none|unmask-check|signed-consistency)\s+(\S.*)$")
+
+
+def flower_malicious_figures(out: Path, stdout: str) -> dict:
+    """``bench/flower_malicious.py``: per max weight the precision of the update the server unmasked and the
+    image attack on it beside the true update (paired); then the defence matrix (attack, client defence,
+    whether the target was unmasked)."""
+    text = printout(stdout)
+    runs, matrix = [], []
+    for line in text.splitlines():
+        if m := FLOWER_HEAD.match(line):
+            runs.append([m.group(1) + (" (the app's)" if m.group(2) else ""), f"{m.group(3)} of {m.group(4)}",
+                         "–", "–", "–", "–", "–", "–"])
+        elif runs and (m := FLOWER_ERROR.match(line)):
+            runs[-1][2:4] = [f"{m.group(1)}" + (" (NOT within the bound)" if m.group(3) != "within" else ""),
+                             m.group(4)]
+        elif runs and (m := FLOWER_IMAGE.match(line)):
+            runs[-1][4:7] = [f"{m.group(2)} {m.group(3)}", f"{m.group(4)} {m.group(5)}", m.group(6)]
+        elif runs and (m := FLOWER_PAIRED.match(line)):
+            runs[-1][7] = f"{m.group(1)} {m.group(2)}, n = {m.group(3)}"
+        elif m := FLOWER_MATRIX.match(line):
+            matrix.append(list(m.groups()))
+    if not runs:
+        raise CellError("the bench printed no 'max weight W: unmasked K of N' line")
+    done = [r for r in sorted(runs, key=lambda r: float(r[0].split(" ")[0])) if r[7] != "–"]
+    paired = [f"{r[7].rsplit(', n = ', 1)[0].replace(' [', ' dB [', 1)} at {'' if i else 'max weight '}"
+              f"{r[0].split(' ')[0]}" for i, r in enumerate(done)]
+    n = "/".join(dict.fromkeys(r[7].rsplit("n = ", 1)[1] for r in done))
+    headline = (f"IG PSNR, unmasked − true update (paired): {', '.join(paired)} (n = {n})" if paired
+                else "; ".join(f"max weight {r[0]}: unmasked {r[1]}" for r in runs))
+    tables = [{"title": "unmask-dropout on the example's round 0 (one SGD step on one image per node): the "
+                        "unmasked update against the node's true one",
+               "columns": ["max weight", "unmasked", "relative error of the parameters (median)",
+                           "of their change from the download", "IG on the unmasked update dB [95 % CI]",
+                           "IG on the true update dB [95 % CI]", "prior dB", "paired difference dB [95 % CI]"],
+               "rows": runs}]
+    if matrix:
+        tables.append({"title": "What each client defence stops (--image-attack none): was the target unmasked?",
+                       "columns": ["attack", "client defence", "outcome"], "rows": matrix})
+    return {"headline": headline, "line": text, "tables": tables}
 
 
 def vs_breaching_figures(out: Path, stdout: str) -> dict:
@@ -746,9 +857,28 @@ def _other_cells() -> list[Cell]:
                       "the sum, model inconsistency, the consistency check",
                       ("python", "bench/secure_malicious.py"), secure_malicious_figures, "about 10 min",
                       depends=CODE + ("defenses", "bench/secure_malicious.py"), threat="evidence"))
+    cells.append(Cell("secure-dp", "secure", "distributed DP under secure aggregation: sum-inversion, sum-binning, "
+                      "inconsistency and sybil at epsilon 1, 8 and without noise (Skellam noise added before masking)",
+                      ("python", "bench/secure_dp.py"), secure_dp_figures, "about 5 min",
+                      depends=CODE + ("defenses", "bench/secure_dp.py")))
     cells.append(Cell("flower-secagg", "secure", "Flower's SecAgg+ recorded and attacked: 10 nodes, 3 rounds",
                       ("python", "bench/flower_secagg.py"), flower_secagg_figures, "about 2-4 min",
                       depends=CODE + ("bench/flower_secagg.py", "examples/flower_secagg"), threat="evidence"))
+    cells.append(Cell("flower-malicious", "secure", "a malicious SecAgg+ server on Flower: unmask-dropout on 8 nodes "
+                      "at max weight 2000 and 1 (IG on the unmasked update beside the true one), and what each "
+                      "client defence stops",
+                      ("python", "bench/flower_malicious.py"), flower_malicious_figures, "about 7 min",
+                      depends=CODE + ("bench/flower_malicious.py", "examples/flower_secagg")))
+    cells.append(Cell("sum-fishing", "secure", "fishing through the sum: FedAvg under secure aggregation, iid, 10 "
+                      "clients of 10 images, max weight 1, rounds 1, 3 and 5",
+                      ("fedsec", "attack", "sum-fishing", "--method", "fedavg", "--secure-aggregation", "--partition",
+                       "iid", "--clients", "10", "--train-images", "10", "--sa-max-weight", "1", "--attack-rounds",
+                       "1,3,5", "--threads", "1"), attack_figures, "about 30 s", threat="secure"))
+    cells.append(Cell("secure-methods", "secure", "accuracy of the secure variants: FedeCouple in two passes and "
+                      "FedPAC in part against the plain methods (mnist5k, pathological, 10 clients, 3 rounds, 3 seeds)",
+                      ("python", "bench/secure_methods.py", "--seeds", "0,1,2", "--clients", "10", "--rounds", "3",
+                       "--local-epochs", "1"), secure_methods_figures, "about 5-8 min",
+                      depends=("fedecouple", "fedsec", "bench/secure_methods.py")))
     cells.append(Cell("vs-breaching", "speed", "our IG beside breaching's IG: the same model, gradient and 1000 "
                       "iterations, one start, 8 photographs (breaching 0.1.2 installed beside the pinned torch)",
                       ("python", "bench/vs_breaching.py", "--images", "8", "--threads", "1"),
