@@ -23,14 +23,14 @@ and the ε of the round's sum, the run's total and the isolated client's, each f
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import shlex
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from secure_curious import fedsec  # noqa: E402  (bench/ is the script's own folder on sys.path)
 
 EPSILONS = (1.0, 8.0, math.inf)
 BASE = ["--method", "fedavg", "--clients", "10", "--rounds", "1", "--attack-rounds", "0", "--threads", "1"]
@@ -38,20 +38,6 @@ ATTACKS = {"sum-inversion": ["--train-images", "1"],
            "sum-binning": ["--partition", "iid", "--train-images", "5", "--victim-batch", "0"],
            "inconsistency": ["--partition", "iid", "--train-images", "5", "--victim-batch", "0"],
            "sybil": ["--partition", "iid", "--train-images", "5", "--victim-batch", "0"]}
-
-
-def fedsec(args: list[str], out: Path) -> dict:
-    """Run ``fedsec ARGS --out OUT`` in this process, print the command, return its summary."""
-    from fedsec.cli import main
-
-    argv = [*args, "--out", str(out)]
-    print("$ fedsec " + shlex.join(argv), flush=True)
-    try:
-        main(argv)
-    except SystemExit as exc:
-        if exc.code:
-            raise RuntimeError(f"fedsec exited with {exc.code}") from None
-    return json.loads((out / "summary.json").read_text())
 
 
 def _ci(values, digits: int, scale: float = 1.0) -> str:

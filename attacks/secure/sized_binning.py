@@ -101,7 +101,7 @@ def secure_binning(download: dict[str, torch.Tensor], model: nn.Module, public: 
     """The binning craft sized to ``protocol`` (a ``SecureAggregation``) for clients that follow
     ``plan``; the same bins as ``craft("binning", ...)``. Returns the download and its record. A
     round's participants get the same honest download: the latest craft is kept and copied for them."""
-    key = (_fingerprint(download), _fingerprint({"public": public}), tuple(reached), protocol, plan, margin)
+    key = (fingerprint(download), fingerprint({"public": public}), tuple(reached), protocol, plan, margin)
     if _LATEST and _LATEST[0] == key:
         sent, record = _LATEST[1]
         return {k: v.clone() for k, v in sent.items()}, copy.deepcopy(record)
@@ -110,7 +110,7 @@ def secure_binning(download: dict[str, torch.Tensor], model: nn.Module, public: 
     return sent, record
 
 
-def _fingerprint(tensors: dict[str, torch.Tensor]) -> str:
+def fingerprint(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
         h.update(name.encode())

@@ -35,7 +35,6 @@ clients' sample count (the record's notes give the bound on the fished count).
 from __future__ import annotations
 
 import copy
-import hashlib
 import time
 from dataclasses import dataclass, fields, replace
 
@@ -51,6 +50,7 @@ from ..base import AttackResult, Budget, LocalHyperparameters, NotApplicable, Ob
 from ..inversion.closed_form import round_to_total
 from ..registry import AttackSpec, CraftRequest, register
 from .observation import image_weight, public_prediction, sample_total, weight_of
+from .sized_binning import fingerprint
 
 # seconds per inversion step of one round (``attacks.malicious``'s rate for the per-client fishing target)
 STEP_SECONDS = 0.009
@@ -74,14 +74,6 @@ class RoundFishingRecord(FishingRecord):
     @property
     def binning(self) -> "RoundFishingRecord":
         return self
-
-
-def _fingerprint(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def round_images(request: CraftRequest) -> tuple[int, str]:
@@ -153,7 +145,7 @@ def clipped_row(request: CraftRequest, sent: dict[str, torch.Tensor], target: in
 def sum_fishing_craft(request: CraftRequest) -> tuple[dict[str, torch.Tensor], RoundFishingRecord]:
     """``AttackSpec.craft_download``: ``fishing_download`` for the round's estimated label counts, the
     same download for every participant (the round's first craft is kept and copied for the others)."""
-    key = (request.round, _fingerprint(dict(request.download)), _fingerprint({"public": request.public}),
+    key = (request.round, fingerprint(dict(request.download)), fingerprint({"public": request.public}),
            request.secure, request.train, tuple(request.round_clients))
     if _LATEST and _LATEST[0] == key:
         sent, record = _LATEST[1]
