@@ -91,6 +91,9 @@ class AttackSpec:
     # with the kind's rates: the cost of one of its optimiser steps in Adam steps (an L-BFGS step runs
     # several evaluations)
     estimate_step_factor: float = 1.0
+    # ``estimate_starts(restarts, iterations)``: what its ``restarts`` starts cost in one-start runs (None:
+    # ``restarts`` times one; an attack that races its starts costs less)
+    estimate_starts: Callable | None = None
     # a round-level attack's function (kind "aggregate"): ``attack_round(RoundObservation, budget, seed)``
     attack_round: Callable | None = None
     # a round-level attack's forward-model check: ``truth_objective(RoundObservation, images, labels) -> float``,

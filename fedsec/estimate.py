@@ -7,8 +7,9 @@ estimate beside its wall time.
 
 A rough guide, not a promise: the rates are for mnist5k's 28×28 CNN; a stage's training is scaled
 by the images each client trains on per round (samples × local epochs), an attack's optimisation
-by its targets, rounds, steps and starts (and, on real local training, by the client's images per
-epoch). Stages already done (or reused) count zero; stages that share a recorded training (a
+by its targets, rounds, steps and starts (what its starts cost: ``AttackSpec.estimate_starts``, less
+than one run each for an attack that races them; and, on real local training, by the client's images
+per epoch). Stages already done (or reused) count zero; stages that share a recorded training (a
 report's train stage, its audit and its real-training attacks) count it once.
 """
 from __future__ import annotations
@@ -52,7 +53,7 @@ class StageWork:
     attack_kind: str | None = None  # gradient | image | labels | malicious
     setting: str | None = None  # textbook | real (gradient attacks)
     targets: int = 0  # attacked clients over all attacked rounds
-    steps: int = 0  # optimiser steps x starts per target
+    steps: float = 0  # optimiser steps x the cost of the starts per target (in one-start runs)
     images: float = 0.0  # images per target the step cost scales with
     # the attack's own seconds per step (``AttackSpec.estimate_rate``; None: the rates of its kind),
     # times the images per target (``per_image``) or once per target
@@ -101,7 +102,9 @@ def attack_work(method: str, clients: int, images_per_client: float, settings, t
                      setting="real" if real else "textbook",
                      # a round-level attack's target is a round (``attacks.secure``), not a client
                      targets=(1 if spec.round_level else settings.targets) * len(settings.rounds),
-                     steps=0 if refused else settings.iterations * settings.restarts,
+                     steps=0 if refused else settings.iterations * (
+                         settings.restarts if spec.estimate_starts is None
+                         else spec.estimate_starts(settings.restarts, settings.iterations)),
                      # a round's sum holds every participant's images
                      images=(images_per_client if real else settings.victim_batch) * (clients if spec.round_level else 1),
                      step_seconds=spec.estimate_rate, per_image=spec.estimate_per == "image",

@@ -12,7 +12,8 @@ import torch
 from attacks.base import Budget
 from attacks.inversion.dlg import RECIPE, _setup
 from attacks.inversion.optimise import BatchedLBFGS
-from attacks.inversion.optimise.matching import INFORMED_MARGIN, Lockstep, halving_rungs, optimise, optimise_one
+from attacks.inversion.optimise.matching import (INFORMED_MARGIN, Lockstep, halving_rungs, lockstep_cost, optimise,
+                                                 optimise_one)
 
 from test_attacks import synthetic_observation
 from helpers import TEST_THREADS
@@ -172,3 +173,17 @@ def test_batched_lbfgs_refuses_to_resume_inside_a_step():
     lbfgs.stop(0)
     with pytest.raises(ValueError, match="inside a step"):
         lbfgs.resume(0)
+
+
+def test_the_estimate_counts_the_race_not_every_start(digits):
+    """``--restarts 8`` is estimated at the race's steps (7 starts to 3 steps, 4 to 6, 2 to 12, one to the
+    end) beside the first start's, not at 8 runs; one start and a budget too short to race cost as before."""
+    from fedsec import estimate
+    from fedsec.jobs.attack import AttackSettings
+
+    assert lockstep_cost(8, 300) == pytest.approx(1 + (7 * 3 + 4 * 3 + 2 * 6 + 1 * 288) / 300)
+    assert lockstep_cost(1, 300) == 1.0 and lockstep_cost(8, 3) == 8.0
+    one, eight = (estimate.seconds(estimate.attack_work("fedecouple", 20, 187.0,
+                                                        AttackSettings(attack="dlg", restarts=k).resolved(0, 1), 0))
+                 for k in (1, 8))
+    assert 2.0 < eight / one < 2.5

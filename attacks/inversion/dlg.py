@@ -53,7 +53,7 @@ from .forward_model import FAMILY_PARAMETERS, GradientMatcher
 from .idlg_rule import IDLG_NOT_APPLICABLE, counted_labels, idlg_applies, idlg_labels, idlg_share
 from .optimise import LBFGS, Recipe, generator, mean_image, mix_seed, normal, result_from_best, uniform, \
     with_closed_form
-from .optimise.matching import optimise
+from .optimise.matching import lockstep_cost, optimise
 
 # torch's L-BFGS at its defaults (learning rate 1, up to 20 evaluations per step, no line search). A start
 # whose best objective improved by less than 1 % over the last 15 steps (up to 300 evaluations) is stopped:
@@ -243,8 +243,8 @@ LBFGS_STEP_COST = 2.6
 register(AttackSpec("dlg", "gradient", "Deep Leakage from Gradients: image and soft label by L-BFGS gradient matching",
                     dlg, plan, default_iterations=RECIPE.iterations, default_victim_batch=1, applies_to=WEIGHT_KINDS,
                     scoring="images", needs="model weights", hint=GRADIENT_HINT,
-                    matching="l2", estimate_step_factor=LBFGS_STEP_COST))
+                    matching="l2", estimate_step_factor=LBFGS_STEP_COST, estimate_starts=lockstep_cost))
 register(AttackSpec("idlg", "gradient", "improved DLG: the label from the classifier's gradient, then DLG",
                     idlg, plan_idlg, default_iterations=RECIPE.iterations, default_victim_batch=1,
                     applies_to=WEIGHT_KINDS, scoring="images", needs="model weights", hint=GRADIENT_HINT,
-                    matching="l2", estimate_step_factor=LBFGS_STEP_COST))
+                    matching="l2", estimate_step_factor=LBFGS_STEP_COST, estimate_starts=lockstep_cost))

@@ -155,6 +155,17 @@ def halving_rungs(candidates: int, iterations: int, first: int = FIRST_RUNG) -> 
     return rungs
 
 
+def lockstep_cost(restarts: int, iterations: int) -> float:
+    """What ``restarts`` starts of ``iterations`` steps cost in one-start runs under ``Lockstep``, at most
+    (a start that converges early costs less): the first start's full budget, and the race's steps (every
+    racing start to the first rung, the surviving half on to each next, one to the end)."""
+    racing, iterations = max(0, int(restarts) - 1), max(1, int(iterations))
+    steps, alive, before = 0, racing, 0
+    for rung in halving_rungs(racing, iterations):
+        steps, alive, before = steps + alive * (rung - before), -(-alive // 2), rung
+    return 1.0 + (steps + alive * (iterations - before)) / iterations
+
+
 class Lockstep:
     """Every (target, start) of targets that share a model as one slot of one ``BatchedLBFGS`` (each
     slot its own L-BFGS state): slot ``k·K + c`` is target k's start c (K = ``restarts``; one start:
