@@ -18,3 +18,16 @@ def mnist():
     from fedecouple.data import load_dataset
 
     return load_dataset("mnist5k")
+
+
+@pytest.fixture(scope="session")
+def shared_ray():
+    """One Ray instance for all of this process's Flower simulations (``shared_ray`` in
+    ``fedsec.flower.simulation``), shut down at the end of the session; nothing without Flower."""
+    try:
+        from fedsec.flower.simulation import shared_ray as sharing
+    except ImportError:
+        yield
+        return
+    with sharing():
+        yield

@@ -17,6 +17,7 @@ import torch
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before Flower is first imported: no network calls
 flwr = pytest.importorskip("flwr", reason="Flower is not installed: pip install -e '.[flower]'")
 pytest.importorskip("ray", reason="Flower's simulation engine needs Ray: pip install -e '.[flower]'")
+pytestmark = pytest.mark.usefixtures("shared_ray")  # the module's simulations share one Ray instance
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
@@ -174,7 +175,8 @@ def test_fedavg_app_uploads_equal_the_engine(fedavg_victim_run):
 def test_dlg_recovers_the_images_from_the_recorded_uploads(fedavg_victim_run, tmp_path):
     """The recorded Flower run through fedsec's own attack harness: two targets, one image and one step each."""
     from attacks.harness import attack_recorded
-    from fedsec.jobs.attack import choose_targets, write_attack
+    from fedsec.jobs.attack import write_attack
+    from fedsec.recording import choose_targets
 
     run = fedavg_victim_run
     # two starts, the lower objective kept: a single DLG start can stall on another CPU's rounding

@@ -22,14 +22,16 @@ import torch
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before Flower is first imported: no network calls
 pytest.importorskip("flwr", reason="Flower is not installed: pip install -e '.[flower]'")
 pytest.importorskip("ray", reason="Flower's simulation engine needs Ray: pip install -e '.[flower]'")
+pytestmark = pytest.mark.usefixtures("shared_ray")  # the module's simulations share one Ray instance
 from scipy.stats import chisquare  # noqa: E402
 
 from attacks.base import Budget  # noqa: E402
 from attacks.recorded import ThreatModel  # noqa: E402
 from fedecouple.channel import Recorder, ServerChannel  # noqa: E402
 from fedecouple.engine import Federation, FederationConfig, VictimSetting  # noqa: E402
-from fedecouple.methods.base import TrainConfig, cross_entropy_loss, make_upload, train_supervised  # noqa: E402
+from fedecouple.methods.base import TrainConfig, make_upload  # noqa: E402
 from fedecouple.methods.fedavg import FedAvg  # noqa: E402
+from fedecouple.methods.training import cross_entropy_loss, train_supervised  # noqa: E402
 from fedecouple.models import get_params, set_params  # noqa: E402
 from fedecouple.secure_aggregation import AggregateRecord, SecureAggregation  # noqa: E402
 from fedsec.cli import main  # noqa: E402

@@ -3,7 +3,9 @@ two strategies, for every registered attack (``test_matrix.py`` holds the other 
 cell ends in a result or a one-line refusal, never a traceback. The example's own audit runs end to end
 with its evidence attacks, as the README shows it (a smaller federation and budget). Flower's
 simulations are reused between cells that ask for the same run (``reused_simulations``), so each
-distinct simulation starts Ray once.
+distinct simulation runs once, all on one Ray instance per process (``shared_ray``). The audits run
+first and for one round, as the attacks that train the app unchanged do: those attacks then read a
+recorded round of the audit's simulation.
 """
 import json
 import os
@@ -20,7 +22,7 @@ STRATEGIES = {"fedavg": "fedavg", "fedper": "fedper"}  # the example's strategy 
 
 
 @pytest.fixture(scope="module")
-def flower_simulations():
+def flower_simulations(shared_ray):
     """Flower and Ray present (the test extra has them); each distinct simulation of this module runs once."""
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     pytest.importorskip("flwr", reason="Flower is not installed: pip install -e '.[flower]'")
@@ -35,6 +37,19 @@ FLOWER = ["--nodes", "2", "--ray-cpus", "1"]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+def test_flower_audit(strategy, flower_simulations, tmp_path, capsys):
+    out = tmp_path / "audit"
+    code, _, err = run_cli(["flower", "audit", EXAMPLE, *FLOWER, "--rounds", "1", "--evidence-iterations", "1",
+                         "--run-config", f"strategy='{strategy}'", "--out", out], capsys)
+    assert code == 0, err[-2000:]
+    findings = json.loads((out / "findings.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["method"] == STRATEGIES[strategy]
+    assert any(f["code"] == "MODEL_DISCLOSED" for f in findings)
+    assert "gradient" in summary["evidence"] and "trap" not in json.dumps(summary["evidence"])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("attack", ATTACKS)
 def test_flower_attack(attack, strategy, flower_simulations, tmp_path, capsys):
     out = tmp_path / "attack"
@@ -46,16 +61,3 @@ def test_flower_attack(attack, strategy, flower_simulations, tmp_path, capsys):
         return
     assert code == 0, err[-2000:]
     assert_attack_result(json.loads((out / "summary.json").read_text()), attack, method)
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_flower_audit(strategy, flower_simulations, tmp_path, capsys):
-    out = tmp_path / "audit"
-    code, _, err = run_cli(["flower", "audit", EXAMPLE, *FLOWER, "--evidence-iterations", "1", "--run-config",
-                         f"strategy='{strategy}'", "--out", out], capsys)
-    assert code == 0, err[-2000:]
-    findings = json.loads((out / "findings.json").read_text())
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["method"] == STRATEGIES[strategy]
-    assert any(f["code"] == "MODEL_DISCLOSED" for f in findings)
-    assert "gradient" in summary["evidence"] and "trap" not in json.dumps(summary["evidence"])

@@ -28,6 +28,7 @@ real network transport (TLS, gRPC, message sizes on the wire, timing), which is 
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
@@ -84,15 +85,37 @@ class FlowerRun:
         return sorted(c for (r, c), ex in self.recorder.exchanges.items() if r == round and ex.upload is not None)
 
 
+def _rebuild_client_app(app_dir: str | None, payload: bytes) -> "AuditClientApp":
+    """An ``AuditClientApp`` unpickled in a Ray worker, with its app's directory put on sys.path first: a
+    Ray instance kept across simulations (``shared_ray``) fixed its workers' import path when it started,
+    possibly for another app, and the app's ClientApp is pickled by reference to the app's modules."""
+    if app_dir is not None and app_dir not in sys.path:
+        sys.path.insert(0, app_dir)
+    import cloudpickle
+
+    cls, state = cloudpickle.loads(payload)
+    app = cls.__new__(cls)
+    app.__dict__.update(state)
+    return app
+
+
 class AuditClientApp(ClientApp):
     """The app's ClientApp behind ``mod`` (outermost), then ``mods`` (outermost first), run with the
-    audit's run config and torch threads."""
+    audit's run config and torch threads. Pickled so that unpickling puts ``app_dir`` (the app's
+    directory) on sys.path before it loads the app's modules."""
 
     def __init__(self, app: ClientApp, mod: GroundTruthMod, run_config: dict, threads: int = 1,
-                 mods: Iterable = ()) -> None:
+                 mods: Iterable = (), app_dir: str | Path | None = None) -> None:
         super().__init__()
         self.app, self.mod, self.run_config, self.threads = app, mod, dict(run_config), int(threads)
         self.mods = list(mods)
+        self.app_dir = None if app_dir is None else str(app_dir)
+
+    def __reduce__(self):
+        import cloudpickle
+
+        # the state travels as bytes so that nothing of the app is unpickled before the path is set
+        return _rebuild_client_app, (self.app_dir, cloudpickle.dumps((type(self), self.__dict__)))
 
     def _inner(self, message, context):
         call = self.app
@@ -180,15 +203,18 @@ def _check_apps(app: FlowerApp, server_app, client_app) -> None:
                         f"flwr.serverapp.strategy.Strategy from @app.main()")
 
 
-_reused: dict | None = None  # the recorded runs handed out again inside ``reused_simulations()``
+# inside ``reused_simulations()``: (app, run config, nodes, threads, Ray CPUs) → [(recorded rounds, run)]
+_reused: dict | None = None
 
 
 @contextmanager
 def reused_simulations() -> Iterator[None]:
-    """Inside this block, a simulation asked for again with the same app, nodes, run config, recorded
-    rounds, threads and Ray CPUs, and no interceptors, is not run again: its recorded run is handed out
-    once more. Attacks and audits only read a recorded run, so callers that attack one app many ways in
-    one process (a sweep, the test suite) pay Ray's start-up once per distinct simulation."""
+    """Inside this block, a simulation asked for again with the same app, nodes, run config, threads and
+    Ray CPUs, and no interceptors, is not run again when an earlier one recorded every round asked for
+    (all its rounds, or a superset of those asked): its recorded run is handed out once more, restricted
+    to the rounds asked for (``_restricted``). Attacks and audits only read a recorded run, so callers
+    that attack one app many ways in one process (a sweep, the test suite) pay Ray's start-up once per
+    distinct simulation."""
     global _reused
     outer = _reused
     _reused = {} if outer is None else outer
@@ -196,6 +222,72 @@ def reused_simulations() -> Iterator[None]:
         yield
     finally:
         _reused = outer
+
+
+# inside ``shared_ray()``: {"init": the init arguments of the Ray instance the block keeps, None if none}
+_shared_ray: dict | None = None
+
+
+def _ray_backend():
+    """Flower's Ray backend class, if it is as ``shared_ray`` expects (Flower 1.42: ``init_ray`` starts Ray
+    unless it runs, ``terminate`` stops the actor pool, then Ray); None otherwise."""
+    try:
+        from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
+    except ImportError:
+        return None
+    if not all(callable(RayBackend.__dict__.get(name)) for name in ("init_ray", "terminate")):
+        return None
+    return RayBackend
+
+
+@contextmanager
+def shared_ray() -> Iterator[None]:
+    """Inside this block, Flower simulations share one Ray instance: Flower's Ray backend stops only its
+    actors at the end of a simulation, not Ray, and the next simulation finds Ray running (Flower then
+    skips ``ray.init``), which saves Ray's start-up (seconds) per simulation. Ray is restarted when a
+    simulation asks for other init arguments (CPUs, logging) or after a simulation failed, and shut down
+    when the block ends. Re-entrant; where Flower's backend is not as expected, a no-op. For callers that
+    run many simulations in one process (the test suite); the command line does not use it."""
+    global _shared_ray
+    backend = _ray_backend()
+    if _shared_ray is not None or backend is None:
+        yield
+        return
+    import ray
+
+    init_ray, terminate = backend.__dict__["init_ray"], backend.__dict__["terminate"]
+    state = {"init": None}
+
+    def init_once(self, backend_config) -> None:
+        wanted = copy.deepcopy(backend_config.get(getattr(self, "init_args_key", "init_args")))
+        if ray.is_initialized() and (state["init"] is None or state["init"] != wanted):
+            ray.shutdown()  # a Ray instance started elsewhere, or with other arguments
+            state["init"] = None
+        init_ray(self, backend_config)
+        state["init"] = wanted
+
+    def stop_actors(self) -> None:  # Flower's terminate, less its ray.shutdown()
+        if getattr(self, "pool", None):
+            self.pool.terminate_all_actors()
+
+    backend.init_ray, backend.terminate = init_once, stop_actors
+    _shared_ray = state
+    try:
+        yield
+    finally:
+        backend.init_ray, backend.terminate = init_ray, terminate
+        _shared_ray = None
+        if state["init"] is not None and ray.is_initialized():
+            ray.shutdown()
+
+
+def _restart_shared_ray() -> None:
+    """After a failed simulation, the next one starts a fresh Ray instance (its actors' state is unknown)."""
+    if _shared_ray is not None and _shared_ray["init"] is not None:
+        import ray
+
+        ray.shutdown()
+        _shared_ray["init"] = None
 
 
 def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict | None = None,
@@ -226,12 +318,15 @@ def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict 
     _check_apps(app, server_app, client_app)
     rounds = None if record_rounds is None else sorted(set(record_rounds))
     interceptors = list(interceptors)
-    key = (str(app.directory), repr(sorted(config.items())), nodes, None if rounds is None else tuple(rounds),
-           int(threads), ray_cpus)
+    key = (str(app.directory), repr(sorted(config.items())), nodes, int(threads), ray_cpus)
     client_mods = list(client_mods)
     reusable = not interceptors and secagg_workflow is None and not client_mods
-    if _reused is not None and reusable and key in _reused:
-        return replace(_reused[key], notes=list(_reused[key].notes))
+    if _reused is not None and reusable:
+        for recorded, earlier in _reused.get(key, ()):
+            if recorded == rounds:
+                return replace(earlier, notes=list(earlier.notes))
+            if rounds is not None and (recorded is None or set(rounds) <= set(recorded)):
+                return _restricted(earlier, rounds)
     recorder = Recorder(rounds=rounds)
     with tempfile.TemporaryDirectory(prefix="fedsec-flower-") as ground_truth_dir:
         strategies, records = _run(app, config, server_app, client_app, nodes, recorder, interceptors,
@@ -261,14 +356,38 @@ def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict 
         record = None if exchange.upload is None else records.get(exchange.upload.meta.get("reply_to_message_id"))
         if record is not None:
             ground_truth.record(round, client, batches_of(record), None, record["training_set"])
-    notes = []
-    if not any(ground_truth.batches.values()):
-        notes.append("the app reported no training batches to fedsec.flower.log_batch: attacks cannot be scored")
+    notes = _no_batches_note(ground_truth)
     run = FlowerRun(app, config, declaration, recorder, ground_truth, clients, nodes, time.perf_counter() - start,
                     notes, list(strategy.failures))
     if _reused is not None and reusable:
-        _reused[key] = run
+        _reused.setdefault(key, []).append((rounds, run))
     return replace(run, notes=list(notes))
+
+
+def _no_batches_note(ground_truth: GroundTruth) -> list[str]:
+    if any(ground_truth.batches.values()):
+        return []
+    return ["the app reported no training batches to fedsec.flower.log_batch: attacks cannot be scored"]
+
+
+def _restricted(run: FlowerRun, rounds: list[int]) -> FlowerRun:
+    """``run`` as the same simulation recording only ``rounds`` records it. What the recorder keeps does
+    not change what the app computes (it copies the messages it is shown), so a run of the same app,
+    config, nodes and threads recorded with fewer rounds differs only in the exchanges and ground truth
+    kept: the other rounds' are dropped here; what the recorder keeps of every round (each client's
+    latest uploads, secure-aggregation records) and the run's failures stay as they are."""
+    kept = set(rounds)
+    recorder = copy.copy(run.recorder)
+    recorder.rounds = kept
+    recorder.exchanges = {k: ex for k, ex in run.recorder.exchanges.items() if k[0] in kept}
+    truth = GroundTruth(rounds=kept)
+    for name in ("batches", "private", "local_data"):
+        setattr(truth, name, {k: v for k, v in getattr(run.ground_truth, name).items() if k[0] in kept})
+    recorded = {cid for _, cid in recorder.exchanges}
+    notes = [n for n in run.notes if n not in _no_batches_note(GroundTruth())] + _no_batches_note(truth)
+    return replace(run, recorder=recorder, ground_truth=truth, notes=notes,
+                   clients={c: info for c, info in run.clients.items() if c in recorded},
+                   failures=list(run.failures))
 
 
 def _name_clients_by_partition(recorder: Recorder, nodes: dict[int, int], records: dict[str, dict]) -> dict[int, dict]:
@@ -326,7 +445,8 @@ def _run(app: FlowerApp, config: dict, server_app, client_app, nodes: int, recor
     # Ray workers import the app's modules: they inherit this process's sys.path as PYTHONPATH
     if str(app.directory) not in sys.path:
         sys.path.insert(0, str(app.directory))
-    audit_client = AuditClientApp(client_app, GroundTruthMod(ground_truth_dir), config, threads, client_mods or ())
+    audit_client = AuditClientApp(client_app, GroundTruthMod(ground_truth_dir), config, threads, client_mods or (),
+                                  app_dir=app.directory)
     with _offline_and_quiet(quiet), wrapping_started_strategies(wrap) as strategies, \
             recording_secagg_workflows(lambda: SecAggRecording(recorder, names)) as secure, \
             _swapping(secagg_workflow):
@@ -334,8 +454,10 @@ def _run(app: FlowerApp, config: dict, server_app, client_app, nodes: int, recor
             run_simulation(server_app=_audit_server_app(server_app, config, nodes), client_app=audit_client,
                            num_supernodes=nodes, backend_config=backend_config)
         except UserError:
+            _restart_shared_ray()
             raise
         except Exception as exc:  # the app's ServerApp raised (e.g. a run-config value it rejects)
+            _restart_shared_ray()
             reason = " ".join(str(exc).split())[:300]
             raise UserError(f"the app's ServerApp failed in Flower's simulation: {type(exc).__name__}: {reason}; "
                             f"check the app and its run config (--flower-log shows Flower's log)") from exc
