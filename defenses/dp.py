@@ -4,7 +4,7 @@
 method's own ``client_update`` inside a ``DPSession``; nothing inside the algorithms changes (the
 same idea as Flower adding DP as a mod around a client). During the session:
 
-* every optimizer the method builds with ``fedecouple.methods.base.sgd`` comes back as a ``DPSGD``
+* every optimizer the method builds with ``fedecouple.methods.training.sgd`` comes back as a ``DPSGD``
   (an ``opacus.optimizers.DPOptimizer``): per-sample gradients clipped to ``max_grad_norm`` C,
   summed, Gaussian noise of std σ·C added, divided by the expected batch size (Opacus' rule);
 * per-sample gradients come from Opacus' per-layer grad samplers (``GradSampleHooks.GRAD_SAMPLERS``,
@@ -78,7 +78,8 @@ from torch.nn.modules.module import register_module_forward_hook
 from fedecouple.data.augment import BatchAugmenter
 from fedecouple.errors import UserError
 from fedecouple.engine import derive_seed
-from fedecouple.methods.base import BatchRecord, ClassFeatureSums, ClientContext, Method, State, optimizer_hook
+from fedecouple.methods.base import BatchRecord, ClassFeatureSums, ClientContext, Method, State
+from fedecouple.methods.training import optimizer_hook
 
 from .dp_statistics import (COUNTS_CHOICES, RELEASES_KEY, StatisticsMechanism, count_specs, unit_counts,
                             withhold_counts)

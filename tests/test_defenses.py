@@ -18,7 +18,8 @@ from defenses.dp import ACCOUNT_KEY, DPSession, history_rows
 from fedecouple.channel import Download, Upload
 from fedecouple.errors import UserError
 from fedecouple.methods import make_method
-from fedecouple.methods.base import ClientContext, Method, TrainConfig, make_upload, sgd
+from fedecouple.methods.base import ClientContext, Method, TrainConfig, make_upload
+from fedecouple.methods.training import sgd
 from fedecouple.models import build_model, get_params
 
 from helpers import dp_federation, tiny_federation

@@ -16,7 +16,8 @@ from fedecouple.data.partition import Partition
 from fedecouple.engine import Federation, FederationConfig, GroundTruth
 from fedecouple.errors import UserError
 from fedecouple.methods import METHODS, make_method
-from fedecouple.methods.base import TrainConfig, train_head
+from fedecouple.methods.base import TrainConfig
+from fedecouple.methods.training import train_head
 from fedecouple.methods.fedpac import head_weight_matrix, solve_simplex_qp
 from helpers import TEST_THREADS
 

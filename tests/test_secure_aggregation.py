@@ -20,7 +20,8 @@ from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.data import make_partition
 from fedecouple.engine import Federation, FederationConfig
 from fedecouple.methods import METHODS, make_method
-from fedecouple.methods.base import TrainConfig, weighted_summands
+from fedecouple.methods.averaging import weighted_summands
+from fedecouple.methods.base import TrainConfig
 from fedecouple.secure_aggregation import (CLEAR_FIELDS, SecureAggregation, halted, neighbourhoods, neighbours,
                                            quantize, ring_order, secure_round, weight_factor)
 from helpers import TEST_THREADS, run_cli

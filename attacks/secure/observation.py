@@ -38,7 +38,7 @@ docstring.
 ``observe_round(run, round, ...)`` builds the observation from an ``attacks.recorded.RecordedRun``
 whose recorder has ``secure`` set (``fedsec attack --secure-aggregation``). The helpers below
 (``summed_update``, ``weight_of``, ``sample_total``) read the sum the way FedAvg-family sums are built
-(``fedecouple.methods.base.weighted_summands``, each weight sent as Flower's rounded factor, so that the
+(``fedecouple.methods.averaging.weighted_summands``, each weight sent as Flower's rounded factor, so that the
 sum is Σ ŵᵢ·θᵢ and Σ ŵᵢ with ŵᵢ = round(wᵢ·Q)/Q: ``fedecouple.secure_aggregation.with_flower_weight``).
 """
 from __future__ import annotations

@@ -11,19 +11,19 @@ A method is a set of pure-ish functions over plain tensor dictionaries:
 States are ``dict[str, Tensor]`` so they checkpoint with ``torch.load(weights_only=True)`` and can
 later be shipped to another execution engine. ``manifest`` declares, in one place, every field the
 method uploads: the channel tests hold each method to it.
+
+What methods share beyond the interface lives beside it: the server's averaging in ``averaging.py``, the
+client's local training loops (``sgd``, ``train_supervised``, ``train_head``, ``train_extractor``) in
+``training.py``.
 """
 from __future__ import annotations
 
 import re
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from typing import Callable, ClassVar, Iterator
 
 import numpy as np
 import torch
-from torch import nn
-import torch.nn.functional as F
 
 from ..channel import Download, Upload
 from ..data.augment import BatchAugmenter, Draw
@@ -187,51 +187,6 @@ class ClientContext:
                 fields=("lr",))
 
 
-# Optional wrapper around every optimizer a method builds with ``sgd`` (e.g. DP-SGD: per-sample
-# clipping and noise, see defenses.dp). Set only for the duration of one client update.
-_OPTIMIZER_HOOK: ContextVar[Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None] = \
-    ContextVar("fedecouple_optimizer_hook", default=None)
-
-
-@contextmanager
-def optimizer_hook(hook: Callable[[torch.optim.Optimizer], torch.optim.Optimizer]) -> Iterator[None]:
-    """While active, ``sgd`` returns ``hook(torch.optim.SGD(...))`` instead of the plain optimizer."""
-    token = _OPTIMIZER_HOOK.set(hook)
-    try:
-        yield
-    finally:
-        _OPTIMIZER_HOOK.reset(token)
-
-
-def sgd(params, config: TrainConfig) -> torch.optim.Optimizer:
-    opt = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    hook = _OPTIMIZER_HOOK.get()
-    return opt if hook is None else hook(opt)
-
-
-def train_supervised(ctx: ClientContext, module_params, epochs: int, phase: str,
-                     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], augment: bool = False,
-                     optimiser: TrainConfig | None = None) -> float:
-    """Run SGD on ``module_params`` minimising ``loss_fn(x, y)`` over ``epochs``; returns mean loss.
-    ``optimiser``: the SGD settings of this phase where a method's differ from the shared ones."""
-    params = list(module_params)
-    opt = sgd(params, optimiser or ctx.config)
-    total, count = 0.0, 0
-    for x, y in ctx.batches(epochs, phase, augment):
-        loss = loss_fn(x, y)
-        ctx.check_finite(loss)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        total += float(loss.detach())
-        count += 1
-    return total / max(count, 1)
-
-
-def cross_entropy_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    return lambda x, y: F.cross_entropy(model(x), y)
-
-
 @dataclass(frozen=True)
 class ClassFeatureSums:
     """What ``ClientContext.class_feature_sums`` returns: per-class sums of features (C, d), class
@@ -271,76 +226,8 @@ def extract_features(model: SplitModel, images: torch.Tensor, chunk: int = 1024)
         if len(images) else torch.zeros(0, model.feature_dim, device=images.device)
 
 
-def sample_weighted_average(uploads: list[Upload], names) -> State:
-    """Σ_i (n_i / Σ n) · tensor_i for each name (FedAvg's rule)."""
-    weights = torch.tensor([float(u.tensors["sample_count"]) for u in uploads])
-    weights = weights / weights.sum()
-    return {n: sum(w * u.tensors[n] for w, u in zip(weights, uploads)) for n in names}
-
-
-def weighted_summands(upload: Upload, names, max_weight: float) -> dict[str, torch.Tensor]:
-    """FedAvg's rule as a sum: w·tensor for each name and w itself under ``sample_count``, with
-    w = n / max_weight (as Flower's SecAgg+ weights parameters by num_examples / max_weight)."""
-    w = float(upload.tensors["sample_count"]) / max_weight
-    return {**{n: w * upload.tensors[n].to(torch.float64) for n in names},
-            "sample_count": torch.tensor(w, dtype=torch.float64)}
-
-
-def weighted_mean(total: dict[str, torch.Tensor], like: State, prefix: str = "global.") -> State:
-    """Σ w·tensor / Σ w for every summed name but ``sample_count``, under ``prefix``, in the dtype of
-    the server's ``like`` entry of the same name (the sum is decoded in float64)."""
-    weight = total["sample_count"]
-    if not float(weight) > 0:
-        raise UserError("the secure sum's total weight is not positive: every survivor reported 0 samples")
-    return {prefix + n: (v / weight).to(like[prefix + n].dtype) for n, v in total.items() if n != "sample_count"}
-
-
-def by_client(uploads: list[Upload]) -> list[Upload]:
-    """Uploads in client-id order, so an aggregate never depends on the order they arrived in."""
-    return sorted(uploads, key=lambda u: u.client_id)
-
-
 def only_group(tensors, group: str) -> dict[str, torch.Tensor]:
     return {k: v for k, v in tensors.items() if k.startswith(group + ".")}
-
-
-@contextmanager
-def frozen(module: nn.Module) -> Iterator[None]:
-    """Temporarily stop gradients to ``module``'s parameters (restored even on error)."""
-    saved = [(p, p.requires_grad) for p in module.parameters()]
-    for p, _ in saved:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p, flag in saved:
-            p.requires_grad_(flag)
-
-
-def train_head(ctx: ClientContext, model: SplitModel, epochs: int, phase: str = "classifier",
-               optimiser: TrainConfig | None = None) -> float:
-    """``epochs`` of cross-entropy on the classifier alone; the extractor is frozen (features are
-    computed without gradient). ``optimiser``: as ``train_supervised``'s."""
-    def loss_fn(x, y):
-        with torch.no_grad():
-            feats = model.features(x)
-        return F.cross_entropy(model.classifier(feats), y)
-
-    return train_supervised(ctx, model.classifier.parameters(), epochs, phase, loss_fn, optimiser=optimiser)
-
-
-def train_extractor(ctx: ClientContext, model: SplitModel, epochs: int, phase: str = "extractor",
-                    extra: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                    optimiser: TrainConfig | None = None) -> float:
-    """``epochs`` on the extractor alone with the classifier frozen: CE (+ ``extra(features, y)``);
-    ``optimiser``: as ``train_supervised``'s."""
-    def loss_fn(x, y):
-        feats = model.features(x)
-        loss = F.cross_entropy(model.classifier(feats), y)
-        return loss if extra is None else loss + extra(feats, y)
-
-    with frozen(model.classifier):
-        return train_supervised(ctx, model.extractor.parameters(), epochs, phase, loss_fn, optimiser=optimiser)
 
 
 class Method:

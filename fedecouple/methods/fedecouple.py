@@ -55,10 +55,12 @@ from ..channel import Download, Upload
 from ..models import SplitModel, get_params, set_params
 from ..errors import UserError
 from ..secure_aggregation import WEIGHT
-from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, make_upload, model_fields, only_group, sgd,
-                   strip_prefix, weighted_mean, weighted_summands)
+from .averaging import weighted_mean, weighted_summands
+from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, make_upload, model_fields, only_group,
+                   strip_prefix)
 from .replay import as_probabilities, batch, cross_entropy, features, head, sgd_step
 from .replay import class_means as replay_class_means
+from .training import sgd
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float) -> torch.Tensor:

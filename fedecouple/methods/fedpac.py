@@ -63,13 +63,14 @@ from scipy.optimize import minimize
 from ..channel import Download, Upload
 from ..errors import UserError
 from ..models import SplitModel, get_params, set_params
-from .base import (SAMPLE_COUNT, ClassFeatureSums, ClientContext, FieldSpec, Method, State, add_prefix, by_client,
-                   extract_features, make_upload, model_fields, only_group, sample_weighted_average, strip_prefix,
-                   train_extractor, train_head, weighted_mean, weighted_summands)
+from .averaging import by_client, sample_weighted_average, weighted_mean, weighted_summands
+from .base import (SAMPLE_COUNT, ClassFeatureSums, ClientContext, FieldSpec, Method, State, add_prefix,
+                   extract_features, make_upload, model_fields, only_group, strip_prefix)
 from .replay import as_probabilities, batch, cross_entropy, features, head, momentum_step
 from .replay import class_means as replay_class_means
 from .prototypes import (CLASS_COUNT, PROTOTYPE, local_prototypes, prototype_field, prototype_loss, prototype_table,
                          prototypes_in, weighted_prototypes)
+from .training import train_extractor, train_head
 
 HEAD = "head.{cid}."
 

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 from ..channel import Download, Upload
 from ..models import SplitModel, get_params, set_params
-from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, by_client, cross_entropy_loss,
-                   make_upload, model_fields, only_group, sample_weighted_average, strip_prefix, train_supervised,
-                   weighted_mean, weighted_summands)
+from .averaging import by_client, sample_weighted_average, weighted_mean, weighted_summands
+from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, make_upload, model_fields, only_group,
+                   strip_prefix)
 from .replay import plain_replay
+from .training import cross_entropy_loss, train_supervised
 
 
 @dataclass

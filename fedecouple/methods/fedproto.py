@@ -29,9 +29,11 @@ import torch.nn.functional as F
 from ..channel import Download, Upload
 from ..models import SplitModel, get_params, set_params
 from ..errors import UserError
-from .base import ClientContext, FieldSpec, Method, State, add_prefix, by_client, make_upload, train_supervised
+from .averaging import by_client
+from .base import ClientContext, FieldSpec, Method, State, add_prefix, make_upload
 from .prototypes import (CLASS_COUNT, PROTOTYPE, local_prototypes, prototype_field, prototype_loss, prototype_table,
                          prototypes_in, weighted_prototypes)
+from .training import train_supervised
 
 @dataclass
 class FedProto(Method):

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 from ..channel import Download, Upload
 from ..errors import UserError
-from .base import ClientContext, State, only_group, train_extractor, train_head
+from .base import ClientContext, State, only_group
 from .fedper import FedPer
 from .replay import as_probabilities, batch, cross_entropy, features, head, sgd_step
+from .training import train_extractor, train_head
 
 
 @dataclass

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from ..channel import Download, Upload
 from ..models import SplitModel, get_params, set_params
-from .base import ClientContext, Method, State, cross_entropy_loss, make_upload, train_supervised
+from .base import ClientContext, Method, State, make_upload
+from .training import cross_entropy_loss, train_supervised
 
 
 @dataclass
