@@ -3,7 +3,7 @@
 The audit's question is how many of a client's images a server rebuilds from one upload of its
 *real* local training (``--victim-batch 0``: the client's own batches of 10, its epochs, all its
 samples; the attack rebuilds every image it trained on, one copy per epoch aligned and averaged).
-This script trains a federation once (``fedsec.jobs.attack.train_recorded``), then attacks the same
+This script trains a federation once (``fedsec.recording.train_recorded``), then attacks the same
 recorded round-0 uploads of ``--targets`` clients twice per gradient attack with
 ``attacks.harness.attack_recorded``: once one by one (``batched=False``, what ``--no-batched`` does)
 and once batched (the targets share the initial model, so their objectives are stacked), same
@@ -24,8 +24,9 @@ import time
 import torch
 
 from attacks.harness import attack_recorded
-from fedsec.jobs.attack import AttackSettings, train_recorded
+from fedsec.jobs.attack import AttackSettings
 from fedsec.jobs.report import parse_iterations
+from fedsec.recording import train_recorded
 from fedsec.runner import RunConfig, prepare
 
 DEFAULT_ITERATIONS = "ig=100,dlg=10,idlg=10"

@@ -258,7 +258,8 @@ def test_the_threat_model_builds_the_whole_observation():
     """``RecordedRun.observe``: every switch of the ``ThreatModel`` (and the victim setting) is in the
     Observation it returns; nothing is set on it afterwards."""
     from attacks.recorded import ThreatModel
-    from fedsec.jobs.attack import AttackSettings, recording_federation
+    from fedsec.jobs.attack import AttackSettings
+    from fedsec.recording import recording_federation
     from fedsec.runner import RunConfig, prepare
 
     config = RunConfig.of(method="fedavg", dataset="digits", clients=3, rounds=1, threads=TEST_THREADS)

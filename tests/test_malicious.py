@@ -112,7 +112,8 @@ def test_defend_download_check_reports_detections_and_false_alarms(tmp_path):
 def test_fedsec_attack_trap_recovers_the_inputs_of_real_local_training_and_keeps_the_honest_record(tmp_path):
     import pandas as pd
 
-    from fedsec.jobs.attack import AttackSettings, recording_federation, run_attack
+    from fedsec.jobs.attack import AttackSettings, run_attack
+    from fedsec.recording import recording_federation
     from fedsec.runner import RunConfig, prepare
 
     config = RunConfig.of(method="fedavg", dataset="digits", clients=4, rounds=1, samples_per_client=6, threads=1)

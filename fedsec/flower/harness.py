@@ -33,8 +33,9 @@ from attacks.recorded import RecordedRun
 from fedecouple.devices import device_record
 from fedecouple.errors import UserError
 
-from ..jobs.attack import AttackSettings, choose_targets, write_attack
+from ..jobs.attack import AttackSettings, write_attack
 from ..jobs.audit import audit_recorded, gather_evidence
+from ..recording import choose_targets
 from .app import read_app
 from .declaration import Declaration, load_declaration
 from .simulation import FlowerRun, simulate
@@ -347,7 +348,7 @@ def _image_attack(run: FlowerRun, recovered: dict, settings: AttackSettings, out
     """The image attack of ``settings`` on the unmasked updates and, paired, on the same nodes' true updates."""
     from attacks.metrics import paired_difference
 
-    from ..jobs.attack import pick_targets
+    from ..recording import pick_targets
 
     by_round: dict[int, list[int]] = {}
     for round, client in recovered:

@@ -18,7 +18,7 @@ Stages, for every method (each in ``out/<method>/<stage>/``):
                      client size N, ``attack-<attack>@real-n<N>``, on a federation of clients of exactly
                      N training images (trained by the stage, like the malicious section's).
 
-One training serves several stages (``fedsec.jobs.attack.TrainingCache``): the train stage records every
+One training serves several stages (``fedsec.recording.TrainingCache``): the train stage records every
 round, and the method's audit and its attacks on real local training (same rounds trained, no
 victim setting) use that federation instead of training it again; a textbook cell trains its own
 (its targets train differently in the attacked rounds). The numbers are those of separate runs.

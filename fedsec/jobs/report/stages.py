@@ -22,7 +22,8 @@ from ...resumable import ResumableStage, TrainRun, marked_folders
 from ...runner import RunConfig
 from ...field_names import for_cli
 from ...versions import provenance
-from ..attack import AttackSettings, TrainingCache, check_applicable, recording_federation, run_attack, training_key
+from ...recording import TrainingCache, recording_federation, training_key
+from ..attack import AttackSettings, check_applicable, run_attack
 from ..audit import run_audit
 from ..compare import method_config
 from .settings import cell_setting
