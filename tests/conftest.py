@@ -20,10 +20,11 @@ def mnist():
     return load_dataset("mnist5k")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def shared_ray():
-    """One Ray instance for all of this process's Flower simulations (``shared_ray`` in
-    ``fedsec.flower.simulation``), shut down at the end of the session; nothing without Flower."""
+    """One Ray instance for a test module's Flower simulations (``shared_ray`` in
+    ``fedsec.flower.simulation``), shut down at the module's end so that the engine's own Ray backend
+    (``tests/test_backends.py``) starts its own; nothing without Flower."""
     try:
         from fedsec.flower.simulation import shared_ray as sharing
     except ImportError:

@@ -3,7 +3,7 @@ two strategies, for every registered attack (``test_matrix.py`` holds the other 
 cell ends in a result or a one-line refusal, never a traceback. The example's own audit runs end to end
 with its evidence attacks, as the README shows it (a smaller federation and budget). Flower's
 simulations are reused between cells that ask for the same run (``reused_simulations``), so each
-distinct simulation runs once, all on one Ray instance per process (``shared_ray``). The audits run
+distinct simulation runs once, all on one Ray instance (``shared_ray``). The audits run
 first and for one round, as the attacks that train the app unchanged do: those attacks then read a
 recorded round of the audit's simulation.
 """
