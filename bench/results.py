@@ -859,7 +859,7 @@ def _other_cells() -> list[Cell]:
                       depends=CODE + ("defenses", "bench/secure_malicious.py"), threat="evidence"))
     cells.append(Cell("secure-dp", "secure", "distributed DP under secure aggregation: sum-inversion, sum-binning, "
                       "inconsistency and sybil at epsilon 1, 8 and without noise (Skellam noise added before masking)",
-                      ("python", "bench/secure_dp.py"), secure_dp_figures, "about 5 min",
+                      ("python", "bench/secure_dp.py", "--out", "runs/secure-dp"), secure_dp_figures, "about 7 min",
                       depends=CODE + ("defenses", "bench/secure_dp.py")))
     cells.append(Cell("flower-secagg", "secure", "Flower's SecAgg+ recorded and attacked: 10 nodes, 3 rounds",
                       ("python", "bench/flower_secagg.py"), flower_secagg_figures, "about 2-4 min",

@@ -18,7 +18,7 @@ subset, 10 clients, one round (the attacked one), per attack:
 Printed per attack and ε: mean PSNR [95 % interval], the share recovered [interval], the images scored,
 and the ε of the round's sum, the run's total and the isolated client's, each from the run's summary.
 
-    python bench/secure_dp.py [--seed 0] [--iterations 100] [--out DIR]
+    python bench/secure_dp.py [--seed 0] [--iterations 1000] [--out DIR]
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def line(attack: str, epsilon: float, summary: dict) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--iterations", type=int, default=100, help="sum-inversion's iterations")
+    parser.add_argument("--iterations", type=int, default=1000, help="sum-inversion's iterations (its default)")
     parser.add_argument("--out", type=Path, default=None, help="keep each run's folder here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="secure-dp-") as tmp:
