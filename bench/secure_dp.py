@@ -2,8 +2,11 @@
 
 Each client adds Skellam noise to its quantised values before masking (``--sa-dp-epsilon``;
 ``defenses.distributed_dp``), calibrated so that the run's sums spend the target ε at δ = 1e-5 with each
-client's values L2-clipped to 1; ε = inf is the protocol without noise. FedAvg on the embedded MNIST
-subset, 10 clients, one round (the attacked one), per attack:
+client's values L2-clipped to 1; ε = inf is the protocol without noise, and ε = 1e6 the clip with a
+negligible noise. The clip applies to the values the method sums: FedAvg's are its weighted *parameters*,
+not its update, so the clip alone distorts them (every client is clipped at 1) and the ε = 1e6 row shows
+what of the ε = 1 and 8 rows is the clip's, not the noise's. FedAvg on the embedded MNIST subset, 10
+clients, one round (the attacked one), per attack:
 
 * ``sum-inversion`` (a curious server): the round's sum inverted as one batch of the 10 clients' images
   (one image each);
@@ -32,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from secure_curious import fedsec  # noqa: E402  (bench/ is the script's own folder on sys.path)
 
-EPSILONS = (1.0, 8.0, math.inf)
+EPSILONS = (1.0, 8.0, 1e6, math.inf)  # 1e6: the clip, with a negligible noise
 BASE = ["--method", "fedavg", "--clients", "10", "--rounds", "1", "--attack-rounds", "0", "--threads", "1"]
 ATTACKS = {"sum-inversion": ["--train-images", "1"],
            "sum-binning": ["--partition", "iid", "--train-images", "5", "--victim-batch", "0"],
