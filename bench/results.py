@@ -508,7 +508,7 @@ def secure_dp_figures(out: Path, stdout: str) -> dict:
     parts = [f"{shown[('sum-binning', eps)][3]} {said}" for eps, said in words.items() if ("sum-binning", eps) in shown]
     return {"headline": ("sum-binning recovered " + ", ".join(parts)) if parts else f"{len(rows)} settings", "line": text, "tables": [
         {"title": "distributed DP (Skellam noise before masking, delta 1e-5, L2 clip 1): the round-level attacks; "
-                  "eps 1e+06 is the clip with a negligible noise (FedAvg's clipped values are its weighted parameters)",
+                  "eps 1e+06 is the clip with a negligible noise (the clip bounds each client's update)",
          "columns": ["attack", "target epsilon", "mean PSNR [95 % CI]", "recovered [95 % CI]", "n",
                      "epsilon of the round's sum", "epsilon total", "epsilon isolated"],
          "rows": rows}]}

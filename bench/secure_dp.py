@@ -2,11 +2,10 @@
 
 Each client adds Skellam noise to its quantised values before masking (``--sa-dp-epsilon``;
 ``defenses.distributed_dp``), calibrated so that the run's sums spend the target ε at δ = 1e-5 with each
-client's values L2-clipped to 1; ε = inf is the protocol without noise, and ε = 1e6 the clip with a
-negligible noise. The clip applies to the values the method sums: FedAvg's are its weighted *parameters*,
-not its update, so the clip alone distorts them (every client is clipped at 1) and the ε = 1e6 row shows
-what of the ε = 1 and 8 rows is the clip's, not the noise's. FedAvg on the embedded MNIST subset, 10
-clients, one round (the attacked one), per attack:
+client's update (its weighted values' distance from its download) L2-clipped to 1; ε = inf is the
+protocol without noise, and ε = 1e6 the clip with a negligible noise: that row shows what of the ε = 1 and
+8 rows is the clip's, not the noise's. FedAvg on the embedded MNIST subset, 10 clients, one round (the
+attacked one), per attack:
 
 * ``sum-inversion`` (a curious server): the round's sum inverted as one batch of the 10 clients' images
   (one image each);

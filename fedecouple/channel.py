@@ -219,6 +219,8 @@ class ServerChannel:
         self.recorder.secure = secure
         self.bytes_down = 0
         self.bytes_up = 0
+        # each client's latest download, as it received it: distributed DP clips a client's update against it
+        self.received: dict[int, Mapping[str, torch.Tensor]] = {}
 
     def _pass(self, message: Message, hook: str, kind: type) -> Message | None:
         for interceptor in self.interceptors:
@@ -241,6 +243,8 @@ class ServerChannel:
         self.recorder.on_download(message)
         self.bytes_down += message.nbytes
         out = self._pass(message, "on_download", Download)
+        if out is not None and self.secure is not None and self.secure.private:
+            self.received[out.client_id] = out.copy().tensors
         return None if out is None else out.copy()
 
     def upload(self, message: Upload) -> Upload | None:
@@ -272,7 +276,8 @@ class ServerChannel:
             return self._later_pass(round, participants, uploads, summands, pass_index, broadcast or {})
         by_id = {u.client_id: u for u in uploads}
         record, masked = secure_round(self.secure, round, participants, {c: summands(u) for c, u in by_id.items()},
-                                      {c: clear_values(u.tensors, u.meta) for c, u in by_id.items()})
+                                      {c: clear_values(u.tensors, u.meta) for c, u in by_id.items()},
+                                      {c: self.received[c] for c in by_id if c in self.received})
         for client, vector in masked.items():
             beside = {name: torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64)
                       for name, value in record.clear.get(client, {}).items()}

@@ -38,8 +38,9 @@ client's two masked uploads and read the difference of its two vectors.
 
 Distributed differential privacy (``dp_noise`` > 0; the Skellam mechanism of Agarwal, Kairouz and Liu
 2021, "The Skellam Mechanism for Differentially Private Federated Learning"): before quantising, each
-client clips the L2 norm of its (weighted) value vector to ``dp_l2_clip`` (``SecureAggregation.l2_clip``;
-the record counts the clients clipped), and after quantising it adds to every value an independent
+client clips the L2 norm of its update, its (weighted) values' distance from what it downloaded
+(``reference_values``: a model's parameters are far from zero, its update is not), to ``dp_l2_clip``
+(the record counts the clients clipped), and after quantising it adds to every value an independent
 Skellam(μ, μ) draw, Poisson(μ) − Poisson(μ) with μ = ``dp_noise`` (``skellam_noise``), before masking.
 Flower's weight factor travels without noise (under ``clear_fields="flower"`` the sample count it
 carries is in the clear anyway). The server unmasks the survivors' integers plus the sum of their noise,
@@ -47,8 +48,8 @@ a Skellam(nμ, nμ) draw for n survivors: dropouts only leave fewer summands. Th
 (``decode``): the known offset n·quantization_range/2 subtracted modulo the modulus and the rest taken as
 a signed integer, which is exact while n·quantization_range/2 plus the noise stays below modulus/2
 (``check_headroom`` refuses a round where ten standard deviations of the summed noise reach it).
-Sensitivity (``sensitivity``), for neighbouring rounds in which one client's contribution is removed
-(its vector replaced by zero: its participation is public, as in Flower): with the scale
+Sensitivity (``sensitivity``), for neighbouring rounds in which one client's update is removed (it sends
+back what it downloaded: its participation is public, as in Flower): with the scale
 s = quantization_range / (2·clipping_range) a client's centred integers z = q − quantization_range/2
 have ‖z‖₂ ≤ Δ₂ = dp_l2_clip·s + √d (stochastic rounding moves each of the d values by less than one
 step) and, being integers, ‖z‖₁ ≤ min(√d·Δ₂, Δ₂²). The accounting is ``defenses.distributed_dp``'s.
@@ -476,25 +477,46 @@ def skellam_noise(protocol: SecureAggregation, size: int, round: int, client: in
     return rng.poisson(protocol.dp_noise, size).astype(np.int64) - rng.poisson(protocol.dp_noise, size).astype(np.int64)
 
 
-def _quantize_private(protocol: SecureAggregation, values: np.ndarray, round: int, client: int
-                      ) -> tuple[np.ndarray, int, bool]:
-    """Under distributed DP: L2-clipped, quantised, Skellam noise added, reduced modulo the modulus."""
-    clipped, shortened = clip_l2(protocol, values)
+def reference_values(protocol: SecureAggregation, layout: Layout, summands: Mapping[str, torch.Tensor],
+                     download: Mapping[str, torch.Tensor] | None) -> np.ndarray:
+    """What the client's values would be had it not trained, as it knows from its download: for each summed
+    field the downloaded tensor of that name (weighted by the client's rounded weight under a weighted
+    layout, as its own values are), zeros for a field the download does not hold. Distributed DP clips the
+    values' distance from it, the update, not the values (a model's parameters are far from zero)."""
+    weight = weight_factor(protocol, float(summands[WEIGHT])) / protocol.quantization_range if layout.weighted else 1.0
+    parts = []
+    for name, shape in layout.fields:
+        if name == WEIGHT:
+            continue
+        held = None if download is None else download.get(name)
+        parts.append(held.detach().cpu().to(torch.float64).reshape(-1).numpy() * weight
+                     if held is not None and tuple(held.shape) == tuple(shape) else np.zeros(math.prod(shape)))
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def _quantize_private(protocol: SecureAggregation, values: np.ndarray, round: int, client: int,
+                      reference: np.ndarray) -> tuple[np.ndarray, int, bool]:
+    """Under distributed DP: the distance from ``reference`` (``reference_values``) L2-clipped, quantised,
+    Skellam noise added, reduced modulo the modulus."""
+    update, shortened = clip_l2(protocol, values - reference)
+    clipped = reference + update
     quantised, beyond = quantize(protocol, clipped, round, client)
     noisy = quantised.astype(np.int64) + skellam_noise(protocol, len(values), round, client)
     return (noisy % protocol.modulus).astype(np.uint64), beyond, shortened
 
 
 def encode(protocol: SecureAggregation, layout: Layout, summands: Mapping[str, torch.Tensor], round: int,
-           client: int) -> tuple[np.ndarray, int, bool]:
+           client: int, download: Mapping[str, torch.Tensor] | None = None) -> tuple[np.ndarray, int, bool]:
     """(the client's integer vector before masking, its values beyond the clipping range, whether the L2
     clip of distributed DP shortened its values): under a weighted layout Flower's weight factor, then
     the reweighted values (``with_flower_weight``) quantised; otherwise every value quantised. Under
-    distributed DP the values (never the weight factor) are L2-clipped first and carry Skellam noise."""
+    distributed DP the values' distance from what the client downloaded (``reference_values``; never the
+    weight factor) is L2-clipped first, and the values carry Skellam noise."""
     values = layout.flatten(with_flower_weight(protocol, summands) if layout.weighted else summands)
     values = values[1:] if layout.weighted else values
     if protocol.private:
-        quantised, beyond, shortened = _quantize_private(protocol, values, round, client)
+        reference = reference_values(protocol, layout, summands, download)
+        quantised, beyond, shortened = _quantize_private(protocol, values, round, client, reference)
     else:
         (quantised, beyond), shortened = quantize(protocol, values, round, client), False
     if not layout.weighted:
@@ -526,7 +548,8 @@ def decode(protocol: SecureAggregation, layout: Layout, total: np.ndarray, count
 
 def secure_round(protocol: SecureAggregation, round: int, participants: list[int],
                  summands: dict[int, dict[str, torch.Tensor]],
-                 clear: Mapping[int, Mapping[str, float]] | None = None
+                 clear: Mapping[int, Mapping[str, float]] | None = None,
+                 downloads: Mapping[int, Mapping[str, torch.Tensor]] | None = None
                  ) -> tuple[AggregateRecord, dict[int, np.ndarray]]:
     """Run one round of the protocol: ``participants`` joined the key agreement, ``summands`` holds
     what each survivor sends (client → named tensors), ``clear`` what each survivor's reply carries
@@ -549,7 +572,8 @@ def secure_round(protocol: SecureAggregation, round: int, participants: list[int
     graph = neighbours(protocol, round, participants)
     masked, clipped, shortened = {}, 0, 0
     for client in survivors:
-        vector, beyond, short = encode(protocol, layout, summands[client], round, client)
+        vector, beyond, short = encode(protocol, layout, summands[client], round, client,
+                                       (downloads or {}).get(client))
         clipped, shortened = clipped + beyond, shortened + short
         masked[client] = mask(protocol, vector, round, client, graph)
     shown = {c: dict(clear[c]) for c in survivors if clear.get(c)} if clear and protocol.clear_fields == "flower" \

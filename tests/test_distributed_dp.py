@@ -184,3 +184,20 @@ def test_sybils_subtract_their_own_noise_leaving_the_targets_alone():
     assert abs(residual.var() / 10_000 - 1) < 0.05
     without = (without_sybils(record.total, known[:3])["v"] - summands[0]["v"]).numpy() / protocol.quantum
     assert abs(without.var() / 40_000 - 1) < 0.05
+
+
+def test_the_clip_bounds_the_update_against_the_download_not_the_parameters():
+    """A model's values are far from zero; what it learnt in a round is not. Clipped against its download,
+    a small update passes whole and the sum decodes to the true one (within the noise); clipped against
+    zero, the same values would be shrunk to the clip."""
+    protocol = SecureAggregation(dp_noise=1.0, dp_l2_clip=1.0, seed=8)
+    generator = torch.Generator().manual_seed(1)
+    download = {"v": torch.full((1000,), 2.0, dtype=torch.float64)}
+    summands = {c: {"v": download["v"] + 1e-3 * torch.randn(1000, generator=generator, dtype=torch.float64)}
+                for c in range(3)}
+    truth = sum(s["v"] for s in summands.values())
+    record, _ = secure_round(protocol, 0, [0, 1, 2], summands, downloads={c: download for c in range(3)})
+    assert record.dp_clipped == 0
+    assert (record.total["v"] - truth).abs().max() < 50 * protocol.quantum  # noise of 3 clients at mu 1
+    against_zero, _ = secure_round(protocol, 0, [0, 1, 2], summands)
+    assert against_zero.dp_clipped == 3 and float(against_zero.total["v"].norm()) < 3.01
