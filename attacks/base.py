@@ -16,6 +16,8 @@ import torch
 from fedecouple.methods.base import FieldSpec, Method
 from fedecouple.models import SplitModel
 
+from .choices import STARTS  # noqa: F401  (``Budget.start``'s choices, where callers look for them)
+
 
 @dataclass
 class LocalHyperparameters:
@@ -76,9 +78,6 @@ class Observation:
     def manifest(self) -> list[FieldSpec]:
         """The fields the method declares it uploads (``Method.manifest``)."""
         return self.method.manifest(self.make_model())
-
-
-STARTS = ("noise", "mean")
 
 
 @dataclass

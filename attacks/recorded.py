@@ -22,9 +22,10 @@ import torch
 from fedecouple.backends import Backend, SequentialBackend
 from fedecouple.channel import Recorder
 from fedecouple.data.dataset import ImageDataset
-from fedecouple.data.registry import EMBEDDED
+from fedecouple.data import load_dataset
 from fedecouple.engine import GroundTruth, VictimSetting
-from fedecouple.methods.base import Method, TrainConfig, phase_steps
+from fedecouple.methods.base import Method, TrainConfig, phase_steps, upload_kinds
+from fedecouple.methods.facets import local_phases
 from fedecouple.methods.replay import Step
 from fedecouple.models import SplitModel
 
@@ -84,7 +85,7 @@ class RecordedRun:
     device: str = "cpu"  # where the gradient attacks compute (``fedecouple.devices``)
 
     def upload_kinds(self) -> set[str]:
-        return self.method.upload_kinds(self.make_model())
+        return upload_kinds(self.method, self.make_model())
 
     def observe(self, round: int, client: int, threat: ThreatModel, victim: VictimSetting | None = None, *,
                 auxiliary: tuple[torch.Tensor, torch.Tensor] | None = None, device: str = "cpu") -> Observation:
@@ -116,7 +117,7 @@ class RecordedRun:
         sample_count = upload.tensors.get("sample_count")
         n = int(sample_count) if sample_count is not None else train.batch_size
         steps = sum(phase_steps(epochs, n, train.batch_size)
-                    for _, epochs, _ in self.method.local_phases(train.local_epochs))
+                    for _, epochs, _ in local_phases(self.method, train.local_epochs))
         return LocalHyperparameters(lr=train.lr, steps=steps, batch_size=train.batch_size, epochs=train.local_epochs,
                                     samples=n)
 
@@ -143,7 +144,7 @@ def auxiliary_data(name: str, like, exclude: np.ndarray | None = None) -> tuple[
     """The embedded data set ``name`` as public data of ``like``'s domain: resized (bilinear) to its
     image size and converted to its number of channels. When it is ``like`` itself, the images at
     ``exclude`` (the attacked clients' own) are left out: the server's data is disjoint from theirs."""
-    data = EMBEDDED[name]()
+    data = load_dataset(name)
     x, labels = data.images, data.labels
     if name == like.name and exclude is not None and len(exclude):
         keep = torch.ones(len(labels), dtype=torch.bool)

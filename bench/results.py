@@ -1309,6 +1309,7 @@ def declared_refusals(methods: list[str]) -> list:
     """What the methods' own declarations refuse (``fedecouple.methods``): secure aggregation where the server
     reads each client's upload, every server threat where the method sends nothing."""
     from fedecouple.methods import METHODS
+    from fedecouple.methods.facets import PerClientFields, SecureSummation
     from fedsec.jobs.report.tables import SERVER_THREATS
     from reports.exposure import Evidence
 
@@ -1320,9 +1321,10 @@ def declared_refusals(methods: list[str]) -> list:
         if not method.communicates:
             out += [Evidence(method=name, threat=t, source="its declaration", refused="sends nothing to the server")
                     for t in SERVER_THREATS]
-        elif not method.aggregates_securely():
+        elif not issubclass(method, SecureSummation):
+            fields = method.per_client_fields if issubclass(method, PerClientFields) else ()
             out.append(Evidence(method=name, threat="secure", source="its declaration",
-                                refused=f"its server reads {', '.join(method.per_client_fields)} of each client"))
+                                refused=f"its server reads {', '.join(fields)} of each client"))
     return out
 
 

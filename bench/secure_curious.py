@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here [a temporary folder]")
     args = parser.parse_args(argv)
-    from attacks.secure.disaggregation import INVERSION_ITERATIONS
+    import attacks
 
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.out or Path(scratch)
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         print("== 3. sum-disaggregation: 20 rounds, half the clients per round", flush=True)
         print("$ (baseline) the same per-client attack on each client's true update, same federation without "
               "--secure-aggregation", flush=True)
-        baseline, _ = true_updates(args.seed, INVERSION_ITERATIONS)
+        baseline, _ = true_updates(args.seed, attacks.ATTACKS.facts("sum-disaggregation")["default_iterations"])
         disaggregation(folder, args.seed, "1", baseline)
         print("== at Flower's default --sa-max-weight 1000", flush=True)
         sum_labels(folder, args.seed, "1000")

@@ -37,7 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attacks.malicious.craft import next_linear  # noqa: E402
-from attacks.malicious.readout import recover_inputs, relative_errors, true_inputs  # noqa: E402
+from attacks.inversion.layer_inputs import relative_errors  # noqa: E402
+from attacks.malicious.readout import recover_inputs, true_inputs  # noqa: E402
 from attacks.metrics import psnr, rate_interval  # noqa: E402
 from attacks.base import Budget  # noqa: E402
 from attacks.secure import inconsistency, sized_binning, sum_binning  # noqa: E402
@@ -50,6 +51,7 @@ from fedecouple.data.partition import Partition  # noqa: E402
 from fedecouple.engine import Federation, FederationConfig, GroundTruth  # noqa: E402
 from fedecouple.methods import make_method  # noqa: E402
 from fedecouple.methods.base import TrainConfig  # noqa: E402
+from fedecouple.methods.facets import download_reach  # noqa: E402
 from fedecouple.secure_aggregation import SecureAggregation  # noqa: E402
 from fedsec.malicious import MaliciousServer, public_images  # noqa: E402
 
@@ -88,7 +90,7 @@ def build(data, partition: Partition, protocol, spec=None, craft=None, rounds: i
         exclude = np.concatenate(partition.train)
         targets = {(r, c) for r in range(rounds) for c in fed.sample_clients(r)}
         server = MaliciousServer(spec, craft, targets, lambda: copy.deepcopy(initial),
-                                 public_images(data.images, exclude, seed), fed.method.download_reaches, seed,
+                                 public_images(data.images, exclude, seed), download_reach(fed.method), seed,
                                  method=fed.method, train=train, secure=protocol)
         channel.interceptors.append(server)
     channel.interceptors.extend(checks)
@@ -308,7 +310,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=5, help="draws of the clients' images (targets in part 2)")
     parser.add_argument("--rounds", type=int, default=20, help="rounds of each consistency-check case")
-    parser.add_argument("--iterations", type=int, default=sized_binning.INVERSION_STEPS,
+    parser.add_argument("--iterations", type=int, default=attacks.ATTACKS.facts("sum-binning")["default_iterations"],
                         help="L-BFGS steps rebuilding the target's images")
     parser.add_argument("--parts", default="1,2,3", help="which parts to run (module docstring)")
     parser.add_argument("--out", type=Path, default=None, help="also write the figures here as JSON")

@@ -36,7 +36,7 @@ from fedecouple.channel import Download, Interceptor, Upload
 from fedecouple.errors import UserError
 from fedecouple.secure_aggregation import neighbours
 
-from .registry import DefenseSpec, register
+from .registry import DefenseSpec
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -130,8 +130,8 @@ def _on(item: str) -> str:
 
 
 # the sweep's training (an honest server) gives the false alarms
-register(DefenseSpec(
+CONSISTENCY_CHECK = DefenseSpec(
     "consistency-check", "on: under secure aggregation every client compares a digest of its download with its "
                          "masking-graph neighbours' and withholds its masked upload on a mismatch",
     acts="download", formal=False, parse=_on, build=lambda value, run: ConsistencyCheck(run.secure),
-    report=lambda check, clients: {"kind": "consistency-check", **check.summary(set())}))
+    report=lambda check, clients: {"kind": "consistency-check", **check.summary(set())})

@@ -30,7 +30,7 @@ from attacks.malicious import first_linear
 from attacks.malicious.craft import layer_inputs, load
 from fedecouple.channel import Download, Interceptor
 
-from .registry import DefenseSpec, register
+from .registry import DefenseSpec
 
 SAME_DIRECTION = 0.99
 MAX_PARALLEL_SHARE = 0.05
@@ -135,7 +135,7 @@ def _on(item: str) -> str:
 
 # the sweep's defense: its training (an honest server) gives the false alarms, a malicious server's attack the
 # detections (the attack installs its own check after the crafting server)
-register(DefenseSpec(
+DOWNLOAD_CHECK = DefenseSpec(
     "download-check", "on: every client tests each download before training and refuses one that looks crafted",
     acts="download", formal=False, parse=_on, build=lambda value, run: DownloadCheck(run.images_of, run.model),
-    report=lambda check, clients: {"kind": "download-check", **check.summary(set())}))
+    report=lambda check, clients: {"kind": "download-check", **check.summary(set())})

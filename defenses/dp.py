@@ -56,12 +56,14 @@ each): an augmented copy belongs to the same person as its original, so per-samp
 summed over the pair *before* clipping (one clipped gradient per original sample); the sensitivity
 is therefore still C per person.
 
-What each method declares (``dp_per_sample``: loss terms under DP-SGD; ``dp_statistics``: whole-data
-statistics under the Gaussian mechanism; what neither covers is its ``dp_uncovered()``, named in
-the refusal):
+What each method declares in its ``DPCoverage`` facet (``dp_per_sample``: loss terms under DP-SGD;
+``dp_statistics``: whole-data statistics under the Gaussian mechanism; what neither covers is its
+``dp_uncovered()``, named in the refusal):
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import warnings
 from contextlib import ExitStack
@@ -79,6 +81,8 @@ from fedecouple.data.augment import BatchAugmenter
 from fedecouple.errors import UserError
 from fedecouple.engine import derive_seed
 from fedecouple.methods.base import BatchRecord, ClassFeatureSums, ClientContext, Method, State
+from fedecouple.methods.facets import (DPCoverage, Facet, Replay, SecureSummation, dp_coverage, facet_members,
+                                       facets_of)
 from fedecouple.methods.training import optimizer_hook
 
 from .dp_statistics import (COUNTS_CHOICES, RELEASES_KEY, StatisticsMechanism, count_specs, unit_counts,
@@ -92,11 +96,12 @@ PROBE_TOLERANCE = 1e-3
 def _declared_coverage() -> str:
     from fedecouple.methods import METHODS
 
+    declared = {name: cls if issubclass(cls, DPCoverage) else DPCoverage for name, cls in METHODS.items()}
     return "".join(f"\n* ``{name}``: per-sample — {cls.dp_per_sample} Statistics — {cls.dp_statistics or 'none.'}"
-                   for name, cls in METHODS.items()) + "\n"
+                   for name, cls in declared.items()) + "\n"
 
 
-__doc__ += _declared_coverage()  # each method declares its own (``dp_per_sample``, ``dp_statistics``)
+__doc__ += _declared_coverage()  # each method declares its own (``DPCoverage``)
 
 
 @dataclass(frozen=True)
@@ -330,7 +335,8 @@ class DPSession:
     def __init__(self, method: Method, ctx: ClientContext, config: DPConfig, history: torch.Tensor | None = None,
                  dp_state: State | None = None):
         self.method, self.config = method.name, config
-        self.uncovered = method.dp_uncovered()
+        coverage = dp_coverage(method)
+        self.uncovered = coverage.dp_uncovered()
         self.base = ctx
         self.n = ctx.num_samples
         self.batch_size = min(ctx.config.batch_size, self.n) if self.n else 0
@@ -347,7 +353,7 @@ class DPSession:
             ctx.images, ctx.labels, ctx.num_classes, sigma=config.stat_sigma, clip=config.stat_clip,
             probe=config.probe, generator=torch.Generator().manual_seed(derive_seed(seed, 1)),
             state=dp_state or {}, account=self._account_statistic, method=method.name,
-            declared=method.dp_statistics)
+            declared=coverage.dp_statistics)
         self.optimizers: list[DPSGD] = []
         self._unclaimed: list[DPSGD] = []
         self._augmenter: BatchAugmenter | None = None
@@ -548,8 +554,8 @@ class DPSession:
 
 def check_supported(method: Method) -> None:
     """Refuse, before any training, what the method declares neither DP-SGD nor the statistics
-    mechanism covers (``dp_uncovered``)."""
-    reason = method.dp_uncovered()
+    mechanism covers (``DPCoverage.dp_uncovered``)."""
+    reason = dp_coverage(method).dp_uncovered()
     if reason is not None:
         raise UserError(f"DP cannot cover {method.name}: {reason}; its ε would be meaningless (for methods "
                         f"without a DP mode, use an upload filter such as noise or exclude instead)")
@@ -574,29 +580,33 @@ def check_dp_model(prep) -> None:
 
 class DPMethod(Method):
     """``method`` with DP-SGD local training, its whole-data statistics through the Gaussian
-    mechanism of ``dp_statistics``, and one accountant per client in its state."""
+    mechanism of ``dp_statistics``, and one accountant per client in its state.
+
+    It implements the core (``Method``) around the wrapped method's, and has each facet the wrapped method
+    has (``fedecouple.methods.facets``): ``DPMethod(method, config)`` is an instance of a subclass that also
+    derives from those facets and forwards every member they declare to the wrapped method, except what DP
+    changes (``_DP_CHANGES``). So attacks on a DP run replay the method's own local training (Kerckhoffs:
+    the attacker knows the method; DP's noise it cannot replay, which the forward-model check then
+    reports), and secure aggregation runs the method's variant on the upload DP left (distributed DP: noise
+    added on each client, the server sees only the sum)."""
+
+    def __new__(cls, method: Method, config: DPConfig):
+        return super().__new__(_wrapper_class(facets_of(method)) if cls is DPMethod else cls)
 
     def __init__(self, method: Method, config: DPConfig):
         config.validate()
         check_supported(method)
         self.inner, self.dp = method, config
-        self.name = method.name
-        self.summary = method.summary + " [DP]"
-        self.persistent_groups = method.persistent_groups
-        self.communicates = method.communicates
-        self.download_reaches = method.download_reaches
-        self.plain_sgd = method.plain_sgd
-        self.dp_per_sample, self.dp_statistics = method.dp_per_sample, method.dp_statistics
-        self.paper_preset = method.paper_preset
         self._manifest = None  # the inner method's manifest, once a model was seen (withheld counts)
 
-    def dp_uncovered(self) -> str | None:
-        return self.inner.dp_uncovered()
+    def __reduce__(self):
+        # pickled (Ray ships the method to its tasks) as the call that builds it: its class is made at run time
+        return DPMethod, (self.inner, self.dp), dict(self.__dict__)
 
-    def __getattr__(self, item):
-        if item in ("inner", "__setstate__", "__getstate__"):
-            raise AttributeError(item)
-        return getattr(self.inner, item)
+    name = property(lambda self: self.inner.name)
+    summary = property(lambda self: self.inner.summary + " [DP]")
+    persistent_groups = property(lambda self: self.inner.persistent_groups)
+    communicates = property(lambda self: self.inner.communicates)
 
     @staticmethod
     def _strip(state: State) -> State:
@@ -604,17 +614,6 @@ class DPMethod(Method):
 
     def manifest(self, model):
         return self.inner.manifest(model)
-
-    # the inner method's local training, as attacks replay it (Kerckhoffs: the attacker knows the
-    # method; DP's noise it cannot replay, which the forward-model check then reports)
-    def local_phases(self, epochs: int):
-        return self.inner.local_phases(epochs)
-
-    def replay(self, model, context, images, labels, copies):
-        return self.inner.replay(model, context, images, labels, copies)
-
-    def replays(self) -> bool:
-        return self.inner.replays()
 
     def _see(self, model) -> list:
         if self._manifest is None:
@@ -646,22 +645,6 @@ class DPMethod(Method):
             uploads = [unit_counts(u, self._manifest) for u in uploads]
         return self.inner.aggregate(server, uploads, round)
 
-    # secure aggregation: the inner method's variant, on the upload DP left (distributed DP: noise added on
-    # each client, the server sees only the sum)
-    def aggregates_securely(self) -> bool:
-        return self.inner.aggregates_securely()
-
-    def secure_refusal(self) -> str | None:
-        return self.inner.secure_refusal()
-
-    def secure_summands(self, upload, max_weight, num_classes):
-        if self.dp.counts == "withheld" and count_specs(self._known_manifest())[0]:
-            upload = unit_counts(upload, self._manifest)
-        return self.inner.secure_summands(upload, max_weight, num_classes)
-
-    def secure_aggregate(self, server, total, round, max_weight):
-        return self.inner.secure_aggregate(server, total, round, max_weight)
-
     def _known_manifest(self) -> list:
         if self._manifest is None:
             raise RuntimeError("DPMethod with withheld counts aggregates before it saw a model (init_server)")
@@ -674,6 +657,54 @@ class DPMethod(Method):
         """The inner method's, plus the DP settings as flat ``dp.*`` entries (flat values stay
         hashable: attacks key batched targets by them)."""
         return {**self.inner.hyperparameters(), **{f"dp.{k}": v for k, v in asdict(self.dp).items()}}
+
+
+class _DPSecureSummation:
+    """What DP changes of ``SecureSummation``: with withheld counts every prototype a client sends weighs
+    the same in the sum (``dp_statistics.unit_counts``), as in ``DPMethod.aggregate``."""
+
+    def secure_summands(self, upload, max_weight, num_classes):
+        if self.dp.counts == "withheld" and count_specs(self._known_manifest())[0]:
+            upload = unit_counts(upload, self._manifest)
+        return self.inner.secure_summands(upload, max_weight, num_classes)
+
+
+class _DPReplay:
+    """What DP changes of ``Replay``: no closed form. Each of a method's closed-form facts solves its update
+    exactly from the data; DP-SGD clips every sample's gradient and adds noise, so none holds (an attack
+    still replays the method's own training, and its forward-model check reports the noise)."""
+
+    closed_form: tuple[str, ...] = ()
+
+
+# facet → the members DP changes of it (a class defining them); every other facet member is forwarded
+_DP_CHANGES: dict[type[Facet], type] = {SecureSummation: _DPSecureSummation, Replay: _DPReplay}
+
+
+def _forward(kind: type[Facet], name: str):
+    """The wrapper's ``name`` of facet ``kind``: a call of the wrapped method's, or for data a property
+    reading it."""
+    declared = inspect.getattr_static(kind, name, None)
+    if not inspect.isfunction(declared):
+        return property(lambda self: getattr(self.inner, name), doc=f"the wrapped method's ``{name}``")
+
+    def forward(self, *args, **kwargs):
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    forward.__name__, forward.__qualname__, forward.__doc__ = name, name, declared.__doc__
+    return forward
+
+
+@functools.cache
+def _wrapper_class(kinds: tuple[type[Facet], ...]) -> type[DPMethod]:
+    """``DPMethod`` with the facets ``kinds``: each member they declare forwarded to the wrapped method,
+    except those ``_DP_CHANGES`` holds for them."""
+    changes = tuple(dict.fromkeys(_DP_CHANGES[base] for kind in kinds for base in kind.__mro__
+                                  if base in _DP_CHANGES))
+    changed = {name for change in changes for name in vars(change) if not name.startswith("_")}
+    members = {name: _forward(kind, name) for kind in kinds for name in facet_members(kind) if name not in changed}
+    label = ", ".join(kind.__name__ for kind in kinds)
+    return type(f"DPMethod[{label}]", (DPMethod, *changes, *kinds), {"__module__": __name__, **members})
 
 
 # ---------------------------------------------------------------------------------------------

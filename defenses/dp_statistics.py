@@ -106,7 +106,7 @@ class StatisticsMechanism:
         counts; accounted (module docstring)."""
         if self.declared is None:
             raise UserError(f"DP ({self.method}): the method computed a whole-data statistic through "
-                            f"ctx.class_feature_sums but declares none (Method.dp_statistics); declare it so "
+                            f"ctx.class_feature_sums but declares none (DPCoverage.dp_statistics); declare it so "
                             f"the coverage DP reports stays true")
         feats = features(self.images).detach()
         if feats.ndim != 2 or feats.shape[0] != self.labels.shape[0]:

@@ -29,8 +29,8 @@ L2 norm of the selected Δ before/after, fraction of entries that are zero after
 ``FilterChain.log`` holds them in order. Noise is drawn from a generator seeded by
 (chain seed, round, client, filter position), so runs are reproducible.
 
-The end of the module registers the filters ``fedsec defend`` sweeps (``noise``, ``clip``, ``prune``,
-``quantize``, ``exclude``: one filter at the swept value, ``defenses.registry``).
+The end of the module defines the specs of the filters ``fedsec defend`` sweeps (``NOISE``, ``CLIP``,
+``PRUNE``, ``QUANTIZE``, ``EXCLUDE``: one filter at the swept value), which ``defenses.DEFENSES`` declares.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from fedecouple.engine import derive_seed
 from fedecouple.errors import UserError
 from fedecouple.methods.base import KINDS
 
-from .registry import DefendedRun, DefenseSpec, non_negative, number, register
+from .registry import DefendedRun, DefenseSpec, non_negative, number
 
 WEIGHT_KINDS = ("extractor", "classifier")
 
@@ -444,16 +444,16 @@ def _noise(value, run: DefendedRun) -> GaussianNoise:
     return GaussianNoise(sigma=run.lr * math.sqrt(float(value)))
 
 
-register(DefenseSpec("noise", "variance v of the noise on the gradient −Δ/lr (σ on Δ = lr·√v)", acts="upload",
-                     formal=False, parse=non_negative, build=weight_filter(_noise), report=_filtered))
-register(DefenseSpec("clip", "bound on the L2 norm of Δ", acts="upload", formal=False,
-                     parse=_bounded(lambda v: v > 0, "(a norm bound) must be positive"),
-                     build=weight_filter(lambda value, run: NormClip(float(value))), report=_filtered))
-register(DefenseSpec("prune", "percent of the entries of Δ zeroed (smallest |Δ| first)", acts="upload", formal=False,
-                     parse=_bounded(lambda v: 0 <= v <= 100, "are percentages in [0, 100]"),
-                     build=weight_filter(lambda value, run: Prune(float(value))), report=_filtered))
-register(DefenseSpec("quantize", "bits per entry of Δ (2^k levels per tensor)", acts="upload", formal=False,
-                     parse=_bounded(lambda v: 1 <= v <= 32, "are bits in 1..32", integer=True),
-                     build=weight_filter(lambda value, run: Quantize(int(value))), report=_filtered))
-register(DefenseSpec("exclude", "field kind or name pattern dropped from every upload", acts="upload", formal=False,
-                     parse=str, build=build_exclude, report=_filtered))
+NOISE = DefenseSpec("noise", "variance v of the noise on the gradient −Δ/lr (σ on Δ = lr·√v)", acts="upload",
+                    formal=False, parse=non_negative, build=weight_filter(_noise), report=_filtered)
+CLIP = DefenseSpec("clip", "bound on the L2 norm of Δ", acts="upload", formal=False,
+                   parse=_bounded(lambda v: v > 0, "(a norm bound) must be positive"),
+                   build=weight_filter(lambda value, run: NormClip(float(value))), report=_filtered)
+PRUNE = DefenseSpec("prune", "percent of the entries of Δ zeroed (smallest |Δ| first)", acts="upload", formal=False,
+                    parse=_bounded(lambda v: 0 <= v <= 100, "are percentages in [0, 100]"),
+                    build=weight_filter(lambda value, run: Prune(float(value))), report=_filtered)
+QUANTIZE = DefenseSpec("quantize", "bits per entry of Δ (2^k levels per tensor)", acts="upload", formal=False,
+                       parse=_bounded(lambda v: 1 <= v <= 32, "are bits in 1..32", integer=True),
+                       build=weight_filter(lambda value, run: Quantize(int(value))), report=_filtered)
+EXCLUDE = DefenseSpec("exclude", "field kind or name pattern dropped from every upload", acts="upload", formal=False,
+                      parse=str, build=build_exclude, report=_filtered)

@@ -9,12 +9,13 @@ run (``DefendedRun``). Where it acts decides how the sweep installs what ``build
 * ``download``: a channel interceptor on what reaches the client (the ``DownloadCheck``, the
   ``ConsistencyCheck`` under secure aggregation).
 
-Each defense registers itself in its own module; ``defenses/__init__.py`` imports the modules, in the
-order of this registry (the CLI's choices).
+Each defense's spec is bound to a name in its own module (``defenses.filters.CLIP``) and declared once in
+``defenses/__init__.py`` (``DEFENSES``), which imports the module when the defense is first used.
 """
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -65,19 +66,12 @@ class DefenseSpec:
             raise UserError(f"--values for {self.name} {exc}") from None
 
 
-DEFENSES: dict[str, DefenseSpec] = {}
-
-
 def register(spec: DefenseSpec) -> DefenseSpec:
-    DEFENSES[spec.name] = spec
+    """For a module that still builds its spec as ``register(DefenseSpec(...))`` instead of binding it to a
+    name: binds ``spec`` in the module that defines its ``build``, under its name in capitals (``dp`` →
+    ``defenses.dp:DP``), the target its declaration in ``defenses/__init__.py`` names."""
+    setattr(sys.modules[spec.build.__module__], spec.name.upper().replace("-", "_"), spec)
     return spec
-
-
-def get(name: str) -> DefenseSpec:
-    try:
-        return DEFENSES[name]
-    except KeyError:
-        raise KeyError(f"unknown defense {name!r}; choose one of: {', '.join(DEFENSES)}") from None
 
 
 # value parsers shared by the defenses (the reason of a ValueError follows "--values for NAME")

@@ -17,7 +17,7 @@ recorder then holds what such a server holds: the downloads, each client's maske
 clear: under ``clear_fields="flower"`` the client's ``sample_count`` and ``metric.*``, as Flower's
 SecAgg+ leaves its FitRes ``num_examples`` and metrics) and the round's ``AggregateRecord`` (the decoded
 sum, who took part, who dropped out, the clear fields); the method aggregates the decoded sum. A method
-that aggregates in two passes (``Method.secure_passes``) adds, per round, a ``LaterPass``: what the server
+that aggregates in two passes (``SecureTwoPass``) adds, per round, a ``LaterPass``: what the server
 sent back after the first sum, the second pass's masked uploads and its record (``Recorder.later_passes``).
 """
 from __future__ import annotations

@@ -23,6 +23,7 @@ from .data.partition import Partition
 from .devices import to_device
 from .errors import UserError
 from .methods.base import BatchRecord, ClientContext, Method, State, TrainConfig
+from .methods.facets import SecureSummation, SecureTwoPass, secure_refusal
 from .models import SplitModel, set_params
 
 
@@ -129,7 +130,7 @@ class Federation:
         self.ground_truth = ground_truth if ground_truth is not None else GroundTruth(rounds=())
         self.victim = victim
         self.backend: Backend = backend if backend is not None else SequentialBackend()
-        if self.channel.secure is not None and (refusal := method.secure_refusal()):
+        if self.channel.secure is not None and (refusal := secure_refusal(method)):
             raise UserError(refusal)
         torch.manual_seed(derive_seed(config.seed, 0xC0DE))
         self.model_spec = ModelSpec.for_data(dataset, config.arch, config.model, config.device)
@@ -245,25 +246,26 @@ class Federation:
         return rows
 
     def _aggregate_securely(self, t: int, uploads: list) -> None:
-        protocol = self.channel.secure
+        protocol, method = self.channel.secure, self.method
+        if not isinstance(method, SecureSummation):  # (refused when the federation was built)
+            raise UserError(secure_refusal(method))
         record = self.channel.aggregate_securely(
             t, self._participants, uploads,
-            lambda u: self.method.secure_summands(u, protocol.max_weight, self.dataset.num_classes))
+            lambda u: method.secure_summands(u, protocol.max_weight, self.dataset.num_classes))
         entry = {"round": t, "participants": len(record.participants), "survivors": len(record.survivors),
                  "clipped": record.clipped, "aborted": record.aborted or ""}
         if protocol.private:  # the survivors whose values distributed DP's L2 clip shortened
             entry["dp_clipped"] = record.dp_clipped
-        # a wrapper (the DP method) forwards attributes its class lacks, so the two-pass hooks are looked up
-        if record.aborted is None and getattr(self.method, "secure_passes", 1) == 2:
+        if record.aborted is None and isinstance(method, SecureTwoPass):
             entry.update(self._second_pass(t, uploads, record))
         elif record.aborted is None:
-            self.server = self.method.secure_aggregate(self.server, record.total, t, protocol.max_weight)
+            self.server = method.secure_aggregate(self.server, record.total, t, protocol.max_weight)
         self.round_log.append(entry)
 
     def _second_pass(self, t: int, uploads: list, first) -> dict:
-        """A two-pass method's second secure sum (``FedeCouple``'s eq. 16): the server sends the first
-        sum's ``secure_broadcast`` to its survivors, those that stay send ``secure_second_summands``, and
-        the method aggregates both sums. With fewer than ``secure_second_pass_minimum`` of them left, or
+        """A two-pass method's second secure sum (``SecureTwoPass``: FedeCouple's eq. 16): the server sends
+        the first sum's ``secure_broadcast`` to its survivors, those that stay send ``secure_second_summands``,
+        and the method aggregates both sums. With fewer than ``secure_second_pass_minimum`` of them left, or
         a second sum the protocol cannot unmask, the round keeps the first pass's aggregate. Returns the
         round log's entries: the survivors whose uploads are in the model, the clipping of both passes,
         and ``second_pass`` ("" when it decoded, else why not)."""

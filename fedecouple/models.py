@@ -27,7 +27,9 @@ training mode (local training, evaluation on the client's test split, and the at
 is given, and the running statistics take part in no result. DP-SGD refuses it (BatchNorm mixes the
 samples of a batch).
 
-A ``model`` of ``package.module:factory`` (``load_factory``) builds the user's own ``SplitModel``.
+The architectures are declared in ``fedecouple/architectures.py`` (``ARCHITECTURES``: name, image side,
+feature dimension), each naming its extractor builder here (``cnn32_extractor``, ...). A ``model`` of
+``package.module:factory`` (``load_factory``) builds the user's own ``SplitModel``.
 """
 from __future__ import annotations
 
@@ -40,11 +42,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .architectures import ANY_SIZE, ARCHITECTURES, MIN_SIDE
 from .errors import UserError
 
 GROUPS = ("extractor", "classifier")
-ARCHITECTURES = ("cnn32", "cnn28", "cnn28-same", "pfllib-cnn", "digits", "mlp", "mlp-relu", "resnet18", "resnet18-bn",
-                 "resnet50")
 
 
 class Normalize(nn.Module):
@@ -83,7 +84,7 @@ class SplitModel(nn.Module):
         return self.classifier(self.features(x))
 
 
-def _cnn32(channels: int) -> nn.Sequential:
+def cnn32_extractor(channels: int) -> nn.Sequential:
     act = lambda: nn.LeakyReLU(0.01)  # noqa: E731
     return nn.Sequential(OrderedDict([
         ("conv1", nn.Conv2d(channels, 16, 5)), ("act1", act()), ("pool1", nn.MaxPool2d(2)),
@@ -94,7 +95,7 @@ def _cnn32(channels: int) -> nn.Sequential:
     ]))
 
 
-def _cnn28(channels: int, padding: int = 0) -> nn.Sequential:
+def cnn28_extractor(channels: int, padding: int = 0) -> nn.Sequential:
     act = lambda: nn.LeakyReLU(0.01)  # noqa: E731
     side = ((28 + 2 * padding - 4) // 2 + 2 * padding - 4) // 2  # 4 without padding, 7 with "same" padding
     return nn.Sequential(OrderedDict([
@@ -105,11 +106,11 @@ def _cnn28(channels: int, padding: int = 0) -> nn.Sequential:
     ]))
 
 
-def _cnn28_same(channels: int) -> nn.Sequential:
-    return _cnn28(channels, padding=2)
+def cnn28_same_extractor(channels: int) -> nn.Sequential:
+    return cnn28_extractor(channels, padding=2)
 
 
-def _pfllib_cnn(channels: int) -> nn.Sequential:
+def pfllib_cnn_extractor(channels: int) -> nn.Sequential:
     """PFLlib's ``FedAvgCNN`` for 28x28 images (the model its baselines run): conv 32 and conv 64, 5x5,
     no padding, each ReLU + max-pool, then FC 1024 → 512 (ReLU); the classifier is its ``fc``."""
     return nn.Sequential(OrderedDict([
@@ -120,7 +121,7 @@ def _pfllib_cnn(channels: int) -> nn.Sequential:
     ]))
 
 
-def _digits(channels: int) -> nn.Sequential:
+def digits_extractor(channels: int) -> nn.Sequential:
     act = lambda: nn.LeakyReLU(0.01)  # noqa: E731
     return nn.Sequential(OrderedDict([
         ("conv1", nn.Conv2d(channels, 16, 3, padding=1)), ("act1", act()), ("pool1", nn.MaxPool2d(2)),
@@ -129,7 +130,7 @@ def _digits(channels: int) -> nn.Sequential:
     ]))
 
 
-def _mlp(channels: int, act=lambda: nn.LeakyReLU(0.01)) -> nn.Sequential:
+def mlp_extractor(channels: int, act=lambda: nn.LeakyReLU(0.01)) -> nn.Sequential:
     """Fully connected, for 28x28 images: FC 784 → 256 → 128, each LeakyReLU (``act`` builds the
     activation). Its first layer sees the (normalised) pixels, so a malicious server that reads that
     layer's inputs has the image."""
@@ -139,10 +140,10 @@ def _mlp(channels: int, act=lambda: nn.LeakyReLU(0.01)) -> nn.Sequential:
     ]))
 
 
-def _mlp_relu(channels: int) -> nn.Sequential:
+def mlp_relu_extractor(channels: int) -> nn.Sequential:
     """``mlp`` with ReLU: the loss gradient at each hidden unit is exactly zero where the unit is off,
     the sparsity exact batch recovery from a linear layer's update needs (``attacks.inversion.spear``)."""
-    return _mlp(channels, nn.ReLU)
+    return mlp_extractor(channels, nn.ReLU)
 
 
 def _group_norm(channels: int) -> nn.GroupNorm:
@@ -161,27 +162,16 @@ def _small_image_resnet(block: str, channels: int, norm_layer) -> nn.Module:
     return net
 
 
-def _resnet18(channels: int) -> nn.Module:
+def resnet18_extractor(channels: int) -> nn.Module:
     return _small_image_resnet("resnet18", channels, _group_norm)
 
 
-def _resnet18_bn(channels: int) -> nn.Module:
+def resnet18_bn_extractor(channels: int) -> nn.Module:
     return _small_image_resnet("resnet18", channels, nn.BatchNorm2d)
 
 
-def _resnet50(channels: int) -> nn.Module:
+def resnet50_extractor(channels: int) -> nn.Module:
     return _small_image_resnet("resnet50", channels, _group_norm)
-
-
-ANY_SIZE = None  # an architecture that takes every image side from MIN_SIDE up (never a size's default)
-MIN_SIDE = 8
-# name → (builder of the extractor for C channels, image side it takes, feature dimension);
-# the first entry of each image size is that size's default
-_BUILDERS = {"cnn32": (_cnn32, 32, 128), "cnn28": (_cnn28, 28, 128), "cnn28-same": (_cnn28_same, 28, 128),
-             "pfllib-cnn": (_pfllib_cnn, 28, 512), "digits": (_digits, 8, 64), "mlp": (_mlp, 28, 128),
-             "mlp-relu": (_mlp_relu, 28, 128),
-             "resnet18": (_resnet18, ANY_SIZE, 512), "resnet18-bn": (_resnet18_bn, ANY_SIZE, 512),
-             "resnet50": (_resnet50, ANY_SIZE, 2048)}
 
 
 def _takes(size: int | None, image_size: int) -> bool:
@@ -189,19 +179,23 @@ def _takes(size: int | None, image_size: int) -> bool:
 
 
 def default_architecture(channels: int, image_size: int) -> str:
-    for name, (_, size, _) in _BUILDERS.items():
+    """The first declared architecture made for ``image_size`` images (``fedecouple.architectures``)."""
+    sizes = ARCHITECTURES.fact("image_size")
+    for name, size in sizes.items():
         if size == image_size:
             return name
-    raise UserError(f"no model for {channels}x{image_size}x{image_size} images; supported sizes: 32, 28, 8")
+    supported = ", ".join(str(s) for s in dict.fromkeys(sizes.values()) if s is not ANY_SIZE)
+    raise UserError(f"no model for {channels}x{image_size}x{image_size} images; supported sizes: {supported}")
 
 
 def check_architecture(arch: str, image_size: int) -> None:
     """A one-line UserError unless ``arch`` exists and takes ``image_size`` images."""
-    if arch not in _BUILDERS:
+    if arch not in ARCHITECTURES:
         raise UserError(f"unknown model {arch!r}; choose one of: {', '.join(ARCHITECTURES)}")
-    size = _BUILDERS[arch][1]
+    sizes = ARCHITECTURES.fact("image_size")
+    size = sizes[arch]
     if not _takes(size, image_size):
-        fits = " or ".join(a for a, (_, s, _) in _BUILDERS.items() if _takes(s, image_size)) or "none"
+        fits = " or ".join(a for a, s in sizes.items() if _takes(s, image_size)) or "none"
         expects = f"at least {MIN_SIDE}x{MIN_SIDE}" if size is ANY_SIZE else f"{size}x{size}"
         raise UserError(f"model {arch} expects {expects} images, the data set has {image_size}x{image_size}; "
                         f"use arch {fits}, or omit arch", fields=("arch",))
@@ -209,8 +203,8 @@ def check_architecture(arch: str, image_size: int) -> None:
 
 def build_model(arch: str, channels: int, image_size: int, num_classes: int, mean, std) -> SplitModel:
     check_architecture(arch, image_size)
-    builder, _, feat = _BUILDERS[arch]
-    return SplitModel(builder(channels), nn.Linear(feat, num_classes), mean, std, arch)
+    extractor = ARCHITECTURES[arch](channels)
+    return SplitModel(extractor, nn.Linear(ARCHITECTURES.facts(arch)["features"], num_classes), mean, std, arch)
 
 
 MODEL_HOW = "a function of no arguments returning a fedecouple.models.SplitModel at its initial weights"

@@ -11,7 +11,7 @@ client ``secaggplus_mod`` (``flwr/client/mod/secure_aggregation/secaggplus_mod.p
    threshold t (``SecureAggregation.shares``), shuffles the participants onto a ring (seeded here) and
    gives each the s // 2 nearest on both sides. A client masks with its neighbours and splits its
    secrets into shares held by them and itself.
-2. Each client turns what its method lets the server sum (``Method.secure_summands``) into one
+2. Each client turns what its method lets the server sum (``SecureSummation.secure_summands``) into one
    vector. A summand named ``sample_count`` is the client's weight w = n / max_weight, by which the
    others are weighted (``weighted_summands``); it travels as Flower's weight factor
    round(w · quantization_range), exactly, outside the clipping range, and the other values are
@@ -31,7 +31,7 @@ client ``secaggplus_mod`` (``flwr/client/mod/secure_aggregation/secaggplus_mod.p
    Otherwise the pairwise masks between survivors cancel, and the survivors' self masks and their
    pairwise masks with dropped neighbours are removed with the seeds the shares let the server rebuild.
 
-A method whose aggregate needs more than one sum (FedeCouple's eq. 16: ``Method.secure_passes``) runs a
+A method whose aggregate needs more than one sum (FedeCouple's eq. 16: a ``SecureTwoPass``) runs a
 later pass as a fresh instance of the protocol among the previous pass's survivors (``for_pass``): a new
 key agreement, so new neighbourhoods and masks; a mask used twice would let the server subtract a
 client's two masked uploads and read the difference of its two vectors.
@@ -70,8 +70,7 @@ import numpy as np
 import torch
 
 from .errors import UserError
-
-CLEAR_FIELDS = ("flower", "hidden")  # what travels unmasked beside a masked upload: Flower's FitRes fields, or nothing
+from .secure_defaults import CLEAR_FIELDS, DEFAULTS
 WEIGHT = "sample_count"  # the summand that is the client's weight n / max_weight (``weighted_summands``)
 METRIC_PREFIX = "metric."  # a training metric sent in the clear, as ``fedsec.flower`` names FitRes metrics
 
@@ -110,17 +109,18 @@ class SecureAggregation:
     value vector is clipped to first, required with noise; ``dp_delta``, the δ at which the run's ε is
     reported (the noise does not depend on it once μ is given)."""
 
-    clipping_range: float = 8.0
-    quantization_range: int = 2 ** 22
-    modulus: int = 2 ** 32
-    num_shares: int | float = 1.0
-    reconstruction_threshold: int | float = 0.5
-    max_weight: float = 1000.0
+    # the defaults are ``fedecouple.secure_defaults.DEFAULTS`` (read by the command line without torch)
+    clipping_range: float = DEFAULTS["clipping_range"]
+    quantization_range: int = DEFAULTS["quantization_range"]
+    modulus: int = DEFAULTS["modulus"]
+    num_shares: int | float = DEFAULTS["num_shares"]
+    reconstruction_threshold: int | float = DEFAULTS["reconstruction_threshold"]
+    max_weight: float = DEFAULTS["max_weight"]
     seed: int = 0
-    clear_fields: str = "flower"
-    dp_noise: float = 0.0
-    dp_l2_clip: float | None = None
-    dp_delta: float = 1e-5
+    clear_fields: str = DEFAULTS["clear_fields"]
+    dp_noise: float = DEFAULTS["dp_noise"]
+    dp_l2_clip: float | None = DEFAULTS["dp_l2_clip"]
+    dp_delta: float = DEFAULTS["dp_delta"]
 
     def __post_init__(self) -> None:
         shares = _count_or_fraction(self.num_shares, "num_shares")
@@ -287,7 +287,7 @@ class AggregateRecord:
 
     ``participants``: the clients that joined the round's key agreement; ``survivors``: those whose
     masked upload arrived and is in the sum; ``dropped``: the others. ``total``: the decoded sum of the
-    survivors' summands (``Method.secure_summands``), each value within ``len(survivors) * quantum`` of
+    survivors' summands (``SecureSummation.secure_summands``), each value within ``len(survivors) * quantum`` of
     the sum of what they sent (their weighted values at Flower's rounded weights, ``with_flower_weight``);
     empty when ``aborted`` says why the round could not be unmasked. ``clipped``: values beyond the
     clipping range, summed over the survivors (counted client-side and reported; they were clipped before

@@ -5,8 +5,8 @@
     r.mean_psnr, r.rows.head(), r.reconstructions.shape
 
 Each function takes the flags of its command as keywords (``--attack-rounds`` is ``attack_rounds``),
-parsed and checked by the very parameters the command line uses (``fedsec.commands``), so a bad value
-is the same one-line ``fedecouple.errors.UserError``, naming keywords where the command line names flags
+converted and checked by the types of the very flags the command line declares (``fedsec.keywords``; no
+command line is parsed), so a bad value is the same one-line ``fedecouple.errors.UserError``, naming keywords where the command line names flags
 (``fedsec.field_names``). Keywords left out take the flag's default;
 ``config="run/config.toml"`` reads settings from a file (keywords override it). Two keywords are the
 API's own: ``out=None`` (the default) keeps everything in memory and writes no file (report, defend,
@@ -29,14 +29,12 @@ Everything else (``fedsec.*`` modules, ``attacks``, ``fedecouple``) may change b
 """
 from __future__ import annotations
 
-import click
-
 from fedecouple.errors import UserError
 
 from . import field_names
 from .bodies import BODIES
-from .commands import command_of
 from .invocation import Shell
+from .keywords import request
 from .results import (AttackResult, AuditResult, CompareResult, DefendResult, MiaResult, ReportResult, Result,
                       TrainResult)
 
@@ -85,9 +83,8 @@ def compare(*, progress: bool = True, **options) -> CompareResult:
 
 
 def _call(name: str, options: dict, progress: bool):
-    """Parse ``options`` through the command's own parameters (as a config file's settings are: each
-    converted and checked, and counted as given), then run the command's body. An engine error names
-    the keywords that set its fields."""
+    """``options`` as the command's ``Request`` (each converted and checked, and counted as given), then
+    the command's body. An engine error names the keywords that set its fields."""
     try:
         return _run(name, options, progress)
     except UserError as exc:
@@ -98,16 +95,4 @@ def _call(name: str, options: dict, progress: bool):
 
 
 def _run(name: str, options: dict, progress: bool):
-    command = command_of(name)
-    params = {p.name for p in command.params if p.name}
-    unknown = sorted(set(options) - params)
-    if unknown:
-        shown = ", ".join(sorted(p.name for p in command.params if p.name and not getattr(p, "hidden", False)))
-        raise UserError(f"fedsec.{name}() has no keyword {', '.join(unknown)}; its keywords (the flags of "
-                        f"`fedsec {name}`): {shown}")
-    given = {k: v for k, v in options.items() if not (k == "config" and v is None)}
-    try:
-        ctx = command.make_context(f"fedsec {name}", [], default_map=given)
-    except click.exceptions.ClickException as exc:
-        raise UserError(exc.format_message()) from None
-    return BODIES[name](ctx, Shell(cli=False, progress=progress))
+    return BODIES[name](request(name, options), Shell(cli=False, progress=progress))

@@ -1,6 +1,6 @@
-"""The commands' bodies, shared by the command line and the Python API (``fedsec.api``): each takes the
-parsed context of its command (``fedsec.commands``) and a ``Shell`` (who called, ``fedsec.invocation``),
-checks its output folder (``fedsec.resumable``: refused when it holds another configuration, read back
+"""The commands' bodies, shared by the command line and the Python API (``fedsec.api``): each takes a
+``Request`` (its command's settings, converted and checked) and a ``Shell`` (who called; both in
+``fedsec.invocation``), checks its output folder (``fedsec.resumable``: refused when it holds another configuration, read back
 when it holds this one's finished results), runs the job behind the command (``fedsec.jobs``) and
 returns a result (``fedsec.results``); ``run_command`` is the command line's entry into them.
 Heavy modules are imported here, inside the functions, so ``fedsec --help`` never loads torch."""
@@ -13,7 +13,7 @@ import click
 
 from fedecouple.errors import UserError
 
-from .invocation import Shell, explicit, federation, forget_if_forced, identity, workspace
+from .invocation import Request, Shell, federation, forget_if_forced, identity, workspace
 from .options import THREAT_MODEL, deprecated, iterations_for
 from .results import (AttackResult, AuditResult, CompareResult, DefendResult, MiaResult, ReportResult,
                       TrainResult)
@@ -25,14 +25,14 @@ def _csv(path: Path):
     return pd.read_csv(path) if path.is_file() else None
 
 
-def _finish(ctx: click.Context, out: Path | None, command: str, resolved: dict, folder=None) -> None:
+def _finish(request: Request, out: Path | None, command: str, resolved: dict, folder=None) -> None:
     """Write the run's config.toml (``command``: its name, e.g. ``flower attack``), then (last: the results
     are complete) its folder's record."""
     if out is None:
         return
     from .config_file import write_config
 
-    order = [p.name for p in ctx.command.params]  # the file lists the settings in the help's order
+    order = request.order  # the file lists the settings in the help's order
     write_config(out, command, {k: resolved[k] for k in sorted(resolved, key=lambda k: (k not in order,
                                                                                        k in order and order.index(k)))})
     if folder is not None:
@@ -43,17 +43,17 @@ def _finish(ctx: click.Context, out: Path | None, command: str, resolved: dict, 
 # train
 
 
-def train_body(ctx: click.Context, shell: Shell) -> TrainResult:
+def train_body(request: Request, shell: Shell) -> TrainResult:
     from . import console  # here, not at the top: keeps the console's import cost with the run, not the help
     from .resumable import TrainRun, differences, refuse
     from .runner import load_run_config, prepare, train as run_train
 
-    p = ctx.params
+    p = request.params
     if p["resume"] is not None:
         config, out, resolved = load_run_config(p["resume"]), Path(p["resume"]), None
         status = "partial"
     else:
-        config, resolved = federation(ctx, p)
+        config, resolved = federation(request, p)
         out = shell.out(p["out"], lambda: f"runs/train-{config.method}")
         status = "new"
         if out is not None:
@@ -77,7 +77,7 @@ def train_body(ctx: click.Context, shell: Shell) -> TrainResult:
 
     rows = pd.DataFrame(metrics, columns=["round", "client", "accuracy", "loss"])
     if resolved is not None:
-        _finish(ctx, out, "train", resolved)
+        _finish(request, out, "train", resolved)
     return TrainResult(summary, rows, out, [_train_line(config, summary, out),
                                             *console.train_protocol_lines(summary, out)])
 
@@ -114,7 +114,7 @@ def _train_line(config, summary: dict, out) -> str:
 # attack
 
 
-def attack_settings(ctx: click.Context, p: dict):
+def attack_settings(request: Request, p: dict):
     """(RunConfig, AttackSettings, resolved flags) of ``fedsec attack``: the audit preset's plan under
     the given flags."""
     import attacks
@@ -127,8 +127,8 @@ def attack_settings(ctx: click.Context, p: dict):
     plan = {"attack_rounds": attack_rounds, "targets": p["targets"], "iterations": iterations_for(p["iterations"], attack),
             "restarts": p["restarts"], "victim_batch": p["victim_batch"]}
     if p["preset"] == "audit":
-        plan = presets.attack_plan(attack, plan, lambda name: explicit(ctx, name), train_images=p["train_images"])
-    config, resolved = federation(ctx, p)
+        plan = presets.attack_plan(attack, plan, request.explicit, train_images=p["train_images"])
+    config, resolved = federation(request, p)
     settings = AttackSettings(attack=attack, rounds=tuple(parse_rounds(plan["attack_rounds"])), targets=plan["targets"],
                               iterations=plan["iterations"], restarts=plan["restarts"], images=p["images"],
                               victim_batch=plan["victim_batch"], victim_steps=p["victim_steps"], seed=p["attack_seed"],
@@ -143,14 +143,14 @@ def attack_settings(ctx: click.Context, p: dict):
     return config, settings, resolved
 
 
-def attack_body(ctx: click.Context, shell: Shell) -> AttackResult:
+def attack_body(request: Request, shell: Shell) -> AttackResult:
     from . import console
-    from .jobs.attack import default_out, keep_outcomes, run_attack
+    from .jobs.attack import default_out, run_attack
     from .resumable import RunFolder
     from .runner import shared_datasets
 
-    p = ctx.params
-    config, settings, resolved = attack_settings(ctx, p)
+    p = request.params
+    config, settings, resolved = attack_settings(request, p)
     out = shell.out(p["out"], lambda: default_out(settings.attack, config.method))
     folder = None if out is None else RunFolder(out, identity(resolved), required=("attack.csv", "summary.json"))
     if folder is not None and folder.claim(p["force"]) == "done":
@@ -158,10 +158,11 @@ def attack_body(ctx: click.Context, shell: Shell) -> AttackResult:
         return AttackResult(summary, _csv(out / "attack.csv"), out,
                             [*console.attack_lines(summary, out), "  (finished earlier with this configuration: "
                                                                   "read back; --force recomputes it)"])
-    with shared_datasets(), keep_outcomes() as outcomes:  # the estimate and the attack read the data set once
+    outcomes: list = []
+    with shared_datasets():  # the estimate and the attack read the data set once
         shell.echo(f"estimated time: {attack_estimate(config, settings)} (fedsec.estimate)")
-        summary = run_attack(config, settings, out=out, progress=shell.progress)
-    _finish(ctx, out, "attack", resolved, folder)
+        summary = run_attack(config, settings, out=out, progress=shell.progress, outcomes=outcomes)
+    _finish(request, out, "attack", resolved, folder)
     return attack_result(summary, outcomes, out)
 
 
@@ -197,13 +198,13 @@ def attack_result(summary: dict, outcomes: list, out: Path | None, prefix: str =
 # audit
 
 
-def audit_body(ctx: click.Context, shell: Shell) -> AuditResult:
+def audit_body(request: Request, shell: Shell) -> AuditResult:
     from . import console
     from .jobs.audit import run_audit
     from .resumable import RunFolder
 
-    p = ctx.params
-    config, resolved = federation(ctx, p)
+    p = request.params
+    config, resolved = federation(request, p)
     out = shell.out(p["out"], lambda: f"runs/audit-{config.method}")
     folder = None if out is None else RunFolder(out, identity(resolved), required=("audit.csv", "summary.json",
                                                                                     "findings.json"))
@@ -220,7 +221,7 @@ def audit_body(ctx: click.Context, shell: Shell) -> AuditResult:
     prepare(config)  # bad input fails before anything is written
     result = run_audit(config, out, evidence=p["evidence"], evidence_iterations=p["evidence_iterations"],
                        progress=shell.progress)
-    _finish(ctx, out, "audit", resolved, folder)
+    _finish(request, out, "audit", resolved, folder)
     return AuditResult(result["summary"], result.get("rows"), out, console.audit_lines(config.method, result, out),
                        result["findings"])
 
@@ -229,39 +230,39 @@ def audit_body(ctx: click.Context, shell: Shell) -> AuditResult:
 # compare, report, defend, mia: commands of many stages, each with its own resumable stages
 
 
-def compare_body(ctx: click.Context, shell: Shell) -> CompareResult:
+def compare_body(request: Request, shell: Shell) -> CompareResult:
     from .jobs.compare import compare as run_compare, parse_methods, parse_seeds
 
-    p = dict(ctx.params)
+    p = dict(request.params)
     for flag in ("method", "seed"):
-        if explicit(ctx, flag):
+        if request.explicit(flag):
             raise UserError(f"compare takes --{flag}s, not --{flag}")
     method_list, seed_list = parse_methods(p["methods"]), parse_seeds(p["seeds"])
     p["method"] = None  # set per run; also keeps --preset's FedeCouple values (= its defaults) from other methods
-    base, resolved = federation(ctx, p)
+    base, resolved = federation(request, p)
     out = shell.out(p["out"], lambda: "runs/compare")
     forget_if_forced(out, p["force"])
     with workspace(out) as folder:
         frame = run_compare(base, method_list, seed_list, folder, progress=shell.progress)
         markdown = (folder / "accuracy.md").read_text(encoding="utf-8").rstrip()
-        _finish(ctx, out, "compare", {**resolved, "method": None, "seed": None})
+        _finish(request, out, "compare", {**resolved, "method": None, "seed": None})
     where = [f"{len(frame)} runs → {out}/accuracy.csv, {out}/accuracy.md"] if out else [f"{len(frame)} runs"]
     return CompareResult({"runs": len(frame)}, frame, out, [markdown, *where])
 
 
-def report_body(ctx: click.Context, shell: Shell) -> ReportResult:
+def report_body(request: Request, shell: Shell) -> ReportResult:
     from . import console
     from .jobs import report as rep
 
-    p = dict(ctx.params)
-    if explicit(ctx, "method"):
+    p = dict(request.params)
+    if request.explicit("method"):
         raise UserError("report takes --methods, not --method")
     from . import presets
 
-    method_list = rep.parse_methods(presets.report_methods(p["preset"], p["methods"], lambda n: explicit(ctx, n)))
-    attack_list, settings = report_settings(ctx, p)
+    method_list = rep.parse_methods(presets.report_methods(p["preset"], p["methods"], request.explicit))
+    attack_list, settings = report_settings(request, p)
     p["method"] = None  # set per method; keeps --preset's FedeCouple values from other methods
-    base, resolved = federation(ctx, p)
+    base, resolved = federation(request, p)
     mia_settings = None
     if p["mia"]:
         from .jobs.mia import MiaSettings
@@ -275,7 +276,7 @@ def report_body(ctx: click.Context, shell: Shell) -> ReportResult:
                                   command=console.command_line("report") if shell.cli else None, mia=mia_settings,
                                   jobs=jobs, progress=shell.progress)
         rows, table = _csv(folder / "results.csv"), _csv(folder / "summary.csv")
-        _finish(ctx, out, "report", {**resolved, "method": None})
+        _finish(request, out, "report", {**resolved, "method": None})
     lines = [rep.headline_markdown(result["summary"], result["cells"], method_list)]
     if out is not None:
         lines.append(f"→ {out / 'report.html'}, {out / 'report.md'}, {out / 'summary.csv'}, {out / 'results.csv'}"
@@ -284,7 +285,7 @@ def report_body(ctx: click.Context, shell: Shell) -> ReportResult:
     return ReportResult({"methods": method_list, "cells": result["cells"]}, rows, out, lines, table, result["failed"])
 
 
-def report_settings(ctx: click.Context, p: dict):
+def report_settings(request: Request, p: dict):
     """(attacks, ``ReportSettings``): the flags (and ``--preset audit``'s plan under them), with the
     restarts, the victim batch and the forward model applied to every attack."""
     from dataclasses import replace
@@ -294,7 +295,7 @@ def report_settings(ctx: click.Context, p: dict):
     iterations = p["iterations"]
     attack_list, settings = presets.report_plan(p["preset"], p["attacks"], p["attack_rounds"] or "0", p["targets"],
                                                 None if iterations is None else str(iterations),
-                                                lambda name: explicit(ctx, name), p["malicious_sizes"],
+                                                request.explicit, p["malicious_sizes"],
                                                 p["real_sizes"])
     if p["restarts"] is not None:
         settings = replace(settings, restarts=p["restarts"])
@@ -304,14 +305,14 @@ def report_settings(ctx: click.Context, p: dict):
     return attack_list, replace(settings, mode=p["mode"])
 
 
-def defend_body(ctx: click.Context, shell: Shell) -> DefendResult:
+def defend_body(request: Request, shell: Shell) -> DefendResult:
     from reports.tradeoff import value_line
 
     from . import console
     from .jobs.defend import DefendSettings, defend as run_defend
 
-    p = ctx.params
-    config, resolved = federation(ctx, p)
+    p = request.params
+    config, resolved = federation(request, p)
     settings = DefendSettings(defense=p["defense"], values=p["values"], attacks=p["attacks"], baseline=p["baseline"],
                               max_grad_norm=p["max_grad_norm"], delta=p["delta"], accountant=p["accountant"],
                               targets=p["targets"], iterations=p["iterations"], victim_batch=p["victim_batch"] or 1,
@@ -325,26 +326,26 @@ def defend_body(ctx: click.Context, shell: Shell) -> DefendResult:
         frame = run_defend(config, settings, folder, progress=shell.progress,
                            on_value=lambda row: (shell.echo if not shell.cli else click.echo)("  " + value_line(row)),
                            command=console.command_line("defend") if shell.cli else None)
-        _finish(ctx, out, "defend", resolved)
+        _finish(request, out, "defend", resolved)
     if out is not None:
         lines.append(f"{len(frame)} values → {out}/tradeoff.csv, {out}/tradeoff.md, {out}/tradeoff.png")
     return DefendResult({"values": len(frame)}, frame, out, lines)
 
 
-def mia_body(ctx: click.Context, shell: Shell) -> MiaResult:
+def mia_body(request: Request, shell: Shell) -> MiaResult:
     from . import console
     from .jobs.mia import MiaSettings, parse_attacks, parse_offline_a, run_mia
 
-    p = ctx.params
+    p = request.params
     settings = MiaSettings(attacks=parse_attacks(p["attacks"]), reference_runs=p["reference_runs"], gamma=p["gamma"],
                            temperature=p["temperature"], offline_a=parse_offline_a(p["offline_a"]), dp_noise=p["dp"],
                            max_grad_norm=p["max_grad_norm"], stat_noise_multiplier=p["stat_noise_multiplier"],
                            stat_clip=p["stat_clip"], counts=p["counts"], delta=p["delta"], bootstrap=p["bootstrap"],
                            exposed=p["exposed"])
-    if p["offline_a"].strip().lower() == "tune" and p["reference_runs"] < 4 and explicit(ctx, "offline_a"):
+    if p["offline_a"].strip().lower() == "tune" and p["reference_runs"] < 4 and request.explicit("offline_a"):
         raise UserError("--offline-a tune needs --reference-runs >= 4 (a reference pair plus another pair); "
                         "give a number instead, e.g. --offline-a 0.3")
-    config, resolved = federation(ctx, p)
+    config, resolved = federation(request, p)
     out = shell.out(p["out"], lambda: f"runs/mia-{config.method}")
     forget_if_forced(out, p["force"])
     with workspace(out) as folder:
@@ -352,7 +353,7 @@ def mia_body(ctx: click.Context, shell: Shell) -> MiaResult:
                           echo=shell.echo if not shell.cli else click.echo,
                           command=console.command_line("mia") if shell.cli else None)
         rows = _csv(folder / "mia.csv")
-        _finish(ctx, out, "mia", resolved)
+        _finish(request, out, "mia", resolved)
     return MiaResult(summary, rows, out, console.mia_lines(config.method, summary, out) if out else [])
 
 
@@ -360,16 +361,16 @@ def mia_body(ctx: click.Context, shell: Shell) -> MiaResult:
 # flower attack, flower audit
 
 
-def flower_attack_body(ctx: click.Context, shell: Shell) -> AttackResult:
+def flower_attack_body(request: Request, shell: Shell) -> AttackResult:
     from .flower import require_flwr
     from .resumable import RunFolder
 
-    p = dict(ctx.params)
+    p = dict(request.params)
     attack, app_dir = _flower_positionals(p)
     require_flwr()
     from .flower.app import parse_run_config
     from .flower.harness import attack_app, default_out
-    from .jobs.attack import AttackSettings, keep_outcomes, parse_rounds
+    from .jobs.attack import AttackSettings, parse_rounds
 
     import attacks
 
@@ -393,11 +394,11 @@ def flower_attack_body(ctx: click.Context, shell: Shell) -> AttackResult:
         return AttackResult(summary, _csv(out / "attack.csv"), out,
                             console.attack_lines(summary, out, prefix=f"{summary['run']}: ") + ["  (finished earlier "
                                                                                                 "with this configuration: read back)"])
-    with keep_outcomes() as outcomes:
-        summary = attack_app(app_dir, settings, nodes=p["nodes"], run_config=parse_run_config(p["run_config"]),
-                             out=out, ray_cpus=p["ray_cpus"], quiet=not p["flower_log"], device=p["device"],
-                             progress=shell.progress)
-    _finish(ctx, out, "flower attack", resolved, folder)
+    outcomes: list = []
+    summary = attack_app(app_dir, settings, nodes=p["nodes"], run_config=parse_run_config(p["run_config"]),
+                         out=out, ray_cpus=p["ray_cpus"], quiet=not p["flower_log"], device=p["device"],
+                         progress=shell.progress, outcomes=outcomes)
+    _finish(request, out, "flower attack", resolved, folder)
     return attack_result(summary, outcomes, out, prefix=f"{summary['run']}: ")
 
 
@@ -419,11 +420,11 @@ def _flower_positionals(p: dict) -> tuple[str, str]:
     return ATTACK.convert(attack, None, None), app_dir
 
 
-def flower_audit_body(ctx: click.Context, shell: Shell) -> AuditResult:
+def flower_audit_body(request: Request, shell: Shell) -> AuditResult:
     from .flower import require_flwr
     from .resumable import RunFolder
 
-    p = ctx.params
+    p = request.params
     require_flwr()
     from . import console
     from .flower.app import parse_run_config
@@ -442,7 +443,7 @@ def flower_audit_body(ctx: click.Context, shell: Shell) -> AuditResult:
                            rounds=p["rounds"], evidence=p["evidence"], evidence_iterations=p["evidence_iterations"],
                            out=out, ray_cpus=p["ray_cpus"], threads=p["threads"], quiet=not p["flower_log"],
                            device=p["device"], progress=shell.progress)
-        _finish(ctx, out, "flower audit", resolved, folder)
+        _finish(request, out, "flower audit", resolved, folder)
     name = f"{result['summary']['run']} ({result['summary']['method']})"
     return AuditResult(result["summary"], result.get("rows", _csv(out / "audit.csv") if out else None), out,
                        console.audit_lines(name, result, out), result["findings"])
@@ -454,10 +455,10 @@ BODIES = {"train": train_body, "compare": compare_body, "attack": attack_body, "
 
 
 def run_command(ctx: click.Context) -> None:
-    """The command line's entry into a command's body: run it, print what it says."""
-    name = ctx.command.name if ctx.parent is None or ctx.parent.command.name != "flower" else \
-        f"flower {ctx.command.name}"
-    result = BODIES[name](ctx, Shell(cli=True, progress=True))
+    """The command line's entry into a command's body: its parsed flags as a ``Request``; run it, print what
+    it says."""
+    request = Request.of_click(ctx)
+    result = BODIES[request.command](request, Shell(cli=True, progress=True))
     for line in result.lines:
         click.echo(line)
     if isinstance(result, ReportResult) and result.failed:

@@ -16,7 +16,7 @@ from .flower_commands import flower  # the group imports Flower only when a comm
 from .invocation import SECURE_DP
 from .options import (ATTACK, ATTACK_ROUNDS, ATTACK_SEED, COUNT, EVIDENCE, EVIDENCE_ITERATIONS, IMAGES, ITERATIONS,
                       MODE_OPTION, NON_NEGATIVE, POSITIVE, RESTARTS, SEED, TARGETS, VICTIM_BATCH, VICTIM_STEPS,
-                      AttackListCommand, CountOrFraction, Number,
+                      AttackListCommand, CountOrFraction, DeclaredChoice, Number,
                       device_option, hide, run_options, threat_model_options)
 
 
@@ -82,7 +82,7 @@ def train_options(func):
         click.option("--method", default="fedecouple", show_default=True,
                      help=f"Federated method: {', '.join(catalog.METHODS)}."),
         click.option("--dataset", default="mnist5k", show_default=True,
-                     help=f"Data set: {', '.join(catalog.DATASETS)}. {' and '.join(catalog.EMBEDDED_DATASETS)} are "
+                     help=f"Data set: {', '.join(catalog.DATASETS)}. {', '.join(catalog.EMBEDDED_DATASETS)} are "
                           "embedded; the others are read from --data-dir."),
         click.option("--data-dir", type=click.Path(file_okay=False), default=None,
                      help="Folder holding a local copy of an on-disk data set (torchvision layout; CINIC-10: train/ valid/ test/)."),
@@ -376,7 +376,7 @@ def report(ctx, **_):
 
 @cli.command(short_help="Measure what a defense costs (accuracy, epsilon) and buys (attack success).")
 @train_options
-@click.option("--defense", type=click.Choice(catalog.DEFENSES), required=True,
+@click.option("--defense", type=DeclaredChoice(lambda: catalog.DEFENSES), required=True,
               help="dp: DP-SGD (Opacus) in every client's local training and a Gaussian mechanism for its "
                    "whole-data statistics; download-check: every client tests each download and refuses a crafted "
                    "one (use --attacks trap); consistency-check: under --secure-aggregation every client compares a digest of "

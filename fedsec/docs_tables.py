@@ -72,8 +72,8 @@ ARGUMENT_HELP = {"attack": "The attack to run (`fedsec attack --help` lists them
 
 
 def _help_words(param: click.Parameter) -> str:
-    """The flag's help as a table cell: ``{defaults}`` filled from the catalog's static table (never a
-    registry an earlier import extended), Markdown's special characters escaped."""
+    """The flag's help as a table cell: ``{defaults}`` filled from the declared attacks (the docs are
+    generated in a fresh process: only the built-in ones), Markdown's special characters escaped."""
     text = " ".join((getattr(param, "help", None) or ARGUMENT_HELP.get(param.name, "")).split())
     if "](" in text:
         return text  # already Markdown

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fedecouple.methods import METHODS
+
 # reference: mnist5k, pathological K=3, 20 clients (~187 training images each), 1 local epoch
 REFERENCE_IMAGES = 187
-# seconds per client per round of training (the local update and the driver's evaluation)
-ROUND_SECONDS = {"fedecouple": 0.363, "fedpac": 0.127, "fedper": 0.066, "fedproto": 0.076, "fedrep": 0.07,
-                 "fedavg": 0.062, "ft-fedavg": 0.07, "local": 0.06}
+# seconds per client per round of training (the local update and the driver's evaluation): each method's
+# declared ``round_seconds`` (``fedecouple.methods.METHODS``), else this
 DEFAULT_ROUND_SECONDS = 0.15
 # seconds per optimiser step of one target and per image: in the textbook setting the images it
 # rebuilds; on real local training the images the client trains on (the whole epoch is replayed at
@@ -63,9 +64,15 @@ class StageWork:
     attack: str | None = None  # the attack's name: its own measured rates where there are some
 
 
+def round_seconds(method: str) -> float:
+    """Seconds per client per round of ``method``'s training at ``REFERENCE_IMAGES`` images: its declared
+    ``round_seconds``, else ``DEFAULT_ROUND_SECONDS``."""
+    return METHODS.fact("round_seconds").get(method, DEFAULT_ROUND_SECONDS)
+
+
 def seconds(work: StageWork) -> float:
     """The stage's estimated wall time on the reference machine."""
-    per_client = ROUND_SECONDS.get(work.method, DEFAULT_ROUND_SECONDS) * work.images_per_client / REFERENCE_IMAGES
+    per_client = round_seconds(work.method) * work.images_per_client / REFERENCE_IMAGES
     total = work.rounds * work.clients * per_client
     if work.step_seconds is not None:
         total += work.targets * (TARGET_SECONDS + TARGET_SECONDS_PER_IMAGE * work.images

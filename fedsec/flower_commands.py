@@ -10,6 +10,7 @@ from __future__ import annotations
 import click
 
 from .bodies import run_command
+from .invocation import Request
 from .flower import SECAGG_DEFENSES
 from .options import (ATTACK_ROUNDS, ATTACK_SEED, COUNT, EVIDENCE, EVIDENCE_ITERATIONS, IMAGES, ITERATIONS, RESTARTS,
                       SEED, TARGETS, VICTIM_BATCH, VICTIM_STEPS, AttackListCommand, device_option, run_options,
@@ -129,7 +130,7 @@ def attack(ctx, **_):
         require_flwr()
         from .flower.harness import server_attack_command
 
-        server_attack_command(ctx)
+        server_attack_command(Request.of_click(ctx))
         return
     _refuse_server_options(ctx)
     for name in SERVER_OPTIONS:  # not settings of the other attacks: kept out of their config.toml and folder record
@@ -137,7 +138,7 @@ def attack(ctx, **_):
     require_flwr()
     from .flower.secagg import check_attack_command
 
-    check_attack_command(ctx)  # an app under SecAgg+: its server holds only sums (fedsec flower audit)
+    check_attack_command(Request.of_click(ctx))  # an app under SecAgg+: its server holds only sums (fedsec flower audit)
     run_command(ctx)
 
 
@@ -169,5 +170,5 @@ def audit(ctx, **_):
     require_flwr()
     from .flower.harness import secure_audit_command
 
-    if not secure_audit_command(ctx):
+    if not secure_audit_command(Request.of_click(ctx)):
         run_command(ctx)

@@ -1,6 +1,7 @@
-"""What the commands' bodies (``fedsec.bodies``) share: ``Shell`` (who called: the command line or Python),
-``explicit`` (was a flag given), ``federation`` (the train flags as a ``RunConfig``), ``identity`` (what an
-output folder's results depend on) and ``workspace`` (the output folder, or a temporary one).
+"""What the commands' bodies (``fedsec.bodies``) share: ``Request`` (one command's settings as given, the
+seam between the front ends and the bodies), ``Shell`` (who called: the command line or Python),
+``federation`` (the train settings as a ``RunConfig``), ``identity`` (what an output folder's results depend
+on) and ``workspace`` (the output folder, or a temporary one).
 The command line's help loads this module, so it imports torch only inside ``federation``."""
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from types import MappingProxyType
+from typing import Any, Callable, Iterator, Mapping
 
 import click
 
@@ -37,6 +39,39 @@ DEFAULT_ROUNDS = 3
 
 
 @dataclass(frozen=True)
+class Request:
+    """One command's settings, converted and checked: what a body reads, whoever called it.
+
+    The command line builds it from its parsed flags (``of_click``), the Python API from keywords
+    (``fedsec.keywords.request``); both convert each value with the command's own parameter types, so a
+    bad value is the same one-line error either way. ``given`` holds the settings given explicitly (a
+    flag, a keyword or a ``--config`` file's entry): a preset never overrides those."""
+
+    command: str  # "attack", "flower attack"
+    params: Mapping[str, Any]  # every setting of the command, by parameter name; defaults filled in
+    given: frozenset[str] = frozenset()
+    order: tuple[str, ...] = ()  # the help's order (a run's config.toml lists its settings in it)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+
+    def explicit(self, name: str) -> bool:
+        """Whether ``name`` was given (on the command line, as a keyword, or in a --config file)."""
+        return name in self.given
+
+    @classmethod
+    def of_click(cls, ctx: click.Context) -> "Request":
+        """The command line's parsed context as a request."""
+        from click.core import ParameterSource
+
+        name = ctx.command.name if ctx.parent is None or ctx.parent.command.name != "flower" else \
+            f"flower {ctx.command.name}"
+        given = {n for n in ctx.params
+                 if ctx.get_parameter_source(n) in (ParameterSource.COMMANDLINE, ParameterSource.DEFAULT_MAP)}
+        return cls(name, ctx.params, frozenset(given), tuple(p.name for p in ctx.command.params if p.name))
+
+
+@dataclass(frozen=True)
 class Shell:
     """Who called: the command line (default folders, messages on stderr) or Python (``out=None`` keeps
     everything in memory; ``progress`` silences bars and messages)."""
@@ -56,15 +91,7 @@ class Shell:
         return Path(default()) if self.cli else None
 
 
-def explicit(ctx: click.Context, name: str) -> bool:
-    """Whether ``name`` was given (on the command line, as a keyword, or in a --config file): a preset
-    never overrides those."""
-    from click.core import ParameterSource
-
-    return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.DEFAULT_MAP)
-
-
-def federation(ctx: click.Context, params: dict):
+def federation(request: Request, params: Mapping[str, Any]):
     """(RunConfig, the resolved flag values) from the train flags: ``--preset`` under the given flags,
     deprecated spellings announced."""
     from . import presets
@@ -81,13 +108,13 @@ def federation(ctx: click.Context, params: dict):
     flat = {k: params.get(k) for k in TRAIN_KEYS}
     flat["s"] = params.get("uniform_share", 20.0)
     if params.get("s") is not None:
-        if explicit(ctx, "uniform_share"):
+        if request.explicit("uniform_share"):
             raise UserError("give --uniform-share only (--s is its deprecated spelling)")
         deprecated("--s", "--uniform-share")
         flat["s"] = params["s"]
     if params.get("samples_per_client") is not None:
         deprecated("--samples-per-client", "--train-images (exactly N training images per client, any partition)")
-    presets.merge_federation(params.get("preset"), flat, hp, lambda name: explicit(ctx, name))
+    presets.merge_federation(params.get("preset"), flat, hp, lambda name: request.explicit(name))
     flat["rounds"] = flat["rounds"] or DEFAULT_ROUNDS
     for key, default in QUIET_AT_DEFAULT.items():
         if flat.get(key) is None:
@@ -95,7 +122,7 @@ def federation(ctx: click.Context, params: dict):
     protocol = [k for k in TRAIN_KEYS if k.startswith("sa_")]
     # given at all (even at its default value) or changed by a preset: a user who names a protocol option
     # believes the protocol is on
-    named = [k for k in protocol if explicit(ctx, k) or flat.get(k) != QUIET_AT_DEFAULT.get(k)]
+    named = [k for k in protocol if request.explicit(k) or flat.get(k) != QUIET_AT_DEFAULT.get(k)]
     if not flat["secure_aggregation"] and named:
         flags = ", ".join("--" + k.replace("_", "-") for k in named)
         raise UserError(f"{flags} set{'s' if len(named) == 1 else ''} the secure-aggregation protocol, which is "

@@ -1,7 +1,7 @@
 """The harness side of a malicious server: the download interceptor that sends the crafted weights.
 
 ``MaliciousServer`` is a channel interceptor. For the attacked (round, client) pairs only, it
-replaces the download with the one the attack crafts (``AttackSpec.craft_download``, given a
+replaces the download with the one the attack crafts (``CraftingSpec.craft_download``, given a
 ``attacks.registry.CraftRequest``) and keeps the server's record of what it sent (``records``);
 every other download passes unchanged. The channel's recorder stores each download before the
 interceptors, so the recorder's view stays the honest one; the attack gets the crafted record beside

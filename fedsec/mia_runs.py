@@ -40,6 +40,7 @@ from fedecouple.data.dataset import ImageDataset
 from fedecouple.devices import to_device
 from fedecouple.data.partition import Partition
 from fedecouple.engine import Federation, derive_seed, summarize
+from fedecouple.methods.facets import secure_refusal
 from fedecouple.models import SplitModel, set_params
 
 from . import io
@@ -106,7 +107,7 @@ def run_one(spec: RunSpec, dataset: ImageDataset) -> dict:
     recorder = Recorder(rounds={last}, remember_latest=False)
     fed_config = replace(spec.config.federation, seed=spec.federation_seed)
     protocol = spec.config.secure.protocol(spec.federation_seed)  # under it the uploads recorded are masked
-    if protocol is not None and (refusal := method.secure_refusal()):
+    if protocol is not None and (refusal := secure_refusal(method)):
         raise UserError(refusal)
     fed = Federation(method, dataset, spec.partition, fed_config,
                      channel=ServerChannel(recorder=recorder, secure=protocol))

@@ -5,6 +5,7 @@ differences declared in ``DIFFERING``). Nothing here imports torch: ``--help`` r
 from __future__ import annotations
 
 import warnings
+from typing import Callable, Sequence
 
 import click
 
@@ -133,23 +134,45 @@ class AttackName(click.ParamType):
 
 ATTACK = AttackName()
 
+
+class DeclaredChoice(click.Choice):
+    """A choice among declared plugins (``fedsec.catalog``), read when used: a plugin declared after the
+    command line was built is a choice too."""
+
+    def __init__(self, names: Callable[[], Sequence[str]]):
+        self._names = names
+        super().__init__(tuple(names()))
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self._names())
+
+    @choices.setter
+    def choices(self, _value) -> None:  # click.Choice sets it once; the declarations stay the source
+        pass
+
 DEVICE_HELP = ("Where tensors are computed: auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda, cuda:N. "
                "Seeded GPU runs use torch's deterministic algorithms; their numbers differ from the CPU's in the "
                "last bits.")
 
 
-def _resolved_device(ctx, param, value):
-    if value is None or ctx.resilient_parsing:
-        return value
-    from fedecouple.devices import resolve_device  # torch: only when a command runs
+class Device(click.ParamType):
+    """``--device``: the device in force (auto already resolved by ``fedecouple.devices.resolve_device``); a
+    device torch cannot use is the one-line ``UserError``, before anything runs."""
 
-    return resolve_device(value)  # a UserError: one line, exit 2, before anything runs
+    name = "device"
+
+    def convert(self, value, param, ctx):
+        if value is None or (ctx is not None and ctx.resilient_parsing):  # the help's parse: no torch
+            return value
+        from fedecouple.devices import resolve_device  # torch: only when a command runs
+
+        return resolve_device(value)
 
 
 def device_option(func):
-    """``--device``, one validator for every command (``fedecouple.devices.resolve_device``): the
-    command receives the device in force (auto already resolved)."""
-    return click.option("--device", default="auto", show_default=True, callback=_resolved_device, metavar="DEVICE",
+    """``--device``, one validator for every command."""
+    return click.option("--device", type=Device(), default="auto", show_default=True, metavar="DEVICE",
                         help=DEVICE_HELP)(func)
 
 

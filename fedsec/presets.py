@@ -23,7 +23,10 @@ def merge_federation(preset: str | None, opts: dict, hyperparameters: dict, is_e
         if not is_explicit(key):
             opts[key] = value
     if preset == "paper" and opts["method"] in METHODS:  # compare/report set methods later: each its own preset
-        for key, value in METHODS[opts["method"]].paper_preset.items():
+        from fedecouple.methods.facets import PaperPreset
+
+        cls = METHODS[opts["method"]]
+        for key, value in (cls.paper_preset if issubclass(cls, PaperPreset) else {}).items():
             hyperparameters.setdefault(key, value)
 
 

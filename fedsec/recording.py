@@ -25,6 +25,7 @@ from attacks.recorded import RecordedRun, auxiliary_data
 from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.engine import GroundTruth, derive_seed
 from fedecouple.errors import DIVERGED, UserError
+from fedecouple.methods.facets import download_reach
 
 from .field_names import for_cli
 from .runner import Prepared, RunConfig, build_federation
@@ -153,7 +154,7 @@ def recording_federation(prep: Prepared, settings=None, interceptors: Iterable =
 
 def _malicious_server(prep: Prepared, settings, targets: dict, fed, run: RecordedRun):
     """The crafting interceptor for the attacked (round, client) pairs (the attack's own craft,
-    ``AttackSpec.craft_download``), last in the channel; it crafts from public images: ``--aux-data``,
+    ``CraftingSpec.craft_download``), last in the channel; it crafts from public images: ``--aux-data``,
     else the pooled data without the attacked clients' own."""
     from .malicious import MaliciousServer, public_rows
 
@@ -166,7 +167,7 @@ def _malicious_server(prep: Prepared, settings, targets: dict, fed, run: Recorde
         images, labels = prep.dataset.images, prep.dataset.labels
         rows = torch.from_numpy(public_rows(len(images), exclude, settings.seed))
     server = MaliciousServer(settings.spec, settings.craft, {(r, c) for r in targets for c in targets[r]},
-                             run.make_model, images[rows], prep.method.download_reaches, settings.seed,
+                             run.make_model, images[rows], download_reach(prep.method), settings.seed,
                              public_labels=labels[rows], method=prep.method, train=prep.config.federation.train,
                              secure=fed.channel.secure)
     fed.channel.interceptors.append(server)

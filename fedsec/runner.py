@@ -28,7 +28,8 @@ from fedecouple.data.partition import Partition
 from fedecouple.engine import Federation, FederationConfig, GroundTruth, VictimSetting, round_half_up, summarize
 from fedecouple.errors import UserError
 from fedecouple.methods import make_method, method_class
-from fedecouple.methods.base import Method, TrainConfig
+from fedecouple.methods.base import Method, TrainConfig, hyperparameter_names, upload_kinds
+from fedecouple.methods.facets import SecureSummation, secure_passes, secure_refusal
 from fedecouple.secure_aggregation import Layout, SecureAggregation
 from fedecouple.devices import deterministic, device_record, resolve_device
 
@@ -194,10 +195,11 @@ _FLAT = {"method": None, "hyperparameters": None,
 def build_method(config: RunConfig) -> Method:
     """The configured method; unknown names and hyperparameters are one-line errors."""
     cls = method_class(config.method)
-    unknown = sorted(set(config.hyperparameters) - set(cls.hyperparameter_names()))
+    names = hyperparameter_names(cls)
+    unknown = sorted(set(config.hyperparameters) - set(names))
     if unknown:
         raise UserError(f"method {config.method} has no hyperparameter {', '.join(unknown)}; "
-                        f"it takes: {', '.join(cls.hyperparameter_names()) or 'none'}")
+                        f"it takes: {', '.join(names) or 'none'}")
     return make_method(config.method, **config.hyperparameters)
 
 
@@ -256,7 +258,7 @@ def prepare(config: RunConfig) -> Prepared:
     if data.clients < 1:
         raise UserError(f"--clients must be at least 1, got {data.clients}")
     config.federation.validate(data.clients)
-    if config.secure.protocol(config.federation.seed) is not None and (refusal := method.secure_refusal()):
+    if config.secure.protocol(config.federation.seed) is not None and (refusal := secure_refusal(method)):
         raise UserError(refusal)  # before any data is loaded (the protocol's parameters are checked above)
     if data.train_images is not None and data.samples_per_client is not None and data.partition != "weak":
         raise UserError("give --train-images or --samples-per-client, not both: outside the weak partition "
@@ -286,8 +288,10 @@ def prepare(config: RunConfig) -> Prepared:
 
 def summand_size(method: Method, model, num_classes: int, max_weight: float) -> int:
     """How many values one client's secure sum carries besides Flower's weight factor: the layout of the
-    method's summands (``Method.secure_summands``) for an upload holding every field of its manifest
+    method's summands (``SecureSummation.secure_summands``) for an upload holding every field of its manifest
     (per-class fields for every class, as a method's summands always cover every class)."""
+    if not isinstance(method, SecureSummation):
+        raise UserError(secure_refusal(method) or f"{method.name} has no secure-aggregation variant")
     tensors = {}
     for spec in method.manifest(model):
         for name in ([spec.name.format(k=k) for k in range(num_classes)] if spec.per_class else [spec.name]):
@@ -314,7 +318,7 @@ def calibrated_protocol(config: RunConfig, method: Method, dataset: ImageDataset
     model = ModelSpec.for_data(dataset, config.federation.arch, config.federation.model).build()
     dimension = summand_size(method, model, dataset.num_classes, base.max_weight)
     clients = participants_per_round(config)
-    releases = max(1, config.federation.rounds) * getattr(method, "secure_passes", 1)
+    releases = max(1, config.federation.rounds) * secure_passes(method)
     mu = calibrate(config.secure.sa_dp_epsilon, config.secure.sa_dp_delta, releases, clients, dimension,
                    config.secure.sa_dp_clip, base)
     protocol = config.secure.protocol(config.federation.seed, dp_noise=mu)
@@ -371,7 +375,7 @@ def round_summary(fed: Federation, config: RunConfig) -> tuple[dict, pd.DataFram
         "clipped_rounds": frame.loc[frame["clipped"] > 0, "round"].astype(int).tolist(),
         "aborted_rounds": frame.loc[frame["aborted"].astype(bool), "round"].astype(int).tolist()}}
     if protocol is not None:
-        clear = in_the_clear(protocol, fed.method.upload_kinds(fed.model), fed.channel.recorder.aggregates.values())
+        clear = in_the_clear(protocol, upload_kinds(fed.method, fed.model), fed.channel.recorder.aggregates.values())
         beside = (f"; in the clear beside each masked upload: {', '.join(clear)} (as Flower's SecAgg+ leaves a "
                   f"FitRes' num_examples and metrics)" if clear else
                   "; nothing in the clear" + (" (clear_fields hidden: stricter than Flower's SecAgg+, which sends "

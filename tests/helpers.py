@@ -95,9 +95,10 @@ def declared_refusal(attack: str, method: str) -> str | None:
     """What the attack's spec says before any training (None: it applies)."""
     import attacks
     from fedecouple.methods import make_method
+    from fedecouple.methods.base import upload_kinds
 
     _, model = digits_model()
-    return attacks.get(attack).not_applicable(method, make_method(method).upload_kinds(model))
+    return attacks.get(attack).not_applicable(method, upload_kinds(make_method(method), model))
 
 
 def assert_attack_result(summary: dict, attack: str, method: str) -> None:

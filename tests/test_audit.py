@@ -70,8 +70,14 @@ class LeakyFedeCouple(FedeCouple):
         return new_state, make_upload(ctx, {k: v for k, v in tensors.items() if k != "sample_count"})
 
 
-def test_anchor_check_catches_a_leaking_variant(tmp_path, monkeypatch):
-    monkeypatch.setitem(METHODS, "leaky-fedecouple", LeakyFedeCouple)
+@pytest.fixture
+def leaky():
+    METHODS.declare("leaky-fedecouple", f"{__name__}:LeakyFedeCouple")
+    yield
+    METHODS.remove("leaky-fedecouple")
+
+
+def test_anchor_check_catches_a_leaking_variant(tmp_path, leaky):
     result = run_audit(RunConfig.of(method="leaky-fedecouple", **TINY), tmp_path, evidence=False, progress=False)
     leak = [f for f in result["findings"] if f["code"] == "ANCHORS_UPLOADED"]
     assert leak and leak[0]["severity"] == "high"

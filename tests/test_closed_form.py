@@ -266,7 +266,7 @@ def test_fedecouple_classifier_step_solve_finds_the_label_a_wrong_reading_misses
 
 def test_fedecouple_closed_form_start_rebuilds_the_image_from_the_solved_layer_input(digits):
     """The image rebuilt from the solved input of the extractor's last linear layer (through the layers
-    below it, ``attacks.layer_inversion``) is DLG's first start: near the true image (PSNR at least 6 dB
+    below it, ``attacks.inversion.layer_inputs``) is DLG's first start: near the true image (PSNR at least 6 dB
     above the grey image's), its layer input near the solved one, computed once per observation; DLG's
     first start holds it (its later starts do not)."""
     from attacks.inversion.dlg import _setup, _start

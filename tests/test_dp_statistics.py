@@ -22,6 +22,7 @@ from fedecouple.channel import Download
 from fedecouple.errors import UserError
 from fedecouple.methods import make_method
 from fedecouple.methods.base import ClientContext, Method, TrainConfig, make_upload
+from fedecouple.methods.facets import DPCoverage, Replay, SecureSummation, facets_of, local_phases
 from fedecouple.models import build_model, set_params
 
 from helpers import dp_federation
@@ -205,7 +206,7 @@ class UndeclaredStatistic(Method):
         return {}, make_upload(ctx, {})
 
 
-class MixedFeatures(UndeclaredStatistic):
+class MixedFeatures(UndeclaredStatistic, DPCoverage):
     name = "toy-mixed"
     dp_statistics = "class means of batch-centred features"
 
@@ -214,7 +215,7 @@ class MixedFeatures(UndeclaredStatistic):
         return {}, make_upload(ctx, {})
 
 
-class Uncovered(UndeclaredStatistic):
+class Uncovered(UndeclaredStatistic, DPCoverage):
     name = "toy-uncovered"
 
     def dp_uncovered(self):
@@ -318,9 +319,32 @@ def test_label_count_inference_falls_to_chance_at_small_epsilon(digits, name):
 
 def test_the_dp_wrapper_exposes_the_method_replay_attacks_use():
     """Attacks on a DP run replay the method's own local training (the adaptive attacker), as on a
-    plain run: the wrapper forwards ``local_phases``, ``replay`` and ``replays``."""
+    plain run: the wrapper has each facet the method has (``Replay``: ``local_phases``, ``replay``)."""
     for name in ("fedecouple", "fedpac", "fedproto", "fedper"):
         inner = make_method(name)
         dp = DPMethod(inner, DPConfig(noise_multiplier=1.0))
-        assert dp.replays() == inner.replays() and dp.local_phases(2) == inner.local_phases(2)
-    assert DPMethod(make_method("fedecouple"), DPConfig(noise_multiplier=1.0)).replays()
+        assert facets_of(dp) == facets_of(inner) and isinstance(dp, Replay) == isinstance(inner, Replay)
+        assert local_phases(dp, 2) == local_phases(inner, 2)
+    assert isinstance(DPMethod(make_method("fedecouple"), DPConfig(noise_multiplier=1.0)), Replay)
+
+
+def test_the_dp_wrapper_forwards_each_facet_member_and_pickles():
+    """Every member of the wrapped method's facets reads through the wrapper, except what DP changes: the
+    secure summands (under withheld counts) and the closed form (none holds under DP-SGD); the wrapper
+    pickles (Ray ships it) into the same class."""
+    import pickle
+
+    from fedecouple.methods.facets import facet_members
+
+    inner = make_method("fedecouple", lam=0.5)
+    dp = DPMethod(inner, DPConfig(noise_multiplier=1.0))
+    for kind in facets_of(inner):
+        for name in facet_members(kind):
+            if not callable(getattr(inner, name)) and name != "closed_form":
+                assert getattr(dp, name) == getattr(inner, name), name
+    assert inner.closed_form and dp.closed_form == ()
+    assert type(dp).secure_summands is not type(inner).secure_summands and isinstance(dp, SecureSummation)
+    assert not hasattr(DPMethod, "__getattr__") and not hasattr(dp, "gfa")
+    again = pickle.loads(pickle.dumps(dp))
+    assert type(again) is type(dp) and again.inner == inner and again.dp == dp.dp
+    assert again.hyperparameters() == dp.hyperparameters() and again.summary == inner.summary + " [DP]"

@@ -16,6 +16,7 @@ import fedsec
 from fedecouple.data import make_partition
 from fedecouple.errors import UserError
 from fedecouple.methods import METHODS
+from fedecouple.methods.base import hyperparameter_names
 from fedsec import field_names
 from fedsec.commands import command_of
 
@@ -129,7 +130,7 @@ def test_every_field_the_engine_names_has_a_flag():
 
 def test_every_flag_of_the_table_is_a_train_flag_and_its_keyword_the_apis():
     params = {opt: p.name for p in command_of("train").params for opt in getattr(p, "opts", ())}
-    hyperparameters = {name for cls in METHODS.values() for name in cls.hyperparameter_names()}
+    hyperparameters = {name for cls in METHODS.values() for name in hyperparameter_names(cls)}
     for field, spelling in field_names.FLAGS.items():
         flags = FLAG.findall(spelling)
         assert flags and set(flags) <= set(params), (field, spelling)

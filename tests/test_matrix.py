@@ -123,13 +123,14 @@ def refusing_attack():
     """A registered attack whose every target answers ``NotApplicable`` at run time (as the malicious
     attacks do on a client that got no crafted download)."""
     from attacks.base import NotApplicable
-    from attacks.registry import WEIGHT_KINDS, AttackSpec, register, unregister
+    from attacks.registry import WEIGHT_KINDS, ClientAttackSpec, register, unregister
 
     def refuse(observation, budget, seed):
         raise NotApplicable("this client's upload holds nothing for it")
 
-    register(AttackSpec("refusing", "image", "refuses every target (test only)", refuse, None, default_iterations=1,
-                        default_victim_batch=1, applies_to=WEIGHT_KINDS, scoring="images", needs="model weights"))
+    register(ClientAttackSpec("refusing", attack_one=refuse, default_victim_batch=1, applies_to=WEIGHT_KINDS,
+                              scoring="images", needs="model weights"),
+             summary="refuses every target (test only)", kind="image", default_iterations=1)
     yield "refusing"
     unregister("refusing")
 

@@ -1,4 +1,4 @@
-"""Each method's replay of its local training (``Method.replay``), run on the client's true batches
+"""Each method's replay of its local training (``Replay.replay``), run on the client's true batches
 and augmentation draws (the oracle), reproduces what the client uploaded; and the steps a server
 derives from the hyperparameters are the steps the client took."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ from attacks.inversion.forward_model import plan_layout, replay_context
 from fedecouple.engine import VictimSetting
 from fedecouple.methods import METHODS, make_method
 from fedecouple.methods.base import phase_steps
+from fedecouple.methods.facets import local_phases
 from fedecouple.methods.replay import Step
 from fedecouple.models import set_params
 
@@ -180,7 +181,7 @@ def test_momentum_step_is_torch_sgd_with_momentum_and_weight_decay():
 def test_phase_steps_drops_the_ragged_batch():
     assert phase_steps(2, 195, 10) == 38 and phase_steps(1, 7, 10) == 1 and phase_steps(3, 0, 10) == 0
     assert phase_steps(5, 40, 10, steps_per_phase=2) == 2
-    assert all(METHODS[m]().local_phases(1) for m in METHODS)
+    assert all(local_phases(METHODS[m](), 1) for m in METHODS)
     assert [p for p, _, _ in make_method("fedecouple", glf=False).local_phases(1)] == ["classifier", "extractor"]
     assert np.all([aug for _, _, aug in make_method("fedecouple").local_phases(1)])
 

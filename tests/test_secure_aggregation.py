@@ -384,13 +384,12 @@ def test_a_method_whose_server_reads_each_upload_refuses_in_one_line(digits):
     declares per-client fields and no summands still does, before anything trains."""
     from fedecouple.errors import UserError
     from fedecouple.methods.base import Method
-    from fedecouple.methods.fedavg import FedAvg
+    from fedecouple.methods.facets import PerClientFields, secure_refusal
 
-    class PerClient(FedAvg):
+    class PerClient(Method, PerClientFields):  # no SecureSummation
         name = "per-client"
         per_client_fields = ("h", "classifier.*")
         per_client_reason = "it weights each head by its h"
-        secure_summands = Method.secure_summands
 
     part = make_partition(digits.labels.numpy(), 3, "pathological", seed=0)
     with pytest.raises(UserError) as refused:
@@ -399,7 +398,7 @@ def test_a_method_whose_server_reads_each_upload_refuses_in_one_line(digits):
     message = str(refused.value)
     assert "\n" not in message and message.startswith("per-client cannot run under secure aggregation")
     assert "h, classifier.*" in message and "it weights each head by its h" in message
-    assert not [name for name, cls in METHODS.items() if cls().secure_refusal() is not None]
+    assert not [name for name, cls in METHODS.items() if secure_refusal(cls()) is not None]
 
 
 @pytest.mark.parametrize("option", [["--sa-modulus", "4294967291"], ["--sa-clipping-range", "8"],
@@ -490,13 +489,13 @@ def test_in_memory_training_under_secure_aggregation_writes_nothing(tmp_path, mo
 
 
 def test_a_plain_run_keeps_its_identity_and_a_folder_written_before_the_options_resumes(tmp_path, capsys):
-    from fedsec.commands import command_of
     from fedsec.invocation import federation, identity
+    from fedsec.keywords import request
     from fedsec.runner import RunConfig
 
     args = ["train", "--method", "fedavg", *SMALL, "--rounds", "1"]
-    ctx = command_of("train").make_context("fedsec train", args[1:])
-    config, resolved = federation(ctx, ctx.params)
+    given = request("train", {k.lstrip("-").replace("-", "_"): v for k, v in zip(args[1::2], args[2::2])})
+    config, resolved = federation(given, given.params)
     assert not set(SA_KEYS) & set(identity(resolved)) and not set(SA_KEYS) & set(config.result_key())
     out = tmp_path / "plain"
     args += ["--out", out]

@@ -11,7 +11,8 @@ import torch
 
 import attacks
 from attacks.malicious.craft import next_linear
-from attacks.malicious.readout import relative_errors, true_inputs
+from attacks.inversion.layer_inputs import relative_errors
+from attacks.malicious.readout import true_inputs
 from attacks.secure import inconsistency, sized_binning, sum_binning
 from defenses.consistency_check import ConsistencyCheck
 from fedecouple.channel import Interceptor, Recorder, ServerChannel
@@ -20,6 +21,7 @@ from fedecouple.engine import Federation, FederationConfig, GroundTruth
 from fedecouple.errors import UserError
 from fedecouple.methods import make_method
 from fedecouple.methods.base import TrainConfig
+from fedecouple.methods.facets import download_reach
 from fedecouple.secure_aggregation import SecureAggregation, weight_factor
 from fedsec.malicious import MaliciousServer, public_images
 
@@ -53,7 +55,7 @@ def federation(spec, craft, checks=(), protocol=None, seed=0):
     if spec is not None:
         server = MaliciousServer(spec, craft, {(0, c) for c in fed.sample_clients(0)}, lambda: copy.deepcopy(initial),
                                  public_images(data.images, np.concatenate(part.train), seed),
-                                 fed.method.download_reaches, seed, method=fed.method, train=train, secure=protocol)
+                                 download_reach(fed.method), seed, method=fed.method, train=train, secure=protocol)
         channel.interceptors.append(server)
     channel.interceptors.extend(checks)
     fed.run_round()

@@ -16,6 +16,7 @@ from fedecouple.data import make_partition
 from fedecouple.engine import Federation, FederationConfig
 from fedecouple.methods import METHODS, make_method
 from fedecouple.methods.base import TrainConfig
+from fedecouple.methods.facets import secure_refusal
 from fedecouple.secure_aggregation import SecureAggregation
 from helpers import TEST_THREADS, run_cli
 
@@ -185,5 +186,5 @@ def test_the_command_line_trains_two_pass_fedecouple_and_the_audit_says_two_pass
 def test_the_audit_status_declares_each_variant(method, words):
     from fedsec.jobs.audit import secure_aggregation_status
 
-    assert METHODS[method]().secure_refusal() is None
+    assert secure_refusal(METHODS[method]()) is None
     assert secure_aggregation_status(METHODS[method]()).startswith(words)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attacks.inversion.spear import EXACT_INPUT, certify, recover_batch
-from attacks.malicious.readout import match_inputs
+from attacks.inversion.layer_inputs import match_inputs
 from helpers import assert_refused, run_cli
 
 

@@ -130,7 +130,8 @@ def test_the_verdict_rules_have_one_home():
 # -- the attacks are peers: an attack module imports no other, and the inversion attacks optimise through
 #    one template (``attacks.inversion.optimise``)
 
-REGISTER_CALLS = ("register", "register_membership")
+# an attack module builds its spec (one of these types)
+SPEC_TYPES = ("ClientAttackSpec", "MaliciousSpec", "RoundAttackSpec", "MaliciousRoundSpec", "MembershipSpec")
 OPTIMISE_TEMPLATE = "attacks/inversion/optimise/"
 # training that is not an inversion, which an attack may run with its own optimiser: (file, function)
 TRAINING_ALLOWED = {
@@ -162,14 +163,14 @@ def _attack_modules_imported(path: Path, tree: ast.AST, known: set[str]) -> set[
 
 
 def attack_modules_importing_attack_modules() -> list[str]:
-    """``a imports b (via ...)`` for every module of ``attacks/`` that registers an attack (a call to
-    ``register`` or ``register_membership``) and imports another such module, directly or through the
-    modules of ``attacks/`` it imports."""
+    """``a imports b (via ...)`` for every module of ``attacks/`` that builds an attack's spec (a call to
+    one of ``SPEC_TYPES``) and imports another such module, directly or through the modules of
+    ``attacks/`` it imports."""
     modules = {_module_of(path): (path, tree) for path, tree in _modules("attacks")}
     calls = {name: {node.func.id if isinstance(node.func, ast.Name) else node.func.attr
                     for node in ast.walk(tree) if isinstance(node, ast.Call)
                     and isinstance(node.func, (ast.Name, ast.Attribute))} for name, (_, tree) in modules.items()}
-    attacks = {name for name, called in calls.items() if called & set(REGISTER_CALLS)}
+    attacks = {name for name, called in calls.items() if called & set(SPEC_TYPES)}
     imports = {name: _attack_modules_imported(path, tree, set(modules)) for name, (path, tree) in modules.items()}
     wrong = []
     for attack in sorted(attacks):
@@ -193,9 +194,9 @@ def attack_modules_importing_attack_modules() -> list[str]:
 
 
 def test_no_attack_module_imports_another():
-    """An attack module (one that registers an attack) imports no other attack module, directly or
+    """An attack module (one that builds an attack's spec) imports no other attack module, directly or
     through the modules it imports: what attacks share lives in modules named for what it does, so
-    ``attacks/__init__.py`` can import them in any order."""
+    each attack loads alone, on first use."""
     assert attack_modules_importing_attack_modules() == []
 
 

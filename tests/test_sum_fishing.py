@@ -24,6 +24,7 @@ from fedecouple.data.partition import Partition
 from fedecouple.engine import Federation, FederationConfig, GroundTruth
 from fedecouple.methods import make_method
 from fedecouple.methods.base import TrainConfig
+from fedecouple.methods.facets import download_reach
 from fedecouple.secure_aggregation import SecureAggregation
 from fedsec.malicious import MaliciousServer, public_rows
 
@@ -56,7 +57,7 @@ def round_with_one_seven(seed: int = 0):
     make = lambda: copy.deepcopy(initial)  # noqa: E731
     rows = torch.from_numpy(public_rows(len(data.images), pool, seed))
     server = MaliciousServer(sum_fishing.SPEC, "fishing", {(1, c) for c in range(CLIENTS)}, make, data.images[rows],
-                             fed.method.download_reaches, seed, public_labels=data.labels[rows], method=fed.method,
+                             download_reach(fed.method), seed, public_labels=data.labels[rows], method=fed.method,
                              train=config, secure=protocol)
     check = ConsistencyCheck(protocol)
     channel.interceptors.extend([server, check])  # the check last: it sees what reaches the clients

@@ -1,4 +1,4 @@
-"""A toy attack in one file: ``install()`` registers it, and nothing else anywhere is edited.
+"""A toy attack in one file: ``install()`` registers it with its facts, and nothing else anywhere is edited.
 
 It returns a mid-grey image per target and no label (it uses no data of any client)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from attacks.base import AttackResult, Budget, Observation
-from attacks.registry import WEIGHT_KINDS, AttackSpec, register, unregister
+from attacks.registry import WEIGHT_KINDS, AttackSpec, ClientAttackSpec, register, unregister
 
 
 def grey(observation: Observation, budget: Budget, seed: int) -> AttackResult:
@@ -15,12 +15,12 @@ def grey(observation: Observation, budget: Budget, seed: int) -> AttackResult:
                         trace={"mode": "grey", "objective": 0.0, "seconds": 0.0}, notes=["a grey guess"])
 
 
-SPEC = AttackSpec("toy", "image", "a grey guess (test only)", grey, None, default_iterations=1,
-                  default_victim_batch=1, applies_to=WEIGHT_KINDS, scoring="images", needs="model weights")
+SPEC = ClientAttackSpec("toy", attack_one=grey, default_victim_batch=1, applies_to=WEIGHT_KINDS, scoring="images",
+                        needs="model weights")
 
 
 def install() -> AttackSpec:
-    return register(SPEC)
+    return register(SPEC, summary="a grey guess (test only)", kind="image", default_iterations=1)
 
 
 def uninstall() -> None:

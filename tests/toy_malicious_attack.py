@@ -18,7 +18,7 @@ from attacks.malicious import first_linear, not_reachable
 from attacks.malicious.craft import load
 from attacks.malicious.readout import rebuild_images
 from attacks.malicious.scoring import input_statistics, score_recovered
-from attacks.registry import AttackSpec, CraftRequest, register, unregister
+from attacks.registry import AttackSpec, CraftRequest, MaliciousSpec, register, unregister
 
 NAME = "toy-open"
 CRAFT = "open-row"
@@ -78,16 +78,15 @@ def lines(summary: dict) -> list[str]:
     return [] if share is None else [f"  open row: input recovered exactly for {share:.0%} of the images"]
 
 
-SPEC = AttackSpec(NAME, "malicious", "malicious server: one open row of the first linear layer (test only)",
-                  read_open_row, None, default_iterations=50, default_victim_batch=0,
-                  applies_to=frozenset({"extractor"}), scoring="images", needs="model weights", crafts=(CRAFT,),
-                  extra_columns=("bias_update",), craft_download=open_row, unreachable=not_reachable,
-                  score_target=score, statistics=input_statistics, summary_lines=lines,
-                  estimate_rate=STEP_SECONDS, estimate_per="image")
+SPEC = MaliciousSpec(NAME, attack_one=read_open_row, default_victim_batch=0, applies_to=frozenset({"extractor"}),
+                     scoring="images", needs="model weights", crafts=(CRAFT,), extra_columns=("bias_update",),
+                     craft_download=open_row, unreachable=not_reachable, score_target=score,
+                     statistics=input_statistics, summary_lines=lines, estimate_rate=STEP_SECONDS, estimate_per="image")
 
 
 def install() -> AttackSpec:
-    return register(SPEC)
+    return register(SPEC, summary="malicious server: one open row of the first linear layer (test only)",
+                    default_iterations=50)
 
 
 def uninstall() -> None:

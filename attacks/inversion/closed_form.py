@@ -1,7 +1,7 @@
 """The closed-form stage of the gradient attacks: what an upload fixes exactly, before any optimisation.
 
 Each method declares, beside its replay, what its upload gives away in closed form
-(``Method.closed_form``); ``derive`` computes it from the observation alone and every gradient
+(``Replay.closed_form``); ``derive`` computes it from the observation alone and every gradient
 attack uses it through ``attacks.inversion.forward_model.GradientMatcher`` (recorded in the trace under
 ``closed_form``):
 
@@ -43,7 +43,7 @@ attack uses it through ``attacks.inversion.forward_model.GradientMatcher`` (reco
   victim's steps (``steps_per_phase``) and one classifier step.
 
 * ``"classifier-features"`` — the features themselves, for one classifier step (here on one image): they lie
-  in that span, z_i = V a_i, and the method's classifier step (``Method.classifier_step``) on them must
+  in that span, z_i = V a_i, and the method's classifier step (``ClassifierStep``) on them must
   give the observed weight and bias update, (d + 1)·C equations in rank² unknowns
   (``classifier_features``: least squares from starts around the rank-1 reading ΔWᵀΔb/‖Δb‖², exact
   without augmentation). With DA this yields the features of the image *and* of its augmented copy,
@@ -69,7 +69,7 @@ attack uses it through ``attacks.inversion.forward_model.GradientMatcher`` (reco
   relative squared error, weight ``LINEAR_INPUT_WEIGHT``. On its own that input does not give the image
   back (a signed-Adam inversion from it reached 8-15 dB: two max-pools lie below), but beside the
   replayed update it lifted IG on the tuning federation. An L-BFGS inversion
-  (``attacks.layer_inversion``, as a malicious server's readout does) gets further, and the image it
+  (``attacks.inversion.layer_inputs``, as a malicious server's readout does) gets further, and the image it
   rebuilds from a closed-form layer input (this one, or ``"last-linear"``'s) is DLG's and IG's first start
   (``GradientMatcher.closed_form_start``).
   With **B > 1 images** each image takes the solved row of its label whose input lies in the span (its
@@ -91,7 +91,7 @@ attack uses it through ``attacks.inversion.forward_model.GradientMatcher`` (reco
   only the true label's features reproduce the classifier's update, so if iDLG's reading fails the solve,
   the other classes are tried (``solve_classifier_step``): FedeCouple's label at trained rounds, where
   the distillation term outweighs the label's push and iDLG's rule misreads it.
-  For several images and a method whose classifier phase is one ``Method.classifier_step``
+  For several images and a method whose classifier phase is one ``ClassifierStep.classifier_step``
   (FedeCouple, ``_classifier_step_counts``): the same bias reading over the rows that step trained on
   (the images and their copies) with the mean prediction of the kept extractor and the classifier before
   the step (the distillation term moves no bias where the personal classifier is the teacher: round 0);
@@ -115,6 +115,7 @@ import torch
 from torch import nn
 
 from fedecouple.methods.base import phase_steps
+from fedecouple.methods.facets import ClassifierStep, Replay, facet, local_phases, trains_plain_sgd
 from fedecouple.methods.prototypes import prototype_table, prototypes_in
 from fedecouple.models import group_of
 
@@ -218,12 +219,26 @@ def linear_input(delta_weight: torch.Tensor, delta_bias: torch.Tensor,
     return a.to(torch.float32), residual
 
 
+def declared_facts(method) -> tuple[str, ...]:
+    """What ``method`` declares an upload fixes in closed form (``Replay.closed_form``; () without a replay)."""
+    replay = facet(method, Replay)
+    return tuple(replay.closed_form) if replay is not None else ()
+
+
+def extractor_phases(method, epochs: int) -> list[tuple[str, int, bool]]:
+    """The phases of ``method``'s local training that train the extractor (``Replay.extractor_phases``; a
+    method that declares no replay trains it in its one phase ``"local"``)."""
+    replay = facet(method, Replay)
+    trains = replay.extractor_phases if replay is not None else ("local",)
+    return [(p, e, aug) for p, e, aug in local_phases(method, epochs) if p in trains]
+
+
 def single_extractor_step(method, hp: LocalHyperparameters | None) -> bool:
     """Whether the extractor took exactly one unaugmented SGD step on one image (the victim setting
     with one image and one step per phase)."""
     if hp is None or hp.steps_per_phase is None:
         return False
-    phases = [(p, e, aug) for p, e, aug in method.local_phases(hp.epochs) if p in method.extractor_phases]
+    phases = extractor_phases(method, hp.epochs)
     samples = int(hp.samples if hp.samples is not None else hp.batch_size)
     return (len(phases) == 1 and int(hp.steps_per_phase) == 1 and samples == 1 and not phases[0][2])
 
@@ -239,7 +254,7 @@ def single_step_images(method, hp: LocalHyperparameters | None) -> int:
     setting with one step per phase, or real local training of one epoch that holds one batch; else 0."""
     if hp is None:
         return 0
-    phases = [(p, e, aug) for p, e, aug in method.local_phases(hp.epochs) if p in method.extractor_phases]
+    phases = extractor_phases(method, hp.epochs)
     samples = int(hp.samples if hp.samples is not None else hp.batch_size)
     batch = min(int(hp.batch_size), samples)
     one = (len(phases) == 1 and not phases[0][2]
@@ -355,7 +370,7 @@ def classifier_features(obs: Observation, update, model, counts: torch.Tensor | 
     """(features (rank, d), relative residual, how) of the images one classifier step trained on (the
     B = ``counts.sum()`` images in the order of their labels, then their augmented copies in the same
     order), solved from the classifier's update, or (None, residual, why not). The features lie in the
-    update's row space, z_i = V a_i; the method's own classifier step (``Method.classifier_step``) on
+    update's row space, z_i = V a_i; the method's own classifier step (``ClassifierStep``) on
     them, each row with its image's label, must give the observed weight and bias update: rank²
     unknowns against (d + 1)·C equations, solved by least squares from the starts of
     ``_feature_starts``. Rows of one label are solved up to their order (the update does not fix it)."""
@@ -363,7 +378,7 @@ def classifier_features(obs: Observation, update, model, counts: torch.Tensor | 
 
     hp = obs.known_hyperparameters
     images = 0 if counts is None else int(counts.sum())
-    if images < 1 or rank % images or not hasattr(obs.method, "classifier_step"):
+    if images < 1 or rank % images or not isinstance(obs.method, ClassifierStep):
         return None, float("nan"), "needs the images' labels and the method's classifier step"
     names = [n for n in ("classifier.weight", "classifier.bias") if n in update.names]
     if len(names) != 2:
@@ -445,7 +460,7 @@ def extractor_images(method, hp: LocalHyperparameters | None) -> int:
         return 0
     samples = int(hp.samples if hp.samples is not None else hp.batch_size)
     return sum(int(hp.steps_per_phase) * samples * (2 if aug else 1)
-               for p, _, aug in method.local_phases(hp.epochs) if p in method.extractor_phases)
+               for p, _, aug in extractor_phases(method, hp.epochs))
 
 
 def inverse_activation(module: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -554,7 +569,7 @@ def classifier_images(method, hp: LocalHyperparameters | None) -> int:
     on, when the classifier phase is one step; else 0."""
     if hp is None or hp.steps_per_phase is None or int(hp.steps_per_phase) != 1:
         return 0
-    phases = [aug for p, _, aug in method.local_phases(hp.epochs) if p == "classifier"]
+    phases = [aug for p, _, aug in local_phases(method, hp.epochs) if p == "classifier"]
     samples = int(hp.samples if hp.samples is not None else hp.batch_size)
     return samples * (2 if phases[0] else 1) if len(phases) == 1 else 0
 
@@ -587,9 +602,9 @@ def label_counts(obs: Observation, update, model) -> tuple[torch.Tensor | None, 
         return None, "no step of a downloaded classifier with a bias"
     if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         return None, "a BatchNorm model has no prediction for one image on its own (batch statistics)"
-    if "classifier-features" in getattr(obs.method, "closed_form", ()):
+    if "classifier-features" in declared_facts(obs.method):
         return _classifier_step_counts(obs, update, model, b)
-    if not obs.method.plain_sgd:
+    if not trains_plain_sgd(obs.method):
         return None, "no plain step of a downloaded classifier with a bias"
     predicted = _mean_prediction(obs, model, update.before)
     raw = b * (predicted + update.delta["classifier.bias"].double() / (hp.lr * int(hp.steps)))
@@ -606,7 +621,7 @@ def _mean_prediction(obs: Observation, model, params: dict[str, torch.Tensor]) -
 
 
 def _classifier_step_counts(obs: Observation, update, model, images: int) -> tuple[torch.Tensor | None, str]:
-    """The images' counts where the classifier phase is one step of ``Method.classifier_step`` (FedeCouple):
+    """The images' counts where the classifier phase is one step of ``ClassifierStep`` (FedeCouple):
     from that step's bias update as for a plain step, over the rows it trained on (the images and their
     augmented copies, which share their labels), the mean prediction that of the client's kept extractor
     and its classifier before the step. The distillation term adds nothing to the bias gradient where the
@@ -684,9 +699,9 @@ def _solve_features(obs: Observation, update, model, out: ClosedForm, rank: int)
 
 
 def derive(obs: Observation, update, model, mode: str) -> ClosedForm:
-    """The closed-form facts ``obs.method`` declares (``Method.closed_form``) that this observation
+    """The closed-form facts ``obs.method`` declares (``Replay.closed_form``) that this observation
     holds, from the observation alone (``update``: its ``attacks.inversion.observation.UpdateTarget``)."""
-    declared = tuple(getattr(obs.method, "closed_form", ()))
+    declared = declared_facts(obs.method)
     out = ClosedForm(trace={"declared": list(declared)})
     if "last-linear" in declared:
         out.last_linear, notes = _last_linear(obs, update, model)

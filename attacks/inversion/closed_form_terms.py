@@ -10,7 +10,7 @@ from torch.func import functional_call
 
 from fedecouple.methods.replay import features as replay_features, parameter_gradients
 
-from ..layer_inversion import invert_layer_inputs
+from .layer_inputs import invert_layer_inputs
 from .closed_form import ROW_SPACE_WEIGHT, STATISTICS_WEIGHT
 from .closed_form import row_space as closed_row_space
 from .observation import CLASSIFIER_WEIGHT
@@ -163,7 +163,7 @@ class ClosedFormTerms:
     def closed_form_start(self) -> torch.Tensor | None:
         """(B, C, H, W): the images rebuilt from the inputs of the extractor's last linear layer that the
         closed form fixed (one image: its best candidate; several: each image's, in the order of the attack's
-        labels; ``attacks.layer_inversion`` through the layers below it, as the client downloaded them, from
+        labels; ``attacks.inversion.layer_inputs`` through the layers below it, as the client downloaded them, from
         the grey image), where it fixed every rebuilt image's; else None. DLG's and IG's first start.
         Computed once per observation (``Observation.memo``)."""
         if not self.has_closed_form_start:

@@ -20,7 +20,7 @@ rounding). One step on a batch is the one-split case (SPEAR's setting). Where th
 used: the attack runs as without it.
 
 The attack then knows each slot's label and its input at the layer at its time of use: the images'
-first start inverts those inputs through the layers below (``attacks.layer_inversion``; at a later step
+first start inverts those inputs through the layers below (``attacks.inversion.layer_inputs``; at a later step
 through the weights interpolated between download and upload, the server's estimate of the
 unobserved intermediate model), and the images' objective gains the relative error of the dummy's
 inputs, taken inside the replay at each step's own weights (zero at the truth).
@@ -35,7 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from ..layer_inversion import invert_layer_inputs
+from fedecouple.methods.facets import trains_plain_sgd
+
+from .layer_inputs import invert_layer_inputs
 
 from .closed_form import _names_below, inverse_activation, last_linear_layer
 from .optimise import LBFGS, run_lbfgs
@@ -156,7 +158,7 @@ def _fit(top: _Top, basis: torch.Tensor, onehot: torch.Tensor, start: torch.Tens
 def applies(matcher) -> str | None:
     """None when the stage applies to this attack's layout, else why not."""
     hp = matcher.hyperparameters
-    if hp is None or not matcher.observation.method.plain_sgd or not (
+    if hp is None or not trains_plain_sgd(matcher.observation.method) or not (
             matcher.mode == "replay" or (matcher.mode == "scaled-gradient" and int(hp.steps) == 1)):
         return "needs plain SGD with known hyperparameters (the replay, or one step's gradient)"
     if matcher.extra_weights:
@@ -260,7 +262,7 @@ def input_term(matcher, layer: LayerInputs, states: list[dict], x: torch.Tensor)
 
 
 def start_images(matcher, layer: LayerInputs, iterations: int, starts: int = INVERSION_STARTS) -> torch.Tensor:
-    """Images whose inputs at the layer approach the solved ones (``attacks.layer_inversion``), each slot
+    """Images whose inputs at the layer approach the solved ones (``attacks.inversion.layer_inputs``), each slot
     through the weights of its step estimated between download and upload (ω_t = ω_0 + (t/T)·Δ, as the
     label counts are); from the grey image and ``starts − 1`` seeded noise images, each slot keeping the
     image whose input is nearest (the inversion through the max-pools has local minima: on the data set's

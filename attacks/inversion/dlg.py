@@ -46,9 +46,10 @@ from typing import Sequence
 import torch
 from torch.func import grad_and_value
 
-from ..base import STARTS, AttackResult, Budget, Observation
+from ..base import AttackResult, Budget, Observation
+from ..choices import STARTS
 from .batching import Batch, plan_by_model
-from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
+from ..registry import GRADIENT_HINT, WEIGHT_KINDS, ClientAttackSpec
 from .forward_model import FAMILY_PARAMETERS, GradientMatcher
 from .idlg_rule import IDLG_NOT_APPLICABLE, counted_labels, idlg_applies, idlg_labels, idlg_share
 from .optimise import LBFGS, Recipe, generator, mean_image, mix_seed, normal, result_from_best, uniform, \
@@ -60,7 +61,7 @@ from .optimise.matching import lockstep_cost, optimise
 # its best iterate is kept (DLG either converges or stalls on our models). Was 0.1 % over 25 steps: on the
 # main job (FedeCouple, 8 targets) the same mean PSNR to 0.1 dB in 55 % of the time
 RECIPE = Recipe("sum over the attacked weights of the squared distance of the dummy's update to the observed one",
-                LBFGS(lr=1.0, stall_steps=15, stall_tolerance=1e-2), prior=None, iterations=300)
+                LBFGS(lr=1.0, stall_steps=15, stall_tolerance=1e-2), prior=None)
 LBFGS_LR = RECIPE.optimiser.lr
 
 
@@ -174,7 +175,7 @@ def _setup(obs: Observation, budget: Budget, mode: str, fixed_labels: bool, name
     if matcher.has_closed_form_start:
         trace["start"] = f"closed form, then {budget.start}"
         notes.append("the first start is the image rebuilt from the closed form's input of the extractor's last "
-                     "linear layer (attacks.layer_inversion); further starts as --start says")
+                     "linear layer (attacks.inversion.layer_inputs); further starts as --start says")
     return _Setup(matcher, [t.detach() for t in matcher.target], labels, (b + matcher.free_copies, *obs.image_shape),
                   obs.num_classes, trace, notes, budget.start)
 
@@ -240,11 +241,9 @@ def plan_idlg(observations: Sequence[Observation], budget: Budget, mode: str = "
 # budget: per budgeted step about 2.6 Adam steps in the main job's run (8 FedeCouple targets, 300 steps
 # budgeted: 69 s of attack); the time estimate's factor
 LBFGS_STEP_COST = 2.6
-register(AttackSpec("dlg", "gradient", "Deep Leakage from Gradients: image and soft label by L-BFGS gradient matching",
-                    dlg, plan, default_iterations=RECIPE.iterations, default_victim_batch=1, applies_to=WEIGHT_KINDS,
-                    scoring="images", needs="model weights", hint=GRADIENT_HINT,
-                    matching="l2", estimate_step_factor=LBFGS_STEP_COST, estimate_starts=lockstep_cost))
-register(AttackSpec("idlg", "gradient", "improved DLG: the label from the classifier's gradient, then DLG",
-                    idlg, plan_idlg, default_iterations=RECIPE.iterations, default_victim_batch=1,
-                    applies_to=WEIGHT_KINDS, scoring="images", needs="model weights", hint=GRADIENT_HINT,
-                    matching="l2", estimate_step_factor=LBFGS_STEP_COST, estimate_starts=lockstep_cost))
+DLG = ClientAttackSpec("dlg", attack_one=dlg, plan=plan, default_victim_batch=1, applies_to=WEIGHT_KINDS,
+                       scoring="images", needs="model weights", hint=GRADIENT_HINT, matching="l2",
+                       estimate_step_factor=LBFGS_STEP_COST, estimate_starts=lockstep_cost)
+IDLG = ClientAttackSpec("idlg", attack_one=idlg, plan=plan_idlg, default_victim_batch=1, applies_to=WEIGHT_KINDS,
+                        scoring="images", needs="model weights", hint=GRADIENT_HINT, matching="l2",
+                        estimate_step_factor=LBFGS_STEP_COST, estimate_starts=lockstep_cost)

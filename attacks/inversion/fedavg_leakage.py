@@ -6,7 +6,7 @@ sample count: the "hyperparameters known" threat model) differentiably, from the
 server knows, on dummy images, and matches the simulated update to the observed one:
 
 * **the forward model** is the method's own (``attacks.inversion.forward_model.GradientMatcher``): plain
-  cross-entropy SGD for FedAvg (``replay``), ``Method.replay`` for FedPer, FedRep, FedPAC and
+  cross-entropy SGD for FedAvg (``replay``), ``Replay.replay`` for FedPer, FedRep, FedPAC and
   FedeCouple (``method``: phases, frozen parts, uploaded statistics, free augmented copies);
 * **the unknown batch order**: the client reshuffles every epoch, so each epoch gets its own copy of
   the image set (``attacks.inversion.forward_model.plan_layout``: slot = place in that epoch's shuffle). The
@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from scipy.optimize import linear_sum_assignment
 from torch.func import functional_call
 
+from fedecouple.methods.facets import trains_plain_sgd
 from fedecouple.methods.replay import differentiated_outside
 
 from ..base import AttackResult, Budget, NotApplicable, Observation
@@ -66,7 +67,7 @@ from .closed_form_terms import START_ITERATIONS
 from .forward_model import GradientMatcher, combine_epoch_copies
 from .optimise import (ITERATION_SHARE, TEMPERATURES, BestOfStarts, Recipe, SignedAdam, TotalVariation,
                        check_inputs, generator, normal, polish, run_adam, uniform)
-from ..registry import GRADIENT_HINT, WEIGHT_KINDS, AttackSpec, register
+from ..registry import GRADIENT_HINT, WEIGHT_KINDS, ClientAttackSpec
 
 STALL_TOLERANCE = 1e-3
 # the stop rule watches from the first learning-rate drop on: on the small-client command of
@@ -78,8 +79,7 @@ STALL_AFTER_DROPS = 1
 # lowest at 0.03); reported on seed 0 (docs/real-training.md)
 RECIPE = Recipe("1 - cos(simulated update, observed update) + input term + TV + order term",
                 SignedAdam(lr=0.1, stall_tolerance=STALL_TOLERANCE, stall_after_drops=STALL_AFTER_DROPS),
-                TotalVariation(0.03, "mean"),
-                iterations=3000, restarts=2)
+                TotalVariation(0.03, "mean"))
 LR = RECIPE.optimiser.lr
 TV_WEIGHT = RECIPE.prior.weight
 ORDER_WEIGHT = 1.0  # set, not tuned: it is zero at the truth, whatever its weight
@@ -149,7 +149,8 @@ def label_counts(matcher: GradientMatcher) -> tuple[torch.Tensor | None, str]:
     uploaded = obs.upload.get("class_counts")
     if uploaded is not None and uploaded.numel() == obs.num_classes:
         return round_to_total(uploaded.double(), m), "uploaded class counts"
-    if not obs.method.plain_sgd or "classifier.bias" not in update.names or "classifier.bias" not in obs.download:
+    if (not trains_plain_sgd(obs.method) or "classifier.bias" not in update.names
+            or "classifier.bias" not in obs.download):
         return None, "no plain SGD on a downloaded classifier with a bias"
     model = matcher.model
     if any(isinstance(x, torch.nn.modules.batchnorm._BatchNorm) for x in model.modules()):
@@ -189,7 +190,8 @@ def _setup(observation: Observation, mode: str = "auto") -> _Setup:
     if hp.steps_per_phase is not None or observation.known_schedule is not None:
         matcher = GradientMatcher(observation, mode)
     else:
-        matcher = GradientMatcher(observation, "replay" if mode == "auto" and observation.method.plain_sgd else mode)
+        plain = mode == "auto" and trains_plain_sgd(observation.method)
+        matcher = GradientMatcher(observation, "replay" if plain else mode)
     if matcher.originals is None:  # a plain layout without a sample count: the slots are the batch
         matcher.originals = matcher.reconstructed = int(hp.samples or hp.batch_size)
     if matcher.reconstructed is None:
@@ -369,9 +371,6 @@ def plan(observations: Sequence[Observation], budget: Budget, mode: str = "auto"
             if i not in failed], failed
 
 
-register(AttackSpec("fedavg-leak", "gradient",
-                    "Dimitrov et al. 2022: simulate the client's local epochs, label counts first, epoch copies "
-                    "tied by an order-invariant term, every image rebuilt",
-                    leak_fedavg, plan, default_iterations=RECIPE.iterations, default_victim_batch=0,
-                    applies_to=WEIGHT_KINDS, scoring="images", needs="model weights", hint=GRADIENT_HINT,
-                    matching="cosine", default_restarts=RECIPE.restarts))
+SPEC = ClientAttackSpec("fedavg-leak", attack_one=leak_fedavg, plan=plan, default_victim_batch=0,
+                        applies_to=WEIGHT_KINDS, scoring="images", needs="model weights", hint=GRADIENT_HINT,
+                        matching="cosine")

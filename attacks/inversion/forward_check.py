@@ -3,7 +3,7 @@ the harness hands in (never seen by the attack itself).
 
 Two checks per target:
 
-* ``replay_cosine`` / ``replay_relative_error``: the method's replay (``Method.replay``) run on the
+* ``replay_cosine`` / ``replay_relative_error``: the method's replay (``Replay.replay``) run on the
   client's true images, true batch order and true augmentation draws, against the update the
   server observed: cosine and relative error of Δ over the attacked weights. About 1 (and 0) when
   the replay is the client's computation; this measures the method's replay, not the attack's
@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fedecouple.methods.facets import Replay
 from fedecouple.methods.replay import Step
 from fedecouple.methods.replay import features as replay_features
 
@@ -82,7 +83,7 @@ def replay_agreement(obs: Observation, images: torch.Tensor, labels: torch.Tenso
     learning rate). At float32 a replay of many steps through a piecewise-linear network can part from
     the client where a pre-activation lies within the rounding of a kink: a cosine a little below 1 after
     many steps is that, not a wrong model (``tests/test_replay.py`` holds the model at float64)."""
-    if not obs.method.replays() or obs.known_hyperparameters is None:
+    if not isinstance(obs.method, Replay) or obs.known_hyperparameters is None:
         return {"replay_cosine": None, "replay_relative_error": None}
     cosine, relative = update_agreement(*replay_on_truth(obs, images, labels, records))
     return {"replay_cosine": cosine, "replay_relative_error": relative}

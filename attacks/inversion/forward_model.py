@@ -12,7 +12,7 @@ Three ways to compare a dummy batch with Δ (``GradientMatcher``), named in ever
   FedAvg-style local training; for methods that train in phases or with extra losses
   (FedeCouple, FedRep, FedPAC, ...) it is an approximation, and the notes say so.
 * ``method``: needs the hyperparameters; the attacked method's own local training
-  (``Method.replay``: its phases, losses, frozen parts and augmented copies, in the layout of
+  (``Replay.replay``: its phases, losses, frozen parts and augmented copies, in the layout of
   ``plan_layout``) is replayed on the dummy data and matched to the upload group by group, plus the
   statistics the method uploads (prototypes, ``h``, counts) as relative errors.
 
@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from fedecouple.methods.base import phase_steps
+from fedecouple.methods.facets import local_phases, trains_plain_sgd
 from fedecouple.methods.replay import ReplayContext, Step, parameter_gradients
 from fedecouple.models import group_of, use_batch_statistics
 
@@ -84,13 +85,13 @@ class Layout:
 
 
 def plan_layout(method, hp: LocalHyperparameters) -> Layout:
-    """The method's phases (``Method.local_phases``), ``phase_steps`` steps each (ragged last batches
+    """The method's phases (``Replay.local_phases``), ``phase_steps`` steps each (ragged last batches
     dropped, as the client does), laid out on dummy slots (``Layout``)."""
     n = int(hp.samples if hp.samples is not None else hp.batch_size)
     bs = min(hp.batch_size, n)
     per_epoch = n // bs
     steps, augmented, copy = [], [], 0
-    for phase, epochs, aug in method.local_phases(hp.epochs):
+    for phase, epochs, aug in local_phases(method, hp.epochs):
         for j in range(phase_steps(epochs, n, bs, hp.steps_per_phase)):
             if hp.steps_per_phase is not None:
                 members = tuple(range(n))
@@ -127,7 +128,7 @@ def combine_epoch_copies(images: torch.Tensor, copies: int) -> torch.Tensor:
 
 def replay_context(obs: Observation, before: dict[str, torch.Tensor], steps: list[Step],
                    copies: int = 1) -> ReplayContext:
-    """What ``Method.replay`` starts from, from the observation alone (``before`` from
+    """What ``Replay.replay`` starts from, from the observation alone (``before`` from
     ``update_target``; the client's kept model: its previous upload, else the initial weights);
     ``copies``: epoch copies of the image set in the replayed images (``Layout.epoch_copies``)."""
     initial = {n: p.detach() for n, p in obs.make_model().named_parameters()}
@@ -172,7 +173,7 @@ class GradientMatcher(ClosedFormTerms, MatchingTerms):
     ``target`` is the list of observed tensors and ``dummy(x, y)`` the dummy's counterpart (same
     order, differentiable in x and y). In the ``replay`` and ``scaled-gradient`` modes they are
     gradient-like (g = −Δ/(lr·steps), or −Δ/‖Δ‖ when only the direction is known: ``scale_known``
-    False). In the ``method`` mode the method's own replay (``Method.replay``) is run on the dummy:
+    False). In the ``method`` mode the method's own replay (``Replay.replay``) is run on the dummy:
     the targets are the observed Δ of each attacked weight and the uploaded statistics the replay
     also produces (FedPAC's prototypes, h, class counts), in ``groups``: one per weight group, one per
     statistic (``l2_objective``, ``cosine_objective``). ``dummy_images`` images are optimised: the ``originals`` reconstructions, then one
@@ -271,7 +272,7 @@ class GradientMatcher(ClosedFormTerms, MatchingTerms):
         if self.mode == "replay":
             self.notes.append(f"replay mode: {hp.steps} plain cross-entropy SGD step(s) with lr {hp.lr:g} on "
                               f"batches of {hp.batch_size} are replayed from the before-state and matched to the upload")
-            if not obs.method.plain_sgd:
+            if not trains_plain_sgd(obs.method):
                 self.notes.append(f"{obs.method.name} does not train with plain cross-entropy SGD on all parameters "
                                   f"(phases, extra losses or augmentation): the replay is an approximation")
         elif hp is None:
@@ -280,7 +281,7 @@ class GradientMatcher(ClosedFormTerms, MatchingTerms):
         else:
             self.notes.append(f"scaled-gradient mode: the update is used as g = -delta/(lr*steps) "
                               f"with lr {hp.lr:g}, {hp.steps} step(s)")
-            if not obs.method.plain_sgd:
+            if not trains_plain_sgd(obs.method):
                 self.notes.append(f"{obs.method.name}'s local update is not one cross-entropy gradient step "
                                   f"(phases, extra losses or augmentation): matching it as one is an approximation")
 

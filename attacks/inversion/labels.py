@@ -5,11 +5,10 @@ read, is ``attacks.inversion.label_distribution.label_inference``.
 """
 from __future__ import annotations
 
-from ..registry import AttackSpec, register
+from ..registry import ClientAttackSpec
 from .label_distribution import label_inference
 
-register(AttackSpec("labels", "labels", "label-distribution inference from counts, statistics, prototype keys or the "
-                    "classifier's update", label_inference, None, default_iterations=300, default_victim_batch=0,
-                    applies_to=frozenset({"classifier", "class_counts", "statistic", "prototype"}), scoring="labels",
-                    needs="label information (class counts, label statistics, prototypes or a classifier update)",
-                    hint="label inference has nothing to read"))
+SPEC = ClientAttackSpec("labels", attack_one=label_inference, default_victim_batch=0, scoring="labels",
+                        applies_to=frozenset({"classifier", "class_counts", "statistic", "prototype"}),
+                        needs="label information (class counts, label statistics, prototypes or a classifier update)",
+                        hint="label inference has nothing to read")

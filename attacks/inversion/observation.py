@@ -35,14 +35,13 @@ from typing import Callable
 import torch
 
 from fedecouple.devices import to_device
+from fedecouple.methods.facets import Replay
 from fedecouple.models import SplitModel, group_of, use_batch_statistics
 
 from ..base import KnownSchedule, LocalHyperparameters, NotApplicable, Observation
+from ..choices import AUGMENTATION_MODELS, COPY_MODELS, MODES  # noqa: F401  (read here too)
 
-MODES = ("auto", "method", "replay", "scaled")
 CLASSIFIER_WEIGHT = "classifier.weight"
-COPY_MODELS = ("free", "family")
-AUGMENTATION_MODELS = (*COPY_MODELS, "oracle")  # oracle: the draws are known (KnownSchedule)
 
 
 def observe(recorder, round: int, client_id: int, *, method, make_model: Callable[[], SplitModel],
@@ -181,12 +180,12 @@ def resolve_mode(obs: Observation, mode: str = "auto") -> str:
     if mode in ("replay", "method") and hp is None:
         raise ValueError(f"{mode} needs the client's local hyperparameters (lr, steps, batch size): "
                          "use the 'hyperparameters known' threat model or the scaled mode")
-    if mode == "method" and not method.replays():
+    if mode == "method" and not isinstance(method, Replay):
         raise ValueError(f"{method.name} declares no replay of its local training; use --mode replay or scaled")
     if mode in ("replay", "method"):
         return mode
     if mode == "scaled":
         return "scaled-gradient"
-    if hp is not None and not method.plain_sgd and method.replays():
+    if hp is not None and isinstance(method, Replay) and not method.plain_sgd:
         return "method"
     return "replay" if hp is not None and hp.steps > 1 else "scaled-gradient"

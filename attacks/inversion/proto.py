@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from fedecouple.models import SplitModel
 
 from ..base import AttackResult, Budget, NotApplicable, Observation
-from ..registry import AttackSpec, register
+from ..registry import ClientAttackSpec
 from .optimise import LBFGS, BestOfStarts, Recipe, around, generator, run_lbfgs
 from .prototypes import COSINE_WEIGHT, PRIOR, TV_WEIGHT, choose_extractor, set_objective, uploaded_prototypes
 
@@ -80,7 +80,7 @@ INIT_NOISE = 0.1
 LBFGS_HISTORY = 20
 # L-BFGS with a strong-Wolfe line search, its inner iterations the budget's (one step per start)
 RECIPE = Recipe("relative squared error and 1 - cos of a set's mean feature against the prototype + TV",
-                LBFGS(lr=1.0, history_size=LBFGS_HISTORY, line_search="strong_wolfe"), PRIOR, iterations=300)
+                LBFGS(lr=1.0, history_size=LBFGS_HISTORY, line_search="strong_wolfe"), PRIOR)
 
 GRADIENT_ATTACKS_HINT = ("its upload carries model weights, not prototypes: use the gradient attacks "
                          "(`fedsec attack dlg|idlg|ig`) and `labels` instead")
@@ -207,8 +207,7 @@ def prototype_inversion(observation: Observation, budget: Budget, seed: int) -> 
                         trace=trace, notes=notes)
 
 
-register(AttackSpec("proto", "image", "prototype inversion: a class-typical image from each uploaded class prototype",
-                    prototype_inversion, None, default_iterations=RECIPE.iterations, default_victim_batch=0,
-                    applies_to=frozenset({"prototype"}), scoring="class-images", needs="prototypes",
-                    hint="prototype inversion has nothing to invert; use the gradient attacks (`fedsec attack "
-                         "dlg|idlg|ig --method {method}`) or `labels` instead"))
+SPEC = ClientAttackSpec("proto", attack_one=prototype_inversion, default_victim_batch=0,
+                        applies_to=frozenset({"prototype"}), scoring="class-images", needs="prototypes",
+                        hint="prototype inversion has nothing to invert; use the gradient attacks (`fedsec attack "
+                             "dlg|idlg|ig --method {method}`) or `labels` instead")

@@ -61,11 +61,10 @@ from scipy.optimize import linprog, minimize_scalar
 from torch import nn
 
 from ..base import AttackResult, Budget, NotApplicable, Observation
-from ..layer_inversion import invert_layer_inputs
-from ..malicious.craft import layer_inputs, load
-from ..malicious.readout import first_layer_sees_pixels, layer_inputs_differentiable, match_inputs
+from .layer_inputs import (first_layer_sees_pixels, invert_layer_inputs, layer_inputs, layer_inputs_differentiable,
+                           load, match_inputs)
 from ..metrics import input_shares, psnr, ssim
-from ..registry import GRADIENT_HINT, AttackSpec, register
+from ..registry import GRADIENT_HINT, ClientAttackSpec
 from .observation import update_target
 from .optimise import mean_image
 
@@ -642,15 +641,11 @@ def recover_batch(weight: torch.Tensor, bias: torch.Tensor, grad_weight: torch.T
 # the attack on one upload: the layer's update, the inputs, the images
 
 
-# L-BFGS steps rebuilding images from recovered inputs of a layer that does not see the pixels
-INVERSION_STEPS = 300
 # a recovered input counts as exact at or below this relative error (the statistics' rule)
 EXACT_INPUT = 1e-4
 # seconds per L-BFGS step of the image rebuild and per image (``attacks.malicious``'s rate for the same
 # rebuild); the recovery itself takes about a second per target at B = 16
 STEP_SECONDS = 0.0014
-SUMMARY = ("SPEAR: every image of a one-step batch, exactly, from the update of a linear layer followed "
-           "by ReLU (its sparse gradients), each certified by the ReLU's pattern")
 
 
 def attacked_layer(model: nn.Module, uploaded: list[str]) -> tuple[str, float] | None:
@@ -719,7 +714,7 @@ def rebuild_images(model: nn.Module, layer: str, inputs: torch.Tensor, image_sha
                    iterations: int) -> torch.Tensor:
     """(B, C, H, W) images in [0, 1] whose inputs of ``layer`` are ``inputs``: the normalised image
     itself where the layer sees the pixels, else by inverting the layers before it
-    (``attacks.layer_inversion``: L-BFGS from the per-channel mean image the normalisation carries)."""
+    (``attacks.inversion.layer_inputs``: L-BFGS from the per-channel mean image the normalisation carries)."""
     if first_layer_sees_pixels(model, layer):
         x = inputs.reshape(-1, *image_shape) * model.normalize.std + model.normalize.mean
         return x.clamp(0, 1).detach()
@@ -811,8 +806,7 @@ def spear_lines(summary: dict) -> list[str]:
             f"[{c_low:.0%}, {c_high:.0%}]; median error {summary['inputs_median_error']:.1e}"]
 
 
-register(AttackSpec("spear", "gradient", SUMMARY, spear, None, default_iterations=INVERSION_STEPS,
-                    default_victim_batch=8, applies_to=frozenset({"extractor"}), scoring="images",
-                    needs="extractor weights", hint=GRADIENT_HINT, extra_columns=("certified",),
-                    score_target=score_inputs, statistics=spear_statistics, summary_lines=spear_lines,
-                    estimate_rate=STEP_SECONDS, estimate_per="image"))
+SPEC = ClientAttackSpec("spear", attack_one=spear, default_victim_batch=8, applies_to=frozenset({"extractor"}),
+                        scoring="images", needs="extractor weights", hint=GRADIENT_HINT, extra_columns=("certified",),
+                        score_target=score_inputs, statistics=spear_statistics, summary_lines=spear_lines,
+                        estimate_rate=STEP_SECONDS, estimate_per="image")

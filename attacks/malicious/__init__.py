@@ -15,10 +15,10 @@ Registered attacks (``fedsec attack trap|binning|fish``):
   fished images are rebuilt from the update. It needs an earlier upload of the client (its label
   counts pick the class), so an attacked round >= 1.
 
-What the crafted download reaches is the method's declaration (``Method.download_reaches``): a
+What the crafted download reaches is the method's declaration (``DownloadReach.download_reaches``): a
 method that trains nothing it downloads (FedProto) is refused before training.
 
-Each attack declares the server's side in its ``AttackSpec``: the craft (``craft_download``, which
+Each attack declares the server's side in its ``MaliciousSpec``: the craft (``craft_download``, which
 the harness's interceptor calls for every attacked client), what it cannot reach (``unreachable``),
 how its read-back is scored and summed up (``score_target``, ``statistics``: ``scoring``, or
 ``fishing``'s own) and its time per step; nothing outside its file names it.
@@ -28,17 +28,16 @@ from __future__ import annotations
 import torch
 
 from ..base import AttackResult, Budget, NotApplicable, Observation
-from ..registry import AttackSpec, register
+from ..registry import MaliciousSpec
 from .craft import CRAFTS, CraftRecord, craft, craft_request, first_linear, not_reachable
 from .fishing import CRAFT as FISHING
 from .fishing import COLUMNS as FISHING_COLUMNS
-from .fishing import INVERSION_STEPS as FISHING_STEPS
 from .fishing import (FishingRecord, fish_attack, fishing_craft, fishing_download, fishing_lines, fishing_statistics,
                       fishing_unreachable, score_fished)
-from .readout import match_inputs, rebuild_images, recover_inputs, relative_errors, true_inputs
+from ..inversion.layer_inputs import match_inputs, relative_errors
+from .readout import rebuild_images, recover_inputs, true_inputs
 from .scoring import EXACT, input_statistics, score_recovered
 
-INVERSION_STEPS = 300
 # seconds per L-BFGS step of the image rebuild and per image the client trained on, on the reference
 # machine: the audit preset's eight trap stages (4 targets x 300 steps, clients of 10 and of 50 images,
 # four methods) took 408 s together. Per stage the time depends less on the client size than this
@@ -65,8 +64,7 @@ def attack_one(observation: Observation, budget: Budget, seed: int) -> AttackRes
     return result
 
 
-_COMMON = dict(kind="malicious", attack_one=attack_one, plan=None, default_iterations=INVERSION_STEPS,
-               default_victim_batch=0, applies_to=frozenset({"extractor"}), scoring="images",
+_COMMON = dict(attack_one=attack_one, default_victim_batch=0, applies_to=frozenset({"extractor"}), scoring="images",
                needs="model weights",
                hint="a crafted download is read back from the uploaded weights; try "
                     "`fedsec attack proto --method {method}`",
@@ -74,18 +72,13 @@ _COMMON = dict(kind="malicious", attack_one=attack_one, plan=None, default_itera
                statistics=input_statistics, estimate_rate=TRAP_STEP_SECONDS, estimate_per="image")
 
 
-register(AttackSpec(name="trap", summary="malicious server: trap weights in the first linear layer (--craft "
-                                         "binning: Fowl et al.'s bins, exact; plain: Boenisch et al.'s random rows)",
-                    crafts=CRAFTS, **_COMMON))
-register(AttackSpec(name="binning", summary="malicious server: binning rows in the first linear layer (= trap "
-                                            "--craft binning)", crafts=("binning",), **_COMMON))
-register(AttackSpec(name="fish", summary="malicious server: classifier fishing (Wen et al.): the classifier sent "
-                                         "isolates one image of the client's rarest class, rebuilt from the update",
-                    crafts=(FISHING,), extra_columns=FISHING_COLUMNS, first_round=1,
-                    **{**_COMMON, "attack_one": fish_attack, "default_iterations": FISHING_STEPS,
-                       "craft_download": fishing_craft, "unreachable": fishing_unreachable,
-                       "score_target": score_fished, "statistics": fishing_statistics,
-                       "summary_lines": fishing_lines, "estimate_rate": FISH_STEP_SECONDS, "estimate_per": "target"}))
+TRAP = MaliciousSpec("trap", crafts=CRAFTS, **_COMMON)
+BINNING = MaliciousSpec("binning", crafts=("binning",), **_COMMON)
+FISH = MaliciousSpec("fish", crafts=(FISHING,), extra_columns=FISHING_COLUMNS,
+                     **{**_COMMON, "attack_one": fish_attack, "craft_download": fishing_craft,
+                        "unreachable": fishing_unreachable, "score_target": score_fished,
+                        "statistics": fishing_statistics, "summary_lines": fishing_lines,
+                        "estimate_rate": FISH_STEP_SECONDS, "estimate_per": "target"})
 
 __all__ = ["CRAFTS", "EXACT", "FISHING", "CraftRecord", "FishingRecord", "attack_one", "craft", "first_linear",
            "fishing_download", "match_inputs", "not_reachable", "recover_inputs", "relative_errors", "true_inputs"]

@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fedecouple.methods.facets import download_reach
+
+from ..inversion.layer_inputs import layer_inputs, layer_module, load  # noqa: F401  (the crafts' own vocabulary)
 from ..registry import CraftRequest
 
 CRAFTS = ("binning", "plain")
@@ -81,8 +84,8 @@ def first_linear(model: nn.Module) -> str:
 
 
 def reached_groups(method) -> set[str]:
-    """The parameter groups ``method``'s client trains from or against as sent (``Method.download_reaches``)."""
-    return set(getattr(method, "download_reaches", ()) or ())
+    """The parameter groups ``method``'s client trains from or against as sent (``DownloadReach``)."""
+    return set(download_reach(method))
 
 
 def nothing_reached(method) -> str | None:
@@ -114,37 +117,11 @@ def next_linear(model: nn.Module, layer: str) -> str:
     return after[0] if after else "classifier"
 
 
-def layer_module(model: nn.Module, layer: str) -> nn.Linear:
-    return model.get_submodule(layer)
-
-
-def layer_inputs(model: nn.Module, layer: str, images: torch.Tensor) -> torch.Tensor:
-    """(n, d) inputs of ``layer`` for ``images`` (in [0, 1]) under ``model``'s current weights."""
-    seen: list[torch.Tensor] = []
-    handle = layer_module(model, layer).register_forward_hook(lambda m, args, out: seen.append(args[0].detach()))
-    try:
-        with torch.no_grad():
-            model.features(images)
-    finally:
-        handle.remove()
-    return seen[0].reshape(len(images), -1)
-
-
-def load(model: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
-    """``model`` with every parameter named in ``tensors`` set to it (in place)."""
-    own = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in tensors.items():
-            if name in own:
-                own[name].copy_(value)
-    return model
-
-
 def craft(kind: str, download: dict[str, torch.Tensor], model: nn.Module, public: torch.Tensor,
           reached: tuple[str, ...], seed: int = 0) -> tuple[dict[str, torch.Tensor], CraftRecord]:
     """The crafted download for one client and the server's record of it. ``model`` is a model of
     the architecture (its weights are replaced by the download's where it has them); ``reached``:
-    the parameter groups the client trains from or against as sent (``Method.download_reaches``):
+    the parameter groups the client trains from or against as sent (``DownloadReach.download_reaches``):
     binning equalises the next layer's columns only where that layer is among them."""
     if kind not in CRAFTS:
         raise ValueError(f"unknown craft {kind!r}; one of {CRAFTS}")
@@ -173,7 +150,7 @@ def craft(kind: str, download: dict[str, torch.Tensor], model: nn.Module, public
 
 
 def craft_request(request: CraftRequest) -> tuple[dict[str, torch.Tensor], CraftRecord]:
-    """The server's craft (``AttackSpec.craft_download``): ``craft`` of the craft ``request`` names."""
+    """The server's craft (``MaliciousSpec.craft_download``): ``craft`` of the craft ``request`` names."""
     return craft(request.craft, dict(request.download), request.make_model(), request.public, request.reached,
                  seed=request.seed)
 

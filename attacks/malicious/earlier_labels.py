@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from fedecouple.methods.base import phase_steps
+from fedecouple.methods.facets import local_phases
 
 from ..base import NotApplicable, Observation
 from ..inversion.label_distribution import label_inference
@@ -26,7 +27,7 @@ def label_counts(request: CraftRequest) -> tuple[torch.Tensor, int]:
     if request.train is not None and "sample_count" in earlier[2]:
         n = int(earlier[2]["sample_count"])
         steps = sum(phase_steps(e, n, request.train.batch_size) for phase, e, _ in
-                    request.method.local_phases(request.train.local_epochs) if phase in ("local", "classifier")) or 1
+                    local_phases(request.method, request.train.local_epochs) if phase in ("local", "classifier")) or 1
     observation = Observation(request.method, earlier[0], request.client, earlier[1], earlier[2], None,
                               request.make_model, tuple(request.public.shape[1:]), num_classes)
     try:

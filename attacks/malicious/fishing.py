@@ -53,6 +53,8 @@ import torch.nn.functional as F
 from scipy.optimize import linear_sum_assignment
 from torch.func import functional_call
 
+from fedecouple.methods.facets import local_phases
+
 from ..base import AttackResult, Budget, NotApplicable, Observation
 from ..inversion.forward_model import one_minus_cosine
 from ..inversion.optimise import IG_ADAM, IG_PRIOR, around, generator, run_adam
@@ -72,7 +74,6 @@ THRESHOLD_LEVELS = torch.linspace(0.01, 0.99, 99, dtype=torch.float64)
 RIDGE = 0.1
 # weight of ‖mean h(x) − h‖²/‖h‖² (the closed-form fished feature) in the inversion objective
 FEATURE_WEIGHT = 1.0
-INVERSION_STEPS = 1000
 # feature fishing only where the client takes at most this many steps against the crafted classifier:
 # FedAvg's training diverged at 5 steps (50 images, seeds 0 and 1); at 2 steps (20 images, tuning seed
 # 1) it stayed finite and 5 of 10 client-rounds succeeded, against 0 of 10 with class fishing only
@@ -152,7 +153,7 @@ def fishing_download(download: dict[str, torch.Tensor], model, public: torch.Ten
 
 
 def fishing_craft(request: CraftRequest) -> tuple[dict[str, torch.Tensor], FishingRecord]:
-    """The server's craft (``AttackSpec.craft_download``): ``fishing_download`` for the label counts and
+    """The server's craft (``MaliciousSpec.craft_download``): ``fishing_download`` for the label counts and
     steps it reads from the client's earlier exchange (``attacks.malicious.earlier_labels``)."""
     counts, steps = label_counts(request)
     return fishing_download(dict(request.download), request.make_model(), request.public, request.public_labels,
@@ -212,7 +213,7 @@ def fished_weights(model, record: FishingRecord, images: torch.Tensor) -> torch.
 def classifier_passes(method, epochs: int) -> int:
     """How many times a client's local training passes its data through the downloaded classifier:
     the epochs of its phases that train the classifier from the download."""
-    return sum(e for phase, e, _ in method.local_phases(epochs) if phase in ("local", "classifier"))
+    return sum(e for phase, e, _ in local_phases(method, epochs) if phase in ("local", "classifier"))
 
 
 def read_fished(observation: Observation, record: FishingRecord) -> tuple[int, torch.Tensor | None, str]:

@@ -11,12 +11,11 @@ row saw, mostly one, plus the 1 % leak of the others).
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 
-from ..layer_inversion import invert_layer_inputs
-from .craft import CraftRecord, layer_inputs, load
+from ..inversion.layer_inputs import (first_layer_sees_pixels, invert_layer_inputs, layer_inputs,
+                                      layer_inputs_differentiable, load)
+from .craft import CraftRecord
 
 # a bin (or row) counts as holding an input when its bias change is above this share of the largest
 ACTIVE_SHARE = 1e-4
@@ -75,39 +74,11 @@ def _distinct(candidates: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor
     return torch.stack(kept) if kept else candidates[:0]
 
 
-def relative_errors(candidates: torch.Tensor, truths: torch.Tensor) -> torch.Tensor:
-    """(m, n) ‖candidate − truth‖ / ‖truth‖."""
-    return torch.cdist(candidates.double(), truths.double()) / truths.double().norm(dim=1).clamp_min(1e-12)[None, :]
-
-
-def match_inputs(candidates: torch.Tensor, truths: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """For each truth (n, d): the index of its matched candidate (−1: none left) and its relative
-    error (inf where unmatched), one-to-one by ``linear_sum_assignment`` on the relative errors."""
-    n = len(truths)
-    chosen, errors = np.full(n, -1), np.full(n, np.inf)
-    if len(candidates) == 0 or n == 0:
-        return chosen, errors
-    cost = relative_errors(candidates, truths).numpy()
-    rows, cols = linear_sum_assignment(cost)
-    chosen[cols], errors[cols] = rows, cost[rows, cols]
-    return chosen, errors
-
-
-def first_layer_sees_pixels(model: torch.nn.Module, layer: str) -> bool:
-    """True when only a flatten comes before ``layer``: its input is the normalised image."""
-    before = []
-    for name, module in model.extractor.named_children():
-        if f"extractor.{name}" == layer:
-            break
-        before.append(module)
-    return all(isinstance(m, torch.nn.Flatten) for m in before)
-
-
 def rebuild_images(model: torch.nn.Module, record: CraftRecord, inputs: torch.Tensor,
                    image_shape: tuple[int, int, int], iterations: int, seed: int) -> torch.Tensor:
     """(m, C, H, W) images in [0, 1] whose crafted-layer inputs are ``inputs``: in closed form when
     the layer sees the pixels (undo the normalisation), else by inverting the layers before it (as
-    sent) from the exact input (``attacks.layer_inversion``, ``iterations`` L-BFGS steps from the
+    sent) from the exact input (``attacks.inversion.layer_inputs``, ``iterations`` L-BFGS steps from the
     public mean image)."""
     model = load(model, record.sent)
     if len(inputs) == 0:
@@ -118,16 +89,6 @@ def rebuild_images(model: torch.nn.Module, record: CraftRecord, inputs: torch.Te
     start = record.public_mean if record.public_mean is not None else torch.full(image_shape, 0.5)
     return invert_layer_inputs(lambda x: layer_inputs_differentiable(model, record.layer, x), inputs, start,
                                iterations)
-
-
-def layer_inputs_differentiable(model: torch.nn.Module, layer: str, images: torch.Tensor) -> torch.Tensor:
-    """``layer_inputs`` with the graph kept (the layers before ``layer``, applied in order)."""
-    x = model.normalize(images)
-    for name, module in model.extractor.named_children():
-        if f"extractor.{name}" == layer:
-            return x.reshape(len(images), -1)
-        x = module(x)
-    raise ValueError(f"{layer} is not a direct child of the extractor")
 
 
 def true_inputs(model: torch.nn.Module, record: CraftRecord, images: torch.Tensor) -> torch.Tensor:

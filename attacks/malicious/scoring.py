@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..metrics import input_shares, psnr, ssim
-from .readout import match_inputs, true_inputs
+from ..inversion.layer_inputs import match_inputs
+from .readout import true_inputs
 
 # a recovered input counts as exact at or below this relative error
 EXACT = 1e-3

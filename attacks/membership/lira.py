@@ -26,7 +26,7 @@ import warnings
 import numpy as np
 import torch
 
-from ..registry import MembershipSpec, register_membership
+from ..registry import MembershipSpec
 
 STD_FLOOR = 1e-6
 
@@ -83,5 +83,4 @@ def _score(inputs) -> np.ndarray:
     return lira_online(phi_t, inputs.per_record(phi_refs, trained=True), inputs.per_record(phi_refs, trained=False))
 
 
-register_membership(MembershipSpec("lira", "online LiRA (Carlini et al. 2022) with a global variance",
-                                   _score, references=True))
+SPEC = MembershipSpec("lira", _score, references=True)

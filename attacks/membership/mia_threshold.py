@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..registry import MembershipSpec, register_membership
+from ..registry import MembershipSpec
 from ..statistics import per_group
 
 PROB_FLOOR = 1e-30  # keeps log(0) finite for saturated softmax outputs
@@ -82,9 +82,6 @@ def _population(inputs) -> np.ndarray:
     return population_scores(loss, loss[z], inputs.owner, inputs.owner[z])
 
 
-register_membership(MembershipSpec("loss", "LOSS threshold (Yeom et al. 2018): low loss means member",
-                                   lambda i: loss_scores(i.logits, i.labels), references=False))
-register_membership(MembershipSpec("entropy", "modified entropy (Song & Mittal 2021)",
-                                   lambda i: entropy_scores(i.logits, i.labels), references=False))
-register_membership(MembershipSpec("population", "Attack-P: the loss against the client's population losses",
-                                   _population, references=False))
+LOSS = MembershipSpec("loss", lambda i: loss_scores(i.logits, i.labels), references=False)
+ENTROPY = MembershipSpec("entropy", lambda i: entropy_scores(i.logits, i.labels), references=False)
+POPULATION = MembershipSpec("population", _population, references=False)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..registry import MembershipSpec, register_membership
+from ..registry import MembershipSpec
 from ..statistics import auc, per_group
 
 DEFAULT_GAMMA = 2.0
@@ -93,5 +93,4 @@ def _score(inputs) -> np.ndarray:
                        inputs.owner, inputs.owner[z])
 
 
-register_membership(MembershipSpec("rmia", "offline RMIA (Zarifzadeh et al. 2024): likelihood ratio against the "
-                                           "population, OUT references", _score, references=True))
+SPEC = MembershipSpec("rmia", _score, references=True)

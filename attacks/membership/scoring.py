@@ -1,5 +1,5 @@
 """Membership scoring and its statistics (``fedsec mia``): the model-based attacks on one target kind
-(``score_kind``: every registered ``MembershipSpec`` on the target's and the reference models' logits,
+(``score_kind``: every declared ``MembershipSpec`` on the target's and the reference models' logits,
 RMIA's ``a`` tuned on reference pair 0 by ``tune_a``), the update test (``score_update``), the chance
 level of the member/non-member split (``chance_level``), and per attack the pooled statistics with
 client-bootstrap intervals, the per-client AUCs and the empirical ε lower bound (``attack_metrics``).

@@ -28,7 +28,7 @@ The per-client attack on what is recovered (``attack_update``), for a one-image 
 iDLG's rule on the classifier's update (Zhao et al. 2020, "iDLG: Improved Deep Leakage from Gradients"),
 and its image from the closed form of the extractor's last linear layer (a one-image update of
 z = W a + b is ΔW = Δb·aᵀ, so a = ΔWᵀΔb/‖Δb‖²; ``attacks.inversion.closed_form.linear_input``) inverted
-through the layers below (``attacks.layer_inversion``) at the window's mean sent model. The same
+through the layers below (``attacks.inversion.layer_inputs``) at the window's mean sent model. The same
 function applies to a client's true update without secure aggregation (``bench/secure_curious.py``
 compares the two).
 
@@ -50,11 +50,10 @@ from fedecouple.secure_aggregation import weight_factor
 from ..base import AttackResult, Budget, NotApplicable
 from ..inversion.closed_form import last_linear_layer, linear_input
 from ..inversion.idlg_rule import idlg_applies, idlg_labels
-from ..layer_inversion import invert_layer_inputs
-from ..registry import AttackSpec, register
+from ..inversion.layer_inputs import invert_layer_inputs
+from ..registry import RoundAttackSpec
 from .observation import SAMPLE_COUNT, RoundObservation, RoundSum, round_counts, summed_update, weight_of
 
-INVERSION_ITERATIONS = 300  # the default budget: L-BFGS iterations of each image's layer inversion
 RANK_TOLERANCE = 1e-9  # a client is resolved when its share of P's null space is below this
 
 
@@ -250,10 +249,7 @@ def summary_lines(summary: dict) -> list[str]:
             f"[{100 * low:.0f}, {100 * high:.0f}] % ({counts['unresolved']} not determined by the rounds)"]
 
 
-register(AttackSpec("sum-disaggregation", "aggregate", "secure aggregation: per-client label counts and updates by "
-                    "least squares over many rounds' sums (gradient disaggregation), then iDLG and the closed form",
-                    None, None, default_iterations=INVERSION_ITERATIONS, default_victim_batch=0,
-                    applies_to=frozenset({"classifier", "class_counts", "extractor"}), scoring="images",
-                    needs="model or class counts in the sum", hint="its secure sum carries nothing per client",
-                    estimate_rate=0.05, estimate_per="target", summary_lines=summary_lines,
-                    attack_round=disaggregation))
+SPEC = RoundAttackSpec("sum-disaggregation", attack_round=disaggregation, default_victim_batch=0,
+                       applies_to=frozenset({"classifier", "class_counts", "extractor"}), scoring="images",
+                       needs="model or class counts in the sum", hint="its secure sum carries nothing per client",
+                       estimate_rate=0.05, estimate_per="target", summary_lines=summary_lines)

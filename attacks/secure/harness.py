@@ -214,7 +214,7 @@ def score_round(run: RecordedRun, spec: AttackSpec, job: RoundTarget, prior: tor
 
 
 def forward_check(run: RecordedRun, spec: AttackSpec, job: RoundTarget) -> dict | None:
-    """The attack's data term at the round's true images against its result's (``AttackSpec.truth_objective``):
+    """The attack's data term at the round's true images against its result's (``RoundAttackSpec.truth_objective``):
     truth lower, the optimiser stopped short (its figure a lower bound); truth higher, the attack's model of
     the sum is wrong (its figure says nothing). None where the attack declares no objective."""
     kept = job.result.trace.get("data_term")

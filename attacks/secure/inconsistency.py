@@ -32,10 +32,11 @@ import torch
 from torch import nn
 
 from attacks.malicious.craft import CraftRecord, first_linear, load, next_linear, not_reachable
+from fedecouple.methods.facets import download_reach
 from fedecouple.secure_aggregation import neighbours, weight_factor
 
 from ..base import AttackResult, Budget, NotApplicable
-from ..registry import AttackSpec, CraftRequest, register
+from ..registry import CraftRequest, MaliciousRoundSpec
 from .sized_binning import (ROLES, SPEC_COMMON, ClientPlan, RoundCraft, pick_target, rebuilt, request_plan,
                             read_sum, secure_binning, target_record)
 
@@ -57,9 +58,7 @@ def silence_unreachable(method, model: nn.Module) -> str | None:
     layer = first_linear(model)
     following = next_linear(model, layer)
     # the attack runs under secure aggregation only, where a method may download less (FedPAC: no head)
-    reaches = method.secure_download_reaches if method.secure_download_reaches is not None else \
-        method.download_reaches
-    if following.split(".", 1)[0] in set(reaches):
+    if following.split(".", 1)[0] in set(download_reach(method, secure=True)):
         return None
     return (f"{method.name}'s clients train against their own {following}: a silenced client still updates {layer}, "
             f"so model inconsistency cannot isolate one update in the sum")
@@ -122,7 +121,7 @@ def clear_weight(observation, client: int) -> float | None:
 
 
 def inconsistency_craft(request: CraftRequest) -> tuple[dict[str, torch.Tensor], RoundCraft]:
-    """``AttackSpec.craft_download``: ``isolate`` for the request's client among the round's."""
+    """``MaliciousRoundSpec.craft_download``: ``isolate`` for the request's client among the round's."""
     protocol, plan, notes = request_plan(request)
     sent, record = isolate(request.craft, dict(request.download), request.make_model(), request.public,
                            request.reached, protocol, plan, request.client, request.round_clients or (request.client,),
@@ -139,7 +138,7 @@ def unreachable(method, model: nn.Module) -> str | None:
 
 
 def inconsistency(observation, budget: Budget, seed: int) -> AttackResult:
-    """``AttackSpec.attack_round``: the target's inputs read from the sum (``read_isolated``), rebuilt."""
+    """``MaliciousRoundSpec.attack_round``: the target's inputs read from the sum (``read_isolated``), rebuilt."""
     target, record = target_record(observation.crafted)
     if target not in observation.survivors:
         raise NotApplicable(f"the target (client {target}) withheld its upload or dropped out: it is not in the sum")
@@ -158,12 +157,8 @@ def inconsistency(observation, budget: Budget, seed: int) -> AttackResult:
                    {"mode": "inconsistency", "clients": [target], "target_weight": weight}, notes)
 
 
-SPEC = register(AttackSpec(
-    name="inconsistency",
-    summary="malicious server under secure aggregation: model inconsistency (Eluding Secure Aggregation via Model "
-            "Inconsistency) zeroes every other client's first-layer update; binning reads the target's from the sum",
-    crafts=CRAFTS, craft_download=inconsistency_craft, unreachable=unreachable, attack_round=inconsistency,
-    **SPEC_COMMON))
+SPEC = MaliciousRoundSpec("inconsistency", crafts=CRAFTS, craft_download=inconsistency_craft, unreachable=unreachable,
+                          attack_round=inconsistency, **SPEC_COMMON)
 
 __all__ = ["CRAFTS", "ROLES", "SPEC", "RoundCraft", "inconsistency", "isolate", "isolated_weight", "pick_target",
            "read_isolated", "silence", "silence_unreachable", "target_record"]

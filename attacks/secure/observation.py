@@ -6,7 +6,7 @@ client's upload: each masked upload is uniform noise. What it holds, per round, 
 
 * who took part (``participants``: the clients it sent the round's download to), whose masked upload
   arrived (``survivors``) and who dropped out (``dropped``);
-* ``total``: the decoded sum of the survivors' summands (``Method.secure_summands``, float64), e.g. for
+* ``total``: the decoded sum of the survivors' summands (``SecureSummation.secure_summands``, float64), e.g. for
   FedAvg Σ wᵢ·θᵢ per parameter and Σ wᵢ under ``sample_count``, with wᵢ = nᵢ / ``max_weight``; for
   FedProto Σ nᵢₖ·cᵢₖ / max_weight and Σ nᵢₖ / max_weight per class k. Each value lies within
   ``len(survivors) * quantum`` of the exact sum (the protocol's quantisation); empty when the round was
@@ -25,13 +25,13 @@ Beside the traffic, the threat model may hand the attacker the clients' local tr
 client's own size is known only where it travels in the clear, ``clear``), public data of the same
 domain (``auxiliary``: images in [0, 1] and their labels) and, for a malicious server, its record of
 what it crafted for each client (``crafted``: client → record, as
-``attacks.registry.AttackSpec.craft_download`` returns it; empty for an honest server). It never holds
+``attacks.registry.MaliciousRoundSpec.craft_download`` returns it; empty for an honest server). It never holds
 a client's data: the harness (``attacks.secure.harness``) scores a result against the survivors'
 training images only after the attack returned.
 
 A round-level attack is ``attack_round(observation: RoundObservation, budget: attacks.base.Budget,
-seed: int) -> attacks.base.AttackResult``, declared once as an ``AttackSpec`` of kind ``"aggregate"``
-with ``attack_round`` set; it raises ``attacks.base.NotApplicable`` when the round carries nothing it
+seed: int) -> attacks.base.AttackResult``, its spec a ``RoundAttackSpec`` (kind ``"aggregate"``,
+``attacks.registry``); it raises ``attacks.base.NotApplicable`` when the round carries nothing it
 can use. What its result may carry, and how each part is scored, is ``attacks.secure.harness``'s
 docstring.
 
@@ -51,6 +51,7 @@ import torch
 
 from fedecouple.devices import to_device
 from fedecouple.methods.base import Method, phase_steps
+from fedecouple.methods.facets import local_phases
 from fedecouple.models import SplitModel, use_batch_statistics
 
 from ..base import LocalHyperparameters, NotApplicable
@@ -276,7 +277,8 @@ def known_hyperparameters(run, samples: int | None, survivors: int) -> LocalHype
     size (``samples`` Σ nᵢ over ``survivors`` clients; its own count stays hidden: ``samples`` None)."""
     train = run.train
     n = max(1, round((samples or train.batch_size * max(survivors, 1)) / max(survivors, 1)))
-    steps = sum(phase_steps(epochs, n, train.batch_size) for _, epochs, _ in run.method.local_phases(train.local_epochs))
+    steps = sum(phase_steps(epochs, n, train.batch_size)
+                for _, epochs, _ in local_phases(run.method, train.local_epochs))
     return LocalHyperparameters(lr=train.lr, steps=steps, batch_size=train.batch_size, epochs=train.local_epochs)
 
 

@@ -54,19 +54,16 @@ MARGIN = 0.5
 # the public inputs' largest coordinate is measured at this quantile over the images, so that one odd
 # public image does not set the scale
 LARGEST_QUANTILE = 0.99
-# L-BFGS steps rebuilding the images from the recovered inputs (``attacks.malicious``'s default)
-INVERSION_STEPS = 300
 # the latest sized craft, [its inputs' key, (download, record)]: a round's participants all get the same honest
 # download, so one craft serves them (binning draws nothing from the seed, which the key leaves out)
 _LATEST: list = []
 # seconds per L-BFGS step and image rebuilt (``attacks.malicious``'s rate for the per-client binning)
 STEP_SECONDS = 0.0025
-# what the malicious server's round-level attacks declare alike in their ``AttackSpec`` (each adds its
-# name, summary, crafts, craft and attack); their read-back is scored as the per-client binning's, one row
+# what the malicious server's round-level attacks declare alike in their ``MaliciousRoundSpec`` (each adds
+# its name, crafts, craft and attack); their read-back is scored as the per-client binning's, one row
 # per image of the clients read with its recovered input's relative error (``score_recovered``), and
 # summed up the same way (``input_statistics``: the share of inputs recovered exactly)
-SPEC_COMMON = dict(kind="aggregate", attack_one=None, plan=None, default_iterations=INVERSION_STEPS,
-                   default_victim_batch=0, applies_to=frozenset({"extractor"}), scoring="images",
+SPEC_COMMON = dict(default_victim_batch=0, applies_to=frozenset({"extractor"}), scoring="images",
                    needs="model weights in the sum",
                    hint="a crafted download is read back from the summed weights; try `fedsec attack sum-labels "
                         "--method {method}`", estimate_rate=STEP_SECONDS, estimate_per="image",
@@ -250,7 +247,7 @@ def request_plan(request: CraftRequest) -> tuple[object, ClientPlan, list[str]]:
 
 
 def sum_binning_craft(request: CraftRequest) -> tuple[dict[str, torch.Tensor], CraftRecord]:
-    """``AttackSpec.craft_download``: the sized binning craft, the same for every participant."""
+    """``MaliciousRoundSpec.craft_download``: the sized binning craft, the same for every participant."""
     protocol, plan, notes = request_plan(request)
     sent, record = secure_binning(dict(request.download), request.make_model(), request.public, request.reached,
                                   protocol, plan, request.seed)

@@ -9,12 +9,12 @@ from __future__ import annotations
 from attacks.malicious.craft import not_reachable
 
 from ..base import AttackResult, Budget, NotApplicable
-from ..registry import AttackSpec, register
+from ..registry import MaliciousRoundSpec
 from .sized_binning import SPEC_COMMON, read_sum, rebuilt, sum_binning_craft
 
 
 def sum_binning(observation, budget: Budget, seed: int) -> AttackResult:
-    """``AttackSpec.attack_round``: every bin of the round's sum that holds any input read out
+    """``MaliciousRoundSpec.attack_round``: every bin of the round's sum that holds any input read out
     (``read_sum``), each candidate rebuilt into an image."""
     records = list(observation.crafted.values())
     if not records:
@@ -26,9 +26,5 @@ def sum_binning(observation, budget: Budget, seed: int) -> AttackResult:
     return rebuilt(observation, record, inputs, budget, seed, {"mode": "sum-binning"}, record.notes)
 
 
-SPEC = register(AttackSpec(
-    name="sum-binning",
-    summary="malicious server under secure aggregation: the same binning rows for every client, sized to the "
-            "protocol; a bin holding one image of the whole round reads it out of the sum (Robbing the Fed)",
-    crafts=("binning",), craft_download=sum_binning_craft, unreachable=not_reachable, attack_round=sum_binning,
-    **SPEC_COMMON))
+SPEC = MaliciousRoundSpec("sum-binning", crafts=("binning",), craft_download=sum_binning_craft,
+                          unreachable=not_reachable, attack_round=sum_binning, **SPEC_COMMON)

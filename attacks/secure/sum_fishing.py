@@ -40,15 +40,16 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from attacks.malicious.fishing import (COLUMNS, CRAFT, INVERSION_STEPS, FishingRecord, fishing_download,
+from attacks.malicious.fishing import (COLUMNS, CRAFT, FishingRecord, fishing_download,
                                        fishing_statistics, fishing_unreachable, invert_fished, read_fished,
                                        score_fished)
 from fedecouple.methods.base import phase_steps
+from fedecouple.methods.facets import SecureSummation, facet, local_phases
 from fedecouple.secure_aggregation import SecureAggregation
 
 from ..base import AttackResult, Budget, LocalHyperparameters, NotApplicable, Observation
 from ..inversion.closed_form import round_to_total
-from ..registry import AttackSpec, CraftRequest, register
+from ..registry import CraftRequest, MaliciousRoundSpec
 from .observation import image_weight, public_prediction, sample_total, weight_of
 from .sized_binning import fingerprint
 
@@ -125,7 +126,7 @@ def client_steps(request: CraftRequest, images: int) -> int:
     if request.train is None or request.method is None:
         return 1
     return sum(phase_steps(e, images, request.train.batch_size) for phase, e, _ in
-               request.method.local_phases(request.train.local_epochs) if phase in ("local", "classifier")) or 1
+               local_phases(request.method, request.train.local_epochs) if phase in ("local", "classifier")) or 1
 
 
 def clipped_row(request: CraftRequest, sent: dict[str, torch.Tensor], target: int, size: int) -> str | None:
@@ -143,7 +144,7 @@ def clipped_row(request: CraftRequest, sent: dict[str, torch.Tensor], target: in
 
 
 def sum_fishing_craft(request: CraftRequest) -> tuple[dict[str, torch.Tensor], RoundFishingRecord]:
-    """``AttackSpec.craft_download``: ``fishing_download`` for the round's estimated label counts, the
+    """``MaliciousRoundSpec.craft_download``: ``fishing_download`` for the round's estimated label counts, the
     same download for every participant (the round's first craft is kept and copied for the others)."""
     key = (request.round, fingerprint(dict(request.download)), fingerprint({"public": request.public}),
            request.secure, request.train, tuple(request.round_clients))
@@ -171,7 +172,8 @@ def sum_fishing_craft(request: CraftRequest) -> tuple[dict[str, torch.Tensor], R
 def unreachable(method, model) -> str | None:
     """``fishing_unreachable``, and under secure aggregation the download must still hold the extractor
     and the classifier (a method may download less there)."""
-    reaches = getattr(method, "secure_download_reaches", None)
+    summation = facet(method, SecureSummation)
+    reaches = summation.secure_download_reaches if summation is not None else None
     if reaches is not None and not {"extractor", "classifier"} <= set(reaches):
         return (f"{method.name} downloads only {', '.join(sorted(reaches))} under secure aggregation: classifier "
                 f"fishing needs every client to train its extractor against the classifier the server sends")
@@ -192,7 +194,7 @@ def round_hyperparameters(hp: LocalHyperparameters | None, images: int,
 
 
 def sum_fishing(observation, budget: Budget, seed: int) -> AttackResult:
-    """``AttackSpec.attack_round``: the fished images' count and mean feature read from the round's mean
+    """``MaliciousRoundSpec.attack_round``: the fished images' count and mean feature read from the round's mean
     update, then the images rebuilt from it (module docstring)."""
     start = time.perf_counter()
     records = [r for r in observation.crafted.values() if isinstance(r, FishingRecord)]
@@ -263,16 +265,13 @@ def summary_lines(summary: dict) -> list[str]:
             f"fished count read right in {summary['fishing_k_correct_share']:.0%}"]
 
 
-SPEC = register(AttackSpec(
-    name="sum-fishing", kind="aggregate",
-    summary="malicious server under secure aggregation: the same fishing classifier for every client (Wen et al.); "
-            "the sum's mean update is the round's fished images', rebuilt",
-    attack_one=None, plan=None, default_iterations=INVERSION_STEPS, default_victim_batch=0,
-    applies_to=frozenset({"extractor"}), scoring="images", needs="model weights in the sum",
+SPEC = MaliciousRoundSpec(
+    "sum-fishing", default_victim_batch=0, applies_to=frozenset({"extractor"}), scoring="images",
+    needs="model weights in the sum",
     hint="a crafted download is read back from the summed weights; try `fedsec attack sum-labels --method {method}`",
-    crafts=(CRAFT,), extra_columns=COLUMNS, first_round=1, craft_download=sum_fishing_craft, unreachable=unreachable,
+    crafts=(CRAFT,), extra_columns=COLUMNS, craft_download=sum_fishing_craft, unreachable=unreachable,
     score_target=score_fished, statistics=round_fishing_statistics, summary_lines=summary_lines,
-    estimate_rate=STEP_SECONDS, estimate_per="target", attack_round=sum_fishing))
+    estimate_rate=STEP_SECONDS, estimate_per="target", attack_round=sum_fishing)
 
 __all__ = ["SPEC", "RoundFishingRecord", "round_histogram", "round_hyperparameters", "sum_fishing",
            "sum_fishing_craft"]

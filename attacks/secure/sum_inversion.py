@@ -33,11 +33,11 @@ from ..base import AttackResult, Budget, LocalHyperparameters, NotApplicable, Ob
 from ..inversion.forward_model import GradientMatcher
 from ..inversion.optimise import (IG_ADAM, IG_PRIOR, BestOfStarts, Recipe, generator, mix_seed, normal,
                                   result_from_best, run_adam, uniform)
-from ..registry import WEIGHT_KINDS, AttackSpec, register
+from ..registry import WEIGHT_KINDS, RoundAttackSpec
 from .observation import SAMPLE_COUNT, RoundObservation, round_counts, sample_total, weight_of
 
 RECIPE = Recipe("1 - cos(dummy batch's gradient, the sum's weighted-average update) over all summed weights + TV",
-                dataclasses.replace(IG_ADAM, stall_tolerance=1e-3), IG_PRIOR, iterations=1000, restarts=1)
+                dataclasses.replace(IG_ADAM, stall_tolerance=1e-3), IG_PRIOR)
 MAX_BATCH = 64  # a larger union is one optimisation the attack refuses (its memory grows with the batch)
 
 
@@ -147,7 +147,7 @@ def _iterate(matcher: GradientMatcher, variables: list[torch.Tensor], labels: to
 
 
 def truth_objective(observation: RoundObservation, images: torch.Tensor, labels: torch.Tensor) -> float:
-    """``AttackSpec.truth_objective``: the cosine data term the attack minimises, at the round's true union
+    """``RoundAttackSpec.truth_objective``: the cosine data term the attack minimises, at the round's true union
     batch (the forward-model check: near 0 when the union-batch model of the sum is right)."""
     matcher = GradientMatcher(union_client(observation), "scaled")
     device = observation.device
@@ -164,10 +164,7 @@ def summary_lines(summary: dict) -> list[str]:
     return [f"  labels fixed to the round's histogram, exact in {h['exact_rounds']} of {h['rounds']} rounds"]
 
 
-register(AttackSpec("sum-inversion", "aggregate", "secure aggregation: the round's sum inverted as one batch of every "
-                    "survivor's images (cosine gradient matching, TV prior)", None, None,
-                    default_iterations=RECIPE.iterations, default_victim_batch=0, applies_to=WEIGHT_KINDS,
-                    scoring="images", needs="model weights in the sum",
-                    hint="its secure sum holds no model to invert; try sum-labels", default_restarts=RECIPE.restarts,
-                    estimate_rate=0.02, estimate_per="target", summary_lines=summary_lines,
-                    attack_round=sum_inversion, truth_objective=truth_objective))
+SPEC = RoundAttackSpec("sum-inversion", attack_round=sum_inversion, truth_objective=truth_objective,
+                       default_victim_batch=0, applies_to=WEIGHT_KINDS, scoring="images",
+                       needs="model weights in the sum", hint="its secure sum holds no model to invert; try sum-labels",
+                       estimate_rate=0.02, estimate_per="target", summary_lines=summary_lines)

@@ -23,7 +23,7 @@ import time
 import torch
 
 from ..base import AttackResult, Budget
-from ..registry import AttackSpec, register
+from ..registry import RoundAttackSpec
 from .observation import RoundObservation, round_counts
 
 
@@ -67,9 +67,7 @@ def summary_lines(summary: dict) -> list[str]:
             f"{h['mean_count_error']:.2f} images per round (sum over classes of |predicted - true|)"]
 
 
-register(AttackSpec("sum-labels", "aggregate", "secure aggregation: the round's label histogram from the sum (class "
-                    "counts, or the summed classifier-bias update)", None, None, default_iterations=1,
-                    default_victim_batch=0, applies_to=frozenset({"classifier", "class_counts"}), scoring="labels",
-                    needs="classifier or class counts in the sum",
-                    hint="its secure sum carries no label information", summary_lines=summary_lines,
-                    attack_round=sum_labels))
+SPEC = RoundAttackSpec("sum-labels", attack_round=sum_labels, default_victim_batch=0,
+                       applies_to=frozenset({"classifier", "class_counts"}), scoring="labels",
+                       needs="classifier or class counts in the sum",
+                       hint="its secure sum carries no label information", summary_lines=summary_lines)

@@ -27,10 +27,11 @@ from torch import nn
 
 from attacks.malicious.craft import first_linear, load, not_reachable
 from fedecouple.channel import Upload
+from fedecouple.methods.facets import SecureSummation
 from fedecouple.secure_aggregation import Layout, skellam_noise, with_flower_weight
 
 from ..base import AttackResult, Budget, NotApplicable
-from ..registry import AttackSpec, CraftRequest, register
+from ..registry import CraftRequest, MaliciousRoundSpec
 from .sized_binning import (SPEC_COMMON, ClientPlan, RoundCraft, pick_target, rebuilt, request_plan,
                             read_sum, secure_binning, target_record)
 
@@ -62,10 +63,12 @@ def without_sybils(total: dict[str, torch.Tensor], sybil_summands: list[dict[str
 
 def sybil_summands(method, crafted: dict[int, RoundCraft], survivors, round: int, max_weight: float,
                    num_classes: int, protocol=None) -> list[dict[str, torch.Tensor]]:
-    """What each surviving sybil added to the sum (``Method.secure_summands`` of the upload its record
+    """What each surviving sybil added to the sum (``SecureSummation.secure_summands`` of the upload its record
     kept, weighted at Flower's rounded weight as the protocol sends it, ``with_flower_weight``, where
     ``protocol`` is given); ``NotApplicable`` when a survivor is neither a sybil with its upload nor the
     target."""
+    if not isinstance(method, SecureSummation):
+        raise NotApplicable(f"{method.name} has no secure-aggregation variant")
     out = []
     for client in survivors:
         record = crafted.get(int(client))
@@ -115,7 +118,7 @@ def read_target(record, total: dict[str, torch.Tensor], summands: list[dict[str,
 
 
 def sybil_request(request: CraftRequest) -> tuple[dict[str, torch.Tensor], RoundCraft]:
-    """``AttackSpec.craft_download``: ``sybil_craft`` for the request's client among the round's."""
+    """``MaliciousRoundSpec.craft_download``: ``sybil_craft`` for the request's client among the round's."""
     protocol, plan, notes = request_plan(request)
     sent, record = sybil_craft(dict(request.download), request.make_model(), request.public, request.reached,
                                protocol, plan, request.client, request.round_clients or (request.client,),
@@ -127,7 +130,7 @@ def sybil_request(request: CraftRequest) -> tuple[dict[str, torch.Tensor], Round
 
 
 def sybil(observation, budget: Budget, seed: int) -> AttackResult:
-    """``AttackSpec.attack_round``: the target's summand (the sum minus the sybils'), read and rebuilt."""
+    """``MaliciousRoundSpec.attack_round``: the target's summand (the sum minus the sybils'), read and rebuilt."""
     target, record = target_record(observation.crafted)
     summands = sybil_summands(observation.method, observation.crafted, observation.survivors, observation.round,
                               observation.max_weight, observation.num_classes, observation.protocol)
@@ -141,10 +144,7 @@ def sybil(observation, budget: Budget, seed: int) -> AttackResult:
                    {"mode": "sybil", "clients": [target], "target_weight": weight}, notes)
 
 
-SPEC = register(AttackSpec(
-    name="sybil",
-    summary="malicious server under secure aggregation with sybils: every other participant is the server's, so it "
-            "subtracts their updates from the sum and reads the target's binning (an upper bound)",
-    crafts=CRAFTS, craft_download=sybil_request, unreachable=not_reachable, attack_round=sybil, **SPEC_COMMON))
+SPEC = MaliciousRoundSpec("sybil", crafts=CRAFTS, craft_download=sybil_request, unreachable=not_reachable,
+                          attack_round=sybil, **SPEC_COMMON)
 
 __all__ = ["CRAFTS", "SPEC", "read_target", "sybil", "sybil_craft", "sybil_noise", "sybil_summands", "without_sybils"]

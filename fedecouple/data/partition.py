@@ -12,8 +12,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import UserError
-
-SCHEMES = ("iid", "pathological", "weak", "dirichlet")
+from .registry import SCHEMES
 
 
 @dataclass

@@ -12,6 +12,10 @@ States are ``dict[str, Tensor]`` so they checkpoint with ``torch.load(weights_on
 later be shipped to another execution engine. ``manifest`` declares, in one place, every field the
 method uploads: the channel tests hold each method to it.
 
+What a method may declare beyond this core, each part of the toolkit reading its own, are facets it
+opts into (``facets.py``): a replay of its local training for the attacks, what a crafted download
+reaches, secure aggregation from sums, what differential privacy covers, the paper's preset.
+
 What methods share beyond the interface lives beside it: the server's averaging in ``averaging.py``, the
 client's local training loops (``sgd``, ``train_supervised``, ``train_head``, ``train_extractor``) in
 ``training.py``.
@@ -231,18 +235,21 @@ def only_group(tensors, group: str) -> dict[str, torch.Tensor]:
 
 
 class Method:
-    """Base class. Subclasses are dataclasses whose fields are the method's hyperparameters.
+    """The core every federated method implements. Subclasses are dataclasses whose fields are the
+    method's hyperparameters.
 
-    Besides the protocol (the functions below), a method declares the facts the toolkit reads about
-    it in one place, as class attributes: what it keeps on the client (``persistent_groups``),
-    whether it talks to the server at all (``communicates``), which downloaded groups its training takes
-    as sent (``download_reaches``), whether its local training is plain
-    per-sample cross-entropy SGD (``plain_sgd``: then a replay of T SGD steps reproduces its update
-    exactly), what the paper's preset changes (``paper_preset``) and what differential privacy
-    covers of it: the loss terms DP-SGD clips per sample (``dp_per_sample``), the whole-data
-    statistics it reads through ``ClientContext.class_feature_sums`` (``dp_statistics``: a DP
-    context releases them through their own Gaussian mechanism), and what neither covers
-    (``dp_uncovered``)."""
+    A method implements ``manifest`` (every field it uploads), ``client_update``, ``aggregate`` and
+    ``personalized``; ``init_server``, ``init_client`` and ``download`` default to one global model of
+    every parameter (``"global." + name``) sent whole, with nothing kept on the client. It names itself
+    (``name``, ``summary``) and declares what the engine and the upload filters read of every method:
+    whether it talks to the server at all (``communicates``) and which parameter groups its client keeps
+    between rounds (``persistent_groups``).
+
+    Everything else is a facet it opts into (``facets.py``), each read by one part of the toolkit:
+    ``Replay`` (attacks replay its local training), ``ClassifierStep``, ``DownloadReach`` (what a malicious
+    server's crafted download reaches), ``SecureSummation`` / ``SecureTwoPass`` (it runs under secure
+    aggregation; ``PerClientFields`` words the refusal of a method that does not), ``DPCoverage`` (what
+    differential privacy covers of it) and ``PaperPreset``."""
 
     name: ClassVar[str] = "method"
     summary: ClassVar[str] = ""
@@ -252,109 +259,15 @@ class Method:
     persistent_groups: ClassVar[tuple[str, ...]] = ()
     # False: no download is sent and no upload leaves the client (the engine skips the channel)
     communicates: ClassVar[bool] = True
-    # parameter groups the client's local training takes exactly as downloaded: trained from (FedAvg's
-    # whole model, FedPer's base) or trained against (FedeCouple's global classifier in its GLF step).
-    # What a malicious server's crafted weights reach (``attacks.malicious``); () : nothing it trains
-    download_reaches: ClassVar[tuple[str, ...]] = ()
-    # the same under secure aggregation, where a method's download may hold less (None: as above)
-    secure_download_reaches: ClassVar[tuple[str, ...] | None] = None
-    # True: local training is T plain cross-entropy SGD steps on every trained parameter, one phase,
-    # no augmentation, no extra loss; replaying those steps on the true batch gives the upload exactly
-    plain_sgd: ClassVar[bool] = False
-    # the hyperparameters a paper preset sets for this method (a value the user gave wins)
-    paper_preset: ClassVar[dict] = {}
-    # which loss terms are per-sample, in words (DP-SGD's per-sample clipping needs them to be)
-    dp_per_sample: ClassVar[str] = "n/a"
-    # the whole-data statistics the method computes through ``ctx.class_feature_sums``, in words;
-    # None: it computes none (a DP context then refuses any call, so the declaration stays true)
-    dp_statistics: ClassVar[str | None] = None
-    # the phases of ``local_phases`` whose SGD steps train the extractor
-    extractor_phases: ClassVar[tuple[str, ...]] = ("local",)
-    # what an upload of this method fixes in closed form, before any optimisation (read and computed
-    # by ``attacks.inversion.closed_form``): "last-linear" (when the extractor takes one unaugmented SGD step on
-    # one image, the update of its last linear layer gives that layer's input and its error signal
-    # δ exactly: weight row / bias entry), "labels" (the classifier's update gives the labels),
-    # "statistics" (FedPAC's h and prototypes of a one-image client are its features),
-    # "classifier-features" (one classifier step on one image: its features, and its augmented copy's,
-    # solved from the classifier's update through the method's ``classifier_step``; reported, not matched),
-    # "classifier-row-space" (the classifier's weight update spans the features it was trained on),
-    # "extractor-linear-input" (with those features, the input of the extractor's last linear layer, whose
-    # update spans the inputs of the images the extractor phase trained on)
-    closed_form: ClassVar[tuple[str, ...]] = ()
-    # secure aggregation (``fedecouple.secure_aggregation``): the upload fields its server must read one
-    # client at a time, and why; a method that declares ``secure_summands`` instead runs on the sum
-    per_client_fields: ClassVar[tuple[str, ...]] = ()
-    per_client_reason: ClassVar[str] = ""
-    # how its secure variant differs from the method as published, in words (None: it does not)
-    secure_variant_note: ClassVar[str | None] = None
-    # A method whose aggregate needs two sums declares ``secure_passes = 2``, ``secure_second_pass_minimum``,
-    # ``secure_broadcast``, ``secure_second_summands`` and ``secure_second_aggregate`` (FedeCouple;
-    # ``Federation._second_pass`` runs them). They have no defaults here, so a wrapper that forwards the
-    # attributes its class lacks (the DP method) forwards them too.
-
-    def dp_uncovered(self) -> str | None:
-        """What neither DP-SGD nor the statistics mechanism covers in this configuration (a clause
-        for an error message), or None."""
-        return None
-
-    @classmethod
-    def hyperparameter_names(cls) -> tuple[str, ...]:
-        """The method's hyperparameters: its dataclass fields."""
-        return tuple(f.name for f in fields(cls)) if hasattr(cls, "__dataclass_fields__") else ()
 
     @classmethod
     def accepted(cls, hyperparameters: dict) -> dict:
-        """The entries of ``hyperparameters`` this method takes."""
-        names = cls.hyperparameter_names()
+        """The entries of ``hyperparameters`` this method takes (``hyperparameter_names``)."""
+        names = hyperparameter_names(cls)
         return {k: v for k, v in hyperparameters.items() if k in names}
 
     def manifest(self, model: SplitModel) -> list[FieldSpec]:
         raise NotImplementedError
-
-    def local_phases(self, epochs: int) -> list[tuple[str, int, bool]]:
-        """The phases of the client's local training, in order: (phase name, as ``ctx.batches`` gets
-        it; epochs; whether its batches are augmented)."""
-        return [("local", epochs, False)]
-
-    def replay(self, model: SplitModel, context, images: torch.Tensor, labels: torch.Tensor,
-               copies: list) -> dict[str, torch.Tensor]:
-        """The client's local training as a differentiable program (``fedecouple.methods.replay``):
-        what it would upload after the steps of ``context`` (a ``ReplayContext``) on ``images`` with
-        ``labels``; ``copies[i]`` are step i's augmented copies (None for an unaugmented step)."""
-        raise NotImplementedError(f"{self.name} declares no replay of its local training")
-
-    @classmethod
-    def replays(cls) -> bool:
-        """Whether the method declares a replay of its local training."""
-        return cls.replay is not Method.replay
-
-    def upload_kinds(self, model: SplitModel) -> set[str]:
-        """The field kinds this method declares it uploads (empty when it never communicates)."""
-        return {spec.kind for spec in self.manifest(model)} if self.communicates else set()
-
-    def secure_summands(self, upload: Upload, max_weight: float, num_classes: int) -> dict[str, torch.Tensor]:
-        """What a client adds to the round's secure sum, from its upload: every value scaled to fit the
-        protocol's clipping range (``max_weight``: the largest sample count the protocol is set for)."""
-        raise NotImplementedError(f"{self.name} has no secure-aggregation variant")
-
-    def secure_aggregate(self, server: State, total: dict[str, torch.Tensor], round: int, max_weight: float) -> State:
-        """The new server state from the decoded sum of the survivors' ``secure_summands``."""
-        raise NotImplementedError(f"{self.name} has no secure-aggregation variant")
-
-    @classmethod
-    def aggregates_securely(cls) -> bool:
-        """Whether it runs under secure aggregation: it sends nothing, or declares a secure variant."""
-        return not cls.communicates or cls.secure_summands is not Method.secure_summands
-
-    def secure_refusal(self) -> str | None:
-        """Why it cannot run under secure aggregation (one line naming the upload fields its server reads
-        one by one), or None."""
-        if self.aggregates_securely():
-            return None
-        fields = ", ".join(self.per_client_fields) or "every upload field"
-        return (f"{self.name} cannot run under secure aggregation: its server reads {fields} of each client on "
-                f"its own ({self.per_client_reason}), which the protocol never reveals; turn secure aggregation off, "
-                f"or pick a method that aggregates a sum (fedavg, ft-fedavg, fedper, fedrep, fedproto, fedecouple, fedpac)")
 
     def init_server(self, model: SplitModel) -> State:
         return {"global." + k: v for k, v in get_params(model).items()}
@@ -375,7 +288,17 @@ class Method:
         raise NotImplementedError
 
     def hyperparameters(self) -> dict:
-        return {name: getattr(self, name) for name in self.hyperparameter_names()}
+        return {name: getattr(self, name) for name in hyperparameter_names(type(self))}
+
+
+def hyperparameter_names(method: type[Method] | Method) -> tuple[str, ...]:
+    """A method's hyperparameters: its dataclass fields."""
+    return tuple(f.name for f in fields(method)) if hasattr(method, "__dataclass_fields__") else ()
+
+
+def upload_kinds(method: Method, model: SplitModel) -> set[str]:
+    """The field kinds ``method`` declares it uploads (empty when it never communicates)."""
+    return {spec.kind for spec in method.manifest(model)} if method.communicates else set()
 
 
 def strip_prefix(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -21,12 +21,13 @@ from ..errors import UserError
 from ..models import SplitModel, get_params, set_params
 from .averaging import by_client, sample_weighted_average, weighted_mean, weighted_summands
 from .base import SAMPLE_COUNT, ClientContext, Method, State, add_prefix, make_upload, model_fields, strip_prefix
+from .facets import DPCoverage, DownloadReach, Replay, SecureSummation
 from .replay import plain_replay
 from .training import cross_entropy_loss, train_supervised
 
 
 @dataclass
-class FedAvg(Method):
+class FedAvg(Method, Replay, DownloadReach, SecureSummation, DPCoverage):
     """FedAvg: no hyperparameters beyond the shared training config (lr, batch size, local epochs)."""
 
     name = "fedavg"

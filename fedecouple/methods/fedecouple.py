@@ -58,6 +58,7 @@ from ..secure_aggregation import WEIGHT
 from .averaging import weighted_mean, weighted_summands
 from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, make_upload, model_fields, only_group,
                    strip_prefix)
+from .facets import ClassifierStep, DPCoverage, DownloadReach, PaperPreset, SecureTwoPass
 from .replay import as_probabilities, batch, cross_entropy, features, head, sgd_step
 from .replay import class_means as replay_class_means
 from .training import sgd
@@ -109,7 +110,7 @@ def cosine_aggregation_weights(vectors: torch.Tensor, sample_counts: torch.Tenso
 
 
 @dataclass
-class FedeCouple(Method):
+class FedeCouple(Method, ClassifierStep, DownloadReach, SecureTwoPass, DPCoverage, PaperPreset):
     lam: float = 0.8
     mu: float = 2.0
     tau: float = 2.0
@@ -133,7 +134,6 @@ class FedeCouple(Method):
                      "(accounted as one mechanism, σ/√2); the centre loss is per-sample given the anchors, which are a "
                      "statistic released before the extractor phase; DA: original + augmented copy clipped together.")
     # secure aggregation: eq. 16 in two passes of the protocol (module docstring; ``Federation._second_pass``)
-    secure_passes = 2
     secure_second_pass_minimum = 3  # from two clients' sums of both passes the server could solve both models
     secure_variant_note = ("two passes: the first sums n_i·ω_i and n_i, whose quotient ω_avg (what FedAvg's sum "
                            "reveals) the server sends back to that pass's survivors; each computes "

@@ -66,6 +66,7 @@ from ..models import SplitModel, get_params, set_params
 from .averaging import by_client, sample_weighted_average, weighted_mean, weighted_summands
 from .base import (SAMPLE_COUNT, ClassFeatureSums, ClientContext, FieldSpec, Method, State, add_prefix,
                    extract_features, make_upload, model_fields, only_group, strip_prefix)
+from .facets import DPCoverage, DownloadReach, Replay, SecureSummation
 from .replay import as_probabilities, batch, cross_entropy, features, head, momentum_step
 from .replay import class_means as replay_class_means
 from .prototypes import (CLASS_COUNT, PROTOTYPE, local_prototypes, prototype_field, prototype_loss, prototype_table,
@@ -146,7 +147,7 @@ def solve_simplex_qp(p_matrix: np.ndarray, own: int, min_weight: float = 1e-3) -
 
 
 @dataclass
-class FedPAC(Method):
+class FedPAC(Method, Replay, DownloadReach, SecureSummation, DPCoverage):
     """FedPAC: λ = 1.0 (paper) weights the feature-alignment term; ``head_epochs`` = 1 (reference
     code); ``min_weight`` = 1e-3 (reference code) zeroes tiny combination weights; both phases use
     SGD with ``momentum`` 0.5 and ``weight_decay`` 5e-4, a fresh optimiser per phase, the head at

@@ -18,12 +18,13 @@ from ..models import SplitModel, get_params, set_params
 from .averaging import by_client, sample_weighted_average, weighted_mean, weighted_summands
 from .base import (SAMPLE_COUNT, ClientContext, Method, State, add_prefix, make_upload, model_fields, only_group,
                    strip_prefix)
+from .facets import DPCoverage, DownloadReach, Replay, SecureSummation
 from .replay import plain_replay
 from .training import cross_entropy_loss, train_supervised
 
 
 @dataclass
-class FedPer(Method):
+class FedPer(Method, Replay, DownloadReach, SecureSummation, DPCoverage):
     """FedPer: base (extractor) shared and sample-weight averaged, head (classifier) personal.
     Paper defaults: joint training of base and head each round; no extra hyperparameters."""
 

@@ -31,12 +31,13 @@ from ..models import SplitModel, get_params, set_params
 from ..errors import UserError
 from .averaging import by_client
 from .base import ClientContext, FieldSpec, Method, State, add_prefix, make_upload
+from .facets import DPCoverage, SecureSummation
 from .prototypes import (CLASS_COUNT, PROTOTYPE, local_prototypes, prototype_field, prototype_loss, prototype_table,
                          prototypes_in, weighted_prototypes)
 from .training import train_supervised
 
 @dataclass
-class FedProto(Method):
+class FedProto(Method, SecureSummation, DPCoverage):
     """FedProto: λ = 1.0 (paper / reference code) weights the prototype-alignment term."""
 
     lam: float = 1.0

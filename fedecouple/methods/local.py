@@ -14,18 +14,18 @@ from dataclasses import dataclass
 from ..channel import Download, Upload
 from ..models import SplitModel, get_params, set_params
 from .base import ClientContext, Method, State, make_upload
+from .facets import DPCoverage
 from .training import cross_entropy_loss, train_supervised
 
 
 @dataclass
-class Local(Method):
+class Local(Method, DPCoverage):
     """Local: no communication at all."""
 
     name = "local"
     summary = "no communication: each client trains alone"
     persistent_groups = ("extractor", "classifier")
     communicates = False
-    plain_sgd = True
     dp_per_sample = "cross-entropy only: per-sample (nothing is uploaded)."
 
     def manifest(self, model: SplitModel):

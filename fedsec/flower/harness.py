@@ -32,7 +32,9 @@ from attacks.harness import attack_recorded
 from attacks.recorded import RecordedRun
 from fedecouple.devices import device_record
 from fedecouple.errors import UserError
+from fedecouple.methods.base import upload_kinds
 
+from ..invocation import Request
 from ..jobs.attack import AttackSettings, write_attack
 from ..jobs.audit import audit_recorded, gather_evidence
 from ..recording import choose_targets
@@ -94,22 +96,26 @@ def run_facts(run: FlowerRun) -> dict:
 
 def attack_app(app_dir: str | Path, settings: AttackSettings, *, nodes: int | None = None,
                run_config: dict | None = None, out: str | Path | None = None, ray_cpus: int | None = None,
-               quiet: bool = True, progress: bool = True, interceptors: Iterable = (), device: str = "cpu") -> dict:
+               quiet: bool = True, progress: bool = True, interceptors: Iterable = (), device: str = "cpu",
+               outcomes: list | None = None, simulated: FlowerRun | None = None) -> dict:
     """Run the app up to the last attacked round, attack ``settings.targets`` recorded clients per attacked
     round, score, write ``attack.csv``, ``summary.json``, ``reconstructions.png`` into ``out``; returns the
-    summary. ``interceptors`` act on the replies before the app's strategy aggregates them."""
+    summary (the ``AttackOutcome`` appended to ``outcomes`` when given). ``interceptors`` act on the replies
+    before the app's strategy aggregates them. ``simulated``: a run of the app that recorded every round
+    (an audit's); an attack on the clients' real local training attacks it instead of running the app again
+    (the same seeds give the same uploads), one in the victim setting still runs its own."""
     from .secagg import is_secure_app
 
     if settings.spec.round_level and is_secure_app(app_dir):  # the server holds only sums: attack those
         return attack_secure_app(app_dir, settings, nodes=nodes, run_config=run_config, out=out, ray_cpus=ray_cpus,
-                                 quiet=quiet, progress=progress, device=device)
+                                 quiet=quiet, progress=progress, device=device, outcomes=outcomes)
     start = time.perf_counter()
     settings = settings.resolved(seed=0)
     overrides, declaration = plan(app_dir, run_config, rounds=settings.rounds_to_train,
                                   rounds_required=settings.train_rounds is not None,
                                   victim=(settings.victim_batch, settings.victim_steps, settings.rounds))
     reason = settings.spec.not_applicable(declaration.method.name,
-                                          declaration.method.upload_kinds(declaration.make_model()))
+                                          upload_kinds(declaration.method, declaration.make_model()))
     if reason is None and settings.spec.malicious:
         reason = (f"{settings.spec.name} is a malicious-server attack: it needs a server that crafts the downloads, "
                   f"and a Flower app's server is the app's own (fedsec records it, it does not replace it); run it in "
@@ -119,8 +125,11 @@ def attack_app(app_dir: str | Path, settings: AttackSettings, *, nodes: int | No
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(settings.threads)
     try:
-        run = simulate(app_dir, nodes=nodes, run_config=overrides, record_rounds=settings.rounds,
-                       threads=settings.threads, ray_cpus=ray_cpus, quiet=quiet, interceptors=interceptors)
+        reuse = (simulated is not None and not settings.victim_batch and not interceptors
+                 and all(simulated.participants(r) for r in settings.rounds))
+        run = simulated if reuse else simulate(app_dir, nodes=nodes, run_config=overrides,
+                                               record_rounds=settings.rounds, threads=settings.threads,
+                                               ray_cpus=ray_cpus, quiet=quiet, interceptors=interceptors)
         missing = [r for r in settings.rounds if not run.participants(r)]
         if missing:
             raise UserError(f"no upload was recorded in round {missing[0]} (Flower round {missing[0] + 1}): the app "
@@ -132,6 +141,8 @@ def attack_app(app_dir: str | Path, settings: AttackSettings, *, nodes: int | No
                                   progress=progress)
     finally:
         torch.set_num_threads(previous_threads)
+    if outcomes is not None:
+        outcomes.append(outcome)
     return write_attack(out, settings, targets, outcome, {**run_facts(run), **device_record(device)}, start,
                         notes=run.notes)
 
@@ -142,7 +153,8 @@ def audit_app(app_dir: str | Path, *, nodes: int | None = None, run_config: dict
               progress: bool = True, device: str = "cpu") -> dict:
     """Run the app, recording every round, and audit every upload its server received; writes
     ``audit.csv``, ``findings.json``, ``audit.md``, ``summary.json`` into ``out`` (and, with ``evidence``,
-    each evidence attack's outputs under ``out/evidence/<attack>/``, from its own simulation)."""
+    each evidence attack's outputs under ``out/evidence/<attack>/``: an attack on the real local training
+    attacks this run, one in the victim setting runs the app in it)."""
     start = time.perf_counter()
     overrides, declaration = plan(app_dir, run_config, rounds=rounds, rounds_required=rounds is not None)
     run = simulate(app_dir, nodes=nodes, run_config=overrides, threads=threads, ray_cpus=ray_cpus, quiet=quiet)
@@ -152,7 +164,7 @@ def audit_app(app_dir: str | Path, *, nodes: int | None = None, run_config: dict
         measured = gather_evidence(declaration.method.name, recorded.upload_kinds(), lambda name: attack_app(
             app_dir, AttackSettings(attack=name, iterations=evidence_iterations, threads=threads), nodes=nodes,
             run_config=run_config, out=Path(out) / "evidence" / name, ray_cpus=ray_cpus, quiet=quiet,
-            progress=progress, device=device))
+            progress=progress, device=device, simulated=run))
     context = {"dataset": declaration.dataset.name, "clients": run.nodes, **run_facts(run), **device_record(device)}
     return audit_recorded(recorded, out, len(run.rounds()), measured, context, start)
 
@@ -199,7 +211,7 @@ def audit_secure_app(app_dir, *, nodes: int | None = None, run_config: dict | No
 
 def attack_secure_app(app_dir, settings, *, nodes: int | None = None, run_config: dict | None = None, out=None,
                       ray_cpus: int | None = None, quiet: bool = True, progress: bool = True,
-                      device: str = "cpu") -> dict:
+                      device: str = "cpu", outcomes: list | None = None) -> dict:
     """Run an app under Flower's SecAgg+ up to the last attacked round, recording every round, and run
     the round-level attack of ``settings`` (an ``AttackSettings`` naming an attack of kind
     ``"aggregate"``, e.g. sum-labels) on the attacked rounds' sums (``attacks.secure.harness``); writes
@@ -232,6 +244,8 @@ def attack_secure_app(app_dir, settings, *, nodes: int | None = None, run_config
     finally:
         torch.set_num_threads(previous)
     targets = {r: list(run.recorder.aggregates[r].survivors) for r in settings.rounds}
+    if outcomes is not None:
+        outcomes.append(outcome)
     return write_attack(out, settings, targets, outcome, {**run_facts(run), **device_record(device)}, start,
                         notes=run.notes)
 
@@ -551,7 +565,7 @@ def server_attack_lines(summary: dict, out) -> list[str]:
     return lines
 
 
-def server_attack_command(ctx) -> None:
+def server_attack_command(request: Request) -> None:
     """``fedsec flower attack <SecAgg+ server attack> APP_DIR``: the run above in the command's output folder
     (its folder record and config.toml as every command), its lines printed."""
     import click
@@ -564,7 +578,7 @@ def server_attack_command(ctx) -> None:
     from ..resumable import RunFolder
     from .app import parse_run_config
 
-    p = dict(ctx.params)
+    p = dict(request.params)
     attack, app_dir = p["attack"], p["app_dir"]
     if app_dir is None:
         raise UserError(f"fedsec flower attack {attack} needs APP_DIR, e.g. fedsec flower attack {attack} "
@@ -703,7 +717,7 @@ def secagg_protocol_findings(app_dir, evidence: bool = True) -> list[dict]:
     return findings
 
 
-def secure_audit_command(ctx) -> bool:
+def secure_audit_command(request: Request) -> bool:
     """``fedsec flower audit`` when the app runs Flower's secure aggregation: ``audit_secure_app``
     (what an honest server held) plus ``secagg_protocol_findings`` (what a deviating one can do), in the
     command's output folder (its folder record and config.toml as every command), its lines printed.
@@ -720,7 +734,7 @@ def secure_audit_command(ctx) -> bool:
     from .app import parse_run_config
     from .secagg import is_secure_app
 
-    p = dict(ctx.params)
+    p = dict(request.params)
     if not is_secure_app(p["app_dir"]):
         return False
     out = Path(p["out"] or default_out("audit", p["app_dir"]))

@@ -72,6 +72,7 @@ from fedecouple.channel import Download, Recorder, Upload
 from fedecouple.errors import UserError
 from fedecouple.secure_aggregation import AggregateRecord, Layout, SecureAggregation
 
+from ..invocation import Request
 from .convert import CONFIG_PREFIX, METRIC_PREFIX, SAMPLE_COUNT, content_to_tensors
 from .recording import ClientIds
 
@@ -422,11 +423,11 @@ def refusal(app_dir, attack: str) -> str | None:
             f"round's sum (every upload is a masked vector); audit what it holds with fedsec flower audit {app_dir}")
 
 
-def check_attack_command(ctx) -> None:
+def check_attack_command(request: Request) -> None:
     """``fedsec flower attack`` refuses a per-client attack on an app under Flower's SecAgg+, and a round-level
     attack on an app without it, with one line; otherwise, or for a folder that is no app, it does nothing (the
     command's own checks speak)."""
-    p = ctx.params
+    p = request.params
     legacy = p.get("attack_option") is not None and p.get("app_dir") is None  # APP_DIR --attack ATTACK
     app_dir, attack = (p["attack"], p["attack_option"]) if legacy else (p.get("app_dir"), p.get("attack"))
     if app_dir is None or attack is None or not (Path(app_dir) / "pyproject.toml").is_file():

@@ -39,12 +39,10 @@ one attacked round per target, and an image attack's label counts as ``labels.cs
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import pandas as pd
 import torch
@@ -58,8 +56,9 @@ from attacks.recorded import ThreatModel
 from attacks.registry import AttackSpec
 from fedecouple.devices import device_record
 from fedecouple.engine import VictimSetting
-from fedecouple.data.registry import EMBEDDED
+from fedecouple.data.registry import embedded
 from fedecouple.errors import UserError
+from fedecouple.methods.base import upload_kinds
 from reports.figures import reconstruction_grid
 
 from .. import io
@@ -156,9 +155,9 @@ class AttackSettings:
         if self.mode in ("replay", "method") and not self.hyperparameters_known:
             raise UserError(f"--mode {self.mode} needs the local hyperparameters: drop --hyperparameters-unknown or "
                             f"use --mode scaled")
-        if self.aux_data is not None and self.aux_data not in EMBEDDED:
+        if self.aux_data is not None and self.aux_data not in embedded():
             raise UserError(f"--aux-data {self.aux_data!r}: not an embedded data set; choose one of: "
-                            f"{', '.join(EMBEDDED)}")
+                            f"{', '.join(embedded())}")
         if self.augmentations not in AUGMENTATION_MODELS:
             raise UserError(f"unknown --augmentations {self.augmentations!r}; choose one of: "
                             f"{', '.join(AUGMENTATION_MODELS)}")
@@ -239,7 +238,7 @@ def check_applicable(spec: AttackSpec, prep: Prepared) -> None:
     model, reason = model_for(prep), None
     if spec.malicious and prep.method.communicates:  # first what a crafted download can reach
         reason = spec.unreachable(prep.method, model)
-    reason = reason or spec.not_applicable(prep.method.name, prep.method.upload_kinds(model))
+    reason = reason or spec.not_applicable(prep.method.name, upload_kinds(prep.method, model))
     # a per-client attack under secure aggregation, or a round-level one without it
     reason = reason or refusal(spec, prep.method.name, prep.config.secure.secure_aggregation)
     if reason is not None:
@@ -259,9 +258,11 @@ def model_for(prep: Prepared):
 # training a federation for the attack
 # ----------------------------------------------------------------------------------------------
 def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | None = None, progress: bool = True,
-               interceptors: Iterable = (), dp=None, trainings: "TrainingCache | None" = None) -> dict:
+               interceptors: Iterable = (), dp=None, trainings: "TrainingCache | None" = None,
+               outcomes: list | None = None) -> dict:
     """Train ``config``, attack ``settings.targets`` clients in each attacked round, score, write
-    (when ``out`` is given); returns the summary.
+    (when ``out`` is given); returns the summary (and appends the ``AttackOutcome``, its rows and images, to
+    ``outcomes`` when given: the Python API returns them without reading files back).
 
     ``interceptors`` (e.g. a ``defenses.FilterChain``) sit in the channel before the recorder,
     so the server sees their output; ``dp`` (a ``defenses.DPConfig``) trains every client with
@@ -314,28 +315,14 @@ def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | No
                 outcome = attack_recorded(run, args.spec, targets, args.threat, args.budget, seed=args.seed,
                                           batched=args.batched, victim=args.victim, threads=args.threads,
                                           progress=progress)
+            if outcomes is not None:
+                outcomes.append(outcome)
             return write_attack(out, settings, targets, outcome, context, start, notes)
         finally:
             if key is None:
                 fed.close()  # e.g. shut down the Ray this run started
     finally:
         torch.set_num_threads(previous_threads)
-
-
-# while a ``keep_outcomes()`` block runs, every ``write_attack`` appends its outcome to this list (the
-# Python API returns the rows and images without reading them back from files)
-_OUTCOMES: contextvars.ContextVar[list | None] = contextvars.ContextVar("fedsec_outcomes", default=None)
-
-
-@contextlib.contextmanager
-def keep_outcomes() -> Iterator[list[AttackOutcome]]:
-    """Collect the ``AttackOutcome`` of every attack written within the block."""
-    kept: list[AttackOutcome] = []
-    token = _OUTCOMES.set(kept)
-    try:
-        yield kept
-    finally:
-        _OUTCOMES.reset(token)
 
 
 def write_attack(out: str | Path | None, settings: AttackSettings, targets: dict[int, list[int]],
@@ -348,8 +335,6 @@ def write_attack(out: str | Path | None, settings: AttackSettings, targets: dict
     summary = io.finite(outcome.summary.record(time.perf_counter() - start,
                                                {"settings": asdict(settings), **context, **provenance()},
                                                notes_before=list(notes) + short))
-    if _OUTCOMES.get() is not None:
-        _OUTCOMES.get().append(outcome)
     if out is not None:
         out = Path(out)
         io.write_csv(out / "attack.csv", pd.DataFrame(outcome.rows, columns=outcome.columns))

@@ -39,6 +39,7 @@ from fedecouple.channel import Recorder, ServerChannel
 from fedecouple.engine import GroundTruth
 from fedecouple.errors import UserError
 from fedecouple.methods.base import FieldSpec
+from fedecouple.methods.facets import PerClientFields, SecureSummation, facet
 from fedecouple.models import group_of, set_params
 from reports.audit import SEVERITIES, audit_markdown
 from reports.formatting import interval_text
@@ -258,15 +259,16 @@ def write_audit(out: Path, rows, findings: list[dict], summary: dict) -> None:
 
 
 def secure_aggregation_status(method, recorder=None) -> str:
-    """How the method meets secure aggregation, from its declaration (``Method.aggregates_securely``,
-    ``secure_variant_note``, ``per_client_fields``): "runs on the sum", "secure variant: <how it differs>",
+    """How the method meets secure aggregation, from its declaration (``SecureSummation`` and its
+    ``secure_variant_note``, or ``PerClientFields``): "runs on the sum", "secure variant: <how it differs>",
     "refuses: <the fields its server reads one client at a time>", or "sends nothing". For a run
     recorded under secure aggregation (``recorder.secure`` set), followed by the fields its masked
     uploads carried in the clear ("; in the clear: sample_count"), or "; nothing in the clear"."""
     if not method.communicates:
         return "sends nothing"
-    if not method.aggregates_securely():
-        return "refuses: " + (", ".join(method.per_client_fields) or "every upload field")
+    if not isinstance(method, SecureSummation):
+        declared = facet(method, PerClientFields)
+        return "refuses: " + (", ".join(declared.per_client_fields if declared else ()) or "every upload field")
     status = f"secure variant: {method.secure_variant_note}" if method.secure_variant_note else "runs on the sum"
     if recorder is None or getattr(recorder, "secure", None) is None:
         return status

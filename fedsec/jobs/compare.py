@@ -64,7 +64,9 @@ def method_config(base: RunConfig, method: str, seed: int) -> RunConfig:
 
 def unused_hyperparameters(base: RunConfig, methods: list[str]) -> list[str]:
     """Hyperparameters in ``base`` that none of ``methods`` takes."""
-    used = {k for m in methods for k in METHODS[m].hyperparameter_names()}
+    from fedecouple.methods.base import hyperparameter_names
+
+    used = {k for m in methods for k in hyperparameter_names(METHODS[m])}
     return sorted(set(base.hyperparameters) - used)
 
 

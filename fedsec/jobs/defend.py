@@ -64,6 +64,7 @@ from defenses.dp import DPConfig, DPMethod, check_dp_model
 from defenses.registry import DefendedRun, DefenseSpec
 from fedecouple.channel import Interceptor, ServerChannel
 from fedecouple.errors import UserError
+from fedecouple.methods.facets import dp_coverage
 from reports.tradeoff import BASELINE, tradeoff_markdown, tradeoff_plot
 
 from .. import io, runner
@@ -450,7 +451,7 @@ def _render_meta(settings: DefendSettings, prep: Prepared) -> dict:
             "rounds": config.federation.rounds, "clients": config.data.clients, "partition": config.data.partition,
             "local_epochs": config.federation.train.local_epochs, "lr": config.federation.train.lr,
             "batch_size": config.federation.train.batch_size, "seed": config.federation.seed,
-            "dp_per_sample": method.dp_per_sample, "dp_statistics": method.dp_statistics,
+            "dp_per_sample": dp_coverage(method).dp_per_sample, "dp_statistics": dp_coverage(method).dp_statistics,
             "stat_noise_multiplier": settings.stat_noise_multiplier, "stat_clip": settings.stat_clip,
             "counts": settings.counts, "leak_gap_db": LEAK_GAP_DB,
             "attack_rounds": {a: settings.for_attack(a).rounds[0] for a in settings.attacks if a != MIA}}

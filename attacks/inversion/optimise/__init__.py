@@ -1,5 +1,5 @@
 """The optimisation template of the inversion attacks: every attack that rebuilds images by
-optimisation declares its objective, optimiser, prior and budget (a ``Recipe``) and runs on these parts
+optimisation declares its objective, optimiser and prior (a ``Recipe``) and runs on these parts
 instead of a loop of its own.
 
 * starts (``starts``): uniform noise, the mean image, noise around an image, a closed form's images in
@@ -32,14 +32,12 @@ from .starts import (BestOfStarts, around, check_inputs, generator, mean_image, 
 @dataclass(frozen=True)
 class Recipe:
     """An inversion attack's declaration over the template: what it minimises (in words, for the
-    reader and the trace), its optimiser, its image prior (None: none) and its default budget
-    (optimiser steps per start, starts)."""
+    reader and the trace), its optimiser and its image prior (None: none). Its default budget (optimiser
+    steps per start, starts) is the attack's declaration's (``attacks/__init__.py``)."""
 
     objective: str
     optimiser: SignedAdam | LBFGS
     prior: TotalVariation | None = None
-    iterations: int = 300
-    restarts: int = 1
 
 
 __all__ = ["IG_ADAM", "IG_PRIOR", "ITERATION_SHARE", "LBFGS", "TEMPERATURES", "AdamRun", "BatchedLBFGS",
