@@ -21,36 +21,44 @@ def png_bytes(fig, dpi: int) -> bytes:
 def reconstruction_grid(panels: list[tuple], title: str) -> bytes:
     """Ground truth (top row) above reconstruction (bottom row), PSNR under each reconstruction.
 
-    ``panels``: (truth (C, H, W) tensor, reconstruction (C, H, W) tensor, PSNR in dB, caption)."""
+    ``panels``: (truth (C, H, W) tensor, reconstruction (C, H, W) tensor, PSNR in dB, caption). The images
+    are tiled into one picture drawn on one axes (an axes per image made a report of many attacks spend
+    most of its time laying out figures)."""
+    import numpy as np
     from matplotlib.figure import Figure
 
     n = max(len(panels), 1)
-    fig = Figure(figsize=(1.6 * n + 0.6, 3.8))
-    axes = fig.subplots(2, n, squeeze=False)
-    for col in range(n):
-        for row in range(2):
-            ax = axes[row][col]
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if col >= len(panels):
-                ax.axis("off")
-                continue
-            truth, recon, psnr, caption = panels[col]
-            img = (truth if row == 0 else recon).detach().clamp(0, 1)
-            if img.shape[0] == 1:
-                ax.imshow(img[0].numpy(), cmap="gray", vmin=0, vmax=1)
-            else:
-                ax.imshow(img.permute(1, 2, 0).numpy())
-            if row == 0:
-                ax.set_title(caption, fontsize=8)
-            else:
-                ax.set_xlabel("inf dB" if math.isinf(psnr) else f"{psnr:.1f} dB", fontsize=9)
-    axes[0][0].set_ylabel("truth", fontsize=9)
-    axes[1][0].set_ylabel("reconstruction", fontsize=9)
+    channels, height, width = panels[0][0].shape if panels else (1, 8, 8)
+    gap = max(1, round(0.12 * max(height, width)))
+    canvas = np.ones((2 * height + gap, n * width + (n - 1) * gap, 3))
+    for col, (truth, recon, _, _) in enumerate(panels):
+        x = col * (width + gap)
+        for row, image in enumerate((truth, recon)):
+            tile = image.detach().float().clamp(0, 1).cpu().numpy()
+            y = row * (height + gap)
+            canvas[y:y + height, x:x + width] = np.moveaxis(tile if channels == 3 else tile[:1].repeat(3, 0), 0, -1)
+    # inches: the tiles 1.3 wide each; room for the row labels (left), captions and title (top), PSNR (bottom)
+    image_width = 1.6 * n - 0.3
+    image_height = image_width * canvas.shape[0] / canvas.shape[1]
+    left, right, bottom, top = 0.45, 0.15, 0.35, 0.65
+    fig_width = max(left + image_width + right, 0.08 * len(title) + 0.4)
+    fig_height = bottom + image_height + top
+    fig = Figure(figsize=(fig_width, fig_height))
+    ax = fig.add_axes((left / fig_width, bottom / fig_height, (fig_width - left - right) / fig_width,
+                       image_height / fig_height))
+    ax.imshow(canvas, interpolation="nearest", vmin=0, vmax=1)
+    ax.set_axis_off()
+    for col, (_, _, psnr, caption) in enumerate(panels):
+        centre = col * (width + gap) + (width - 1) / 2
+        ax.text(centre, -0.04 * height - 0.5, caption, ha="center", va="bottom", fontsize=8)
+        ax.text(centre, 2 * height + gap - 0.5 + 0.04 * height, "inf dB" if math.isinf(psnr) else f"{psnr:.1f} dB",
+                ha="center", va="top", fontsize=9)
+    ax.text(-0.5 - 0.06 * width, (height - 1) / 2, "truth", rotation=90, ha="right", va="center", fontsize=9)
+    ax.text(-0.5 - 0.06 * width, height + gap + (height - 1) / 2, "reconstruction", rotation=90, ha="right",
+            va="center", fontsize=9)
     if not panels:
-        axes[0][0].text(0.5, 0.5, "nothing to show", ha="center", va="center")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+        ax.text((width - 1) / 2, height + gap / 2, "nothing to show", ha="center", va="center")
+    fig.suptitle(title, fontsize=10, y=1 - 0.08 / fig_height, va="top")
     return png_bytes(fig, 110)
 
 
