@@ -56,6 +56,8 @@ def _default(param: click.Parameter):
     if callable(value):
         value = value()
     if value is None or value is _NO_DEFAULT:
+        if getattr(param, "is_flag", False) and not getattr(param, "secondary_opts", None):
+            return False  # click's default for a flag without one
         return () if param.multiple or param.nargs == -1 else None
     return value
 

@@ -114,3 +114,23 @@ def test_keywords_in_a_config_file_count_as_given(tmp_path):
     assert got.explicit("clients") and got.explicit("rounds") and not got.explicit("lr")
     with pytest.raises(UserError, match="has no keyword roundz"):
         request("train", {"roundz": 1})
+
+
+# each command with the least it requires
+REQUIRED = {"attack": {"attack": "dlg"}, "train": {}, "audit": {}, "report": {}, "compare": {}, "mia": {},
+            "defend": {"defense": "clip", "values": "1"}}
+
+
+@pytest.mark.parametrize("command", REQUIRED)
+def test_keywords_left_out_take_the_flags_defaults(command):
+    """Every setting a keyword leaves out has the value the command line gives the flag left out (a flag
+    without a default is off, not None: a run's config.toml and folder identity are the same)."""
+    from fedsec.commands import command_of
+    from fedsec.invocation import Request
+    from fedsec.keywords import request
+
+    arguments = [a for k, v in REQUIRED[command].items() for a in ([v] if k == "attack" else [f"--{k}", v])]
+    parsed = Request.of_click(command_of(command).make_context(f"fedsec {command}", arguments))
+    given = request(command, REQUIRED[command])
+    assert dict(given.params) == dict(parsed.params)
+    assert given.order == parsed.order and given.given == parsed.given
