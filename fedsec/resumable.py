@@ -213,8 +213,12 @@ class RunFolder(ResumableStage):
 
 def forget(folder: Path) -> None:
     """``--force`` on a command of many stages (report, compare, defend, mia): remove every record of a
-    configuration below ``folder`` (stage markers, a sweep's record, a train run's config.json), so
-    every stage is computed again and its files replaced."""
+    configuration below ``folder`` (stage markers, a sweep's record and its values' parts, a train run's
+    config.json), so every stage is computed again and its files replaced."""
+    for record in Path(folder).rglob("defend.json"):  # a sweep reuses the parts of a value it did not finish
+        for part in record.parent.glob("value-*"):
+            if part.is_dir():
+                shutil.rmtree(part)
     for name in (MARKER, "defend.json"):
         for path in Path(folder).rglob(name):
             path.unlink()

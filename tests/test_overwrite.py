@@ -72,3 +72,17 @@ def test_flower_commands_refuse_another_configuration_before_running_the_app(tmp
     (out / "summary.json").write_text("{}")
     (out / "done.json").write_text(json.dumps({"identity": {"seed": 3}, "status": "done"}))
     _refused(capsys, [*command, "--out", str(out)], out, "there,")
+
+
+def test_force_computes_every_part_of_a_defense_sweep_again(tmp_path):
+    """A sweep reuses the parts of a value it did not finish (resuming); --force computes them again."""
+    out = tmp_path / "sweep"
+    args = ["defend", "--method", "fedavg", *SMALL, "--defense", "clip", "--values", "1", "--attacks", "labels",
+            "--targets", "1", "--no-baseline", "--out", str(out)]
+    main(args)
+    parts = [out / "value-1.0" / "train", out / "value-1.0" / "attack-labels"]
+    for part in parts:
+        (part / "summary.json").write_text('{"stale": true}')  # what an earlier configuration left
+    main([*args, "--force"])
+    for part in parts:
+        assert "stale" not in json.loads((part / "summary.json").read_text()), part
