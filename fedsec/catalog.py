@@ -88,9 +88,9 @@ def attack_defaults(field: str) -> dict[str, int]:
 _DECLARED = {"METHODS": lambda: methods.METHODS.names(), "DATASETS": lambda: data.DATASETS.names(),
              "EMBEDDED_DATASETS": lambda: data.DATASETS.names(embedded=True),
              "ARCHITECTURES": lambda: architectures.ARCHITECTURES.names(), "DEFENSES": lambda: defenses.DEFENSES.names()}
-# the registry of each kind of plugin declared in ``fedecouple`` and ``defenses``
+# the registry of each kind of plugin
 REGISTRIES = {"method": methods.METHODS, "dataset": data.DATASETS, "architecture": architectures.ARCHITECTURES,
-              "defense": defenses.DEFENSES}
+              "defense": defenses.DEFENSES, "attack": attacks.ATTACKS}
 
 
 def __getattr__(name: str):
@@ -103,5 +103,5 @@ def __getattr__(name: str):
 
 def summaries(kind: str) -> dict[str, str]:
     """{name: its declared one-line summary} of a ``kind`` in ``REGISTRIES`` (method, dataset, architecture,
-    defense)."""
+    defense, attack)."""
     return REGISTRIES[kind].fact("summary")
