@@ -15,9 +15,9 @@ declared alike (``declare_membership``, a ``MembershipSpec``).
 The families are folders: ``attacks.inversion`` (a curious server rebuilds images or labels from an
 upload), ``attacks.membership`` (membership inference and its scoring) and ``attacks.malicious`` (a
 server that crafts the download), and ``attacks.secure`` (round-level attacks on what a server under
-secure aggregation holds: each round's sum, run by ``attacks.secure.harness``). Shared by all: ``base``,
-``registry``, ``metrics``, ``statistics``, and the harness that attacks a recorded run (``recorded``:
-``RecordedRun``, ``ThreatModel``; ``harness``: ``attack_recorded``).
+secure aggregation holds: each round's sum). Shared by all: ``base``, ``registry``, ``metrics``,
+``statistics``, and the one harness that attacks a recorded run whatever the attack (``recorded``:
+``RecordedRun``, ``ThreatModel``; ``harness``: ``attack_recorded``, per client or per round).
 
 Adding an attack: one file in its family's folder that defines its functions and its spec
 (``SPEC = ClientAttackSpec("name", attack_one=..., ...)``), plus its one ``declare`` statement here. An

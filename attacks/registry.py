@@ -212,7 +212,7 @@ class ClientAttackSpec(AttackSpec):
 @dataclass(frozen=True, kw_only=True)
 class RoundAttackSpec(AttackSpec):
     """A round-level attack (kind ``"aggregate"``): it attacks a whole round under secure aggregation
-    instead of one client's upload, and ``attacks.secure.harness`` runs it and scores it against the
+    instead of one client's upload, and ``attacks.harness.rounds`` runs it and scores it against the
     union of the round's survivors' training images.
 
     ``attack_round(observation, budget, seed) -> AttackResult`` with an

@@ -35,7 +35,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before Flower is first i
 
 from attacks.base import Budget  # noqa: E402
 from attacks.recorded import ThreatModel  # noqa: E402
-from attacks.secure.harness import attack_rounds  # noqa: E402
+from attacks.harness import attack_rounds  # noqa: E402
 from fedsec.flower.harness import recorded_run  # noqa: E402
 from fedsec.flower.secagg import uniformity  # noqa: E402
 from fedsec.flower.simulation import simulate  # noqa: E402

@@ -1,5 +1,6 @@
-"""``fedsec attack`` under ``--secure-aggregation``: which attacks apply, what is recorded, and the
-round-level harness (``attacks.secure.harness.attack_rounds``) in place of the per-client one.
+"""``fedsec attack`` under ``--secure-aggregation``: which attacks apply, what is recorded, and what
+distributed DP bought in a round-level attack's outcome (the harness, ``attacks.harness.attack_recorded``,
+runs both kinds).
 
 Under secure aggregation the server holds each round's sum, never one client's upload, so a
 per-client attack (dlg, ig, labels, ...) has nothing to read and a round-level attack (kind
@@ -43,16 +44,13 @@ def round_targets(participants, rounds) -> dict[int, list[int]]:
     return {r: sorted(int(c) for c in participants(r)) for r in rounds}
 
 
-def attack_round_level(run, args, rounds, progress: bool = True):
-    """The round-level harness on ``run`` with the split settings ``args`` (``fedsec.jobs.attack.AttackArguments``).
-    Under distributed DP the summary says what the noise bought: the ε spent up to each attacked round
-    (``defenses.distributed_dp.recorded_privacy``) as ``distributed_dp``, in each round's ``per_target``
-    entry and as the first note."""
-    from attacks.secure.harness import attack_rounds
+def with_distributed_privacy(outcome, run, rounds) -> None:
+    """Under distributed DP, what the noise bought, added to a round-level ``outcome`` of ``run``
+    (``attacks.harness.attack_recorded``'s): the ε spent up to each attacked round
+    (``defenses.distributed_dp.recorded_privacy``) as ``distributed_dp``, in each round's ``per_target`` entry
+    and as the first note. Without distributed DP, nothing."""
     from defenses.distributed_dp import privacy_note, recorded_privacy
 
-    outcome = attack_rounds(run, args.spec, list(rounds), args.threat, args.budget, seed=args.seed,
-                            victim=args.victim, threads=args.threads, progress=progress)
     privacy = recorded_privacy(run.recorder, rounds)
     if privacy is not None:
         spent = {row["round"]: row for row in privacy["per_round"]}
@@ -60,4 +58,3 @@ def attack_round_level(run, args, rounds, progress: bool = True):
             entry.update({k: v for k, v in spent.get(entry["round"], {}).items() if k.startswith("epsilon")})
         outcome.summary.statistics["distributed_dp"] = privacy
         outcome.summary.notes.insert(0, privacy_note(privacy))
-    return outcome

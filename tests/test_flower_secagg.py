@@ -236,7 +236,7 @@ def test_hidden_the_engine_holds_nothing_beside_the_masked_uploads(run, task, en
 def test_the_round_label_histogram_is_read_from_the_aggregate(run):
     """The curious server's round-level attack on the recorded run: round 0's 16 training images (4 per
     node, one step each) counted per class from the summed classifier-bias update, exactly."""
-    from attacks.secure.harness import attack_rounds
+    from attacks.harness import attack_rounds
 
     outcome = attack_rounds(recorded_run(run), "sum-labels", [0], ThreatModel(), Budget(iterations=1), seed=0,
                             progress=False)

@@ -15,7 +15,7 @@ from attacks.base import Budget, NotApplicable
 from attacks.harness import IMAGE_COLUMNS
 from attacks.recorded import RecordedRun, ThreatModel
 from attacks.secure import sum_fishing
-from attacks.secure.harness import attack_rounds
+from attacks.harness import attack_rounds
 from attacks.secure.observation import observe_round
 from defenses.consistency_check import ConsistencyCheck
 from fedecouple.channel import Recorder, ServerChannel

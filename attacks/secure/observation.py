@@ -26,13 +26,13 @@ client's own size is known only where it travels in the clear, ``clear``), publi
 domain (``auxiliary``: images in [0, 1] and their labels) and, for a malicious server, its record of
 what it crafted for each client (``crafted``: client → record, as
 ``attacks.registry.MaliciousRoundSpec.craft_download`` returns it; empty for an honest server). It never holds
-a client's data: the harness (``attacks.secure.harness``) scores a result against the survivors'
+a client's data: the harness (``attacks.harness.rounds``) scores a result against the survivors'
 training images only after the attack returned.
 
 A round-level attack is ``attack_round(observation: RoundObservation, budget: attacks.base.Budget,
 seed: int) -> attacks.base.AttackResult``, its spec a ``RoundAttackSpec`` (kind ``"aggregate"``,
 ``attacks.registry``); it raises ``attacks.base.NotApplicable`` when the round carries nothing it
-can use. What its result may carry, and how each part is scored, is ``attacks.secure.harness``'s
+can use. What its result may carry, and how each part is scored, is ``attacks.harness.rounds``'s
 docstring.
 
 ``observe_round(run, round, ...)`` builds the observation from an ``attacks.recorded.RecordedRun``

@@ -214,10 +214,10 @@ def attack_secure_app(app_dir, settings, *, nodes: int | None = None, run_config
                       device: str = "cpu", outcomes: list | None = None) -> dict:
     """Run an app under Flower's SecAgg+ up to the last attacked round, recording every round, and run
     the round-level attack of ``settings`` (an ``AttackSettings`` naming an attack of kind
-    ``"aggregate"``, e.g. sum-labels) on the attacked rounds' sums (``attacks.secure.harness``); writes
+    ``"aggregate"``, e.g. sum-labels) on the attacked rounds' sums (``attacks.harness.rounds``); writes
     attack.csv and summary.json into ``out`` as ``write_attack`` does; returns the summary.
     The library path of ``fedsec flower attack`` for such an app."""
-    from attacks.secure.harness import attack_rounds
+    from attacks.harness import attack_rounds
 
     from .secagg import refusal
 

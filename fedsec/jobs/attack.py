@@ -34,7 +34,7 @@ image its craft isolated, with target_class, fished, k_true and k_inferred); for
 class: method, attack, mode, round, client, class, true_count, true_proportion,
 predicted_proportion), ``summary.json`` and ``reconstructions.png`` (ground truth above
 reconstruction, PSNR under each; not for label attacks), all written atomically. A round-level attack
-(``--secure-aggregation``, ``fedsec.secure_attack``) writes its rows as ``attacks.secure.harness`` scores them,
+(``--secure-aggregation``, ``fedsec.secure_attack``) writes its rows as ``attacks.harness.rounds`` scores them,
 one attacked round per target, and an image attack's label counts as ``labels.csv``.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ from reports.figures import reconstruction_grid
 from .. import io
 from ..recording import TrainingCache, choose_targets, train_recorded, training_key
 from ..runner import Prepared, RunConfig, prepare
-from ..secure_attack import attack_round_level, refusal
+from ..secure_attack import refusal, with_distributed_privacy
 from ..versions import provenance
 
 # training and attacks run small models at small batches: on a shared 2-core machine one thread was
@@ -309,12 +309,10 @@ def run_attack(config: RunConfig, settings: AttackSettings, out: str | Path | No
 
                 context["dp"] = io.finite(privacy_report(fed.clients, dp))
             args = settings.split()
-            if args.spec.round_level:  # under secure aggregation: each round's sum, not one upload
-                outcome = attack_round_level(run, args, settings.rounds, progress)
-            else:
-                outcome = attack_recorded(run, args.spec, targets, args.threat, args.budget, seed=args.seed,
-                                          batched=args.batched, victim=args.victim, threads=args.threads,
-                                          progress=progress)
+            outcome = attack_recorded(run, args.spec, targets, args.threat, args.budget, seed=args.seed,
+                                      batched=args.batched, victim=args.victim, threads=args.threads, progress=progress)
+            if args.spec.round_level:  # under secure aggregation: what distributed DP's noise bought
+                with_distributed_privacy(outcome, run, settings.rounds)
             if outcomes is not None:
                 outcomes.append(outcome)
             return write_attack(out, settings, targets, outcome, context, start, notes)

@@ -299,7 +299,7 @@ def sum_label_evidence(recorded, rounds: list[int], progress: bool) -> tuple[dic
 
     if "sum-labels" not in attacks.names("aggregate"):
         return None, {"attack": "sum-labels", "not_applicable": "no round-level label attack is registered"}
-    from attacks.secure.harness import attack_rounds
+    from attacks.harness import attack_rounds
 
     try:
         outcome = attack_rounds(recorded, "sum-labels", rounds, ThreatModel(), Budget(iterations=1), seed=0,

@@ -1,12 +1,10 @@
-"""Attacking a recorded run: observe each target under the threat model, attack, then score against
-the run's ground truth (read only after the attack returned).
+"""The per-client flow of the harness: observe each targeted client's upload under the threat model,
+attack, then score against the run's ground truth (read only after the attack returned).
 
-``attack_recorded(run, attack, targets, threat, budget, seed=..., batched=..., victim=...)`` is the
-one path from a ``RecordedRun`` (``attacks.recorded``) to an ``AttackOutcome``: the scored rows (one
-per reconstructed image, ``IMAGE_COLUMNS``; for a label attack one per class, ``LABEL_COLUMNS``),
-the panels of the reconstruction figure and a typed ``AttackSummary``. ``fedsec attack`` (a
-federation trained in fedsec's engine) and ``fedsec flower attack`` (a Flower app) both call it and
-write what it returns.
+``attack_clients(run, attack, targets, threat, budget, seed=..., batched=..., victim=...)`` (reached through
+``attacks.harness.attack_recorded``) turns a ``RecordedRun`` (``attacks.recorded``) into an
+``AttackOutcome``: the scored rows (one per reconstructed image, ``IMAGE_COLUMNS``; for a label attack one
+per class, ``LABEL_COLUMNS``), the panels of the reconstruction figure and a typed ``AttackSummary``.
 
 Scoring: each reconstruction against the images the client trained on (``attacks.metrics``), beside
 two priors (the pooled mean image, the class means of data the attacker could hold); the
@@ -21,25 +19,15 @@ import numpy as np
 import torch
 
 from fedecouple.engine import VictimSetting, derive_seed
-from fedecouple.errors import UserError
 
-from . import plan
-from .base import AttackResult, Budget, NotApplicable
-from .inversion.batching import Batch
-from .metrics import (SUMMARY_KEYS, leakage_statistics, prediction_accuracy, psnr, score_images,
+from .. import plan
+from ..base import AttackResult, Budget, NotApplicable
+from ..inversion.batching import Batch
+from ..metrics import (SUMMARY_KEYS, leakage_statistics, prediction_accuracy, psnr, score_images,
                       score_label_distribution, summarize_scores)
-from .recorded import RecordedRun, ThreatModel, auxiliary_data
-from .registry import AttackSpec, get
-
-IMAGE_COLUMNS = ["method", "attack", "mode", "round", "client", "image", "psnr", "ssim", "prior_psnr",
-                 "class_prior_psnr", "label_true", "label_pred", "mis_specified", "not_converged", "replay_cosine",
-                 "objective_truth", "objective_reconstruction", "label_count_error", "input_error"]
-CHECK_KEYS = ("mis_specified", "not_converged", "replay_cosine", "replay_relative_error", "objective_truth",
-              "objective_reconstruction")
-LABEL_COLUMNS = ["method", "attack", "mode", "round", "client", "class", "true_count", "true_proportion",
-                 "predicted_proportion"]
-MAX_PANELS = 16
-
+from ..recorded import RecordedRun, ThreatModel, auxiliary_data
+from ..registry import AttackSpec, get
+from .outcome import CHECK_KEYS, IMAGE_COLUMNS, MAX_PANELS, AttackOutcome, AttackSummary, check_summary
 
 @dataclass
 class Target:
@@ -53,67 +41,7 @@ class Target:
     check: dict = field(default_factory=dict)  # the forward-model check (attacks.inversion.forward_check)
 
 
-@dataclass(frozen=True)
-class AttackSummary:
-    """What an attack on a recorded run measured: the score summary (``attacks.metrics.SUMMARY_KEYS``)
-    and its statistics, the label scores, what ran on which target, the forward-model check over all
-    targets (``mis_specified`` ...), and the notes for the user."""
-
-    method: str
-    attack: str
-    dataset: str
-    run: str
-    scores: dict
-    statistics: dict
-    label_accuracy: float
-    class_presence_accuracy: float
-    images_scored: int
-    seed: int
-    attack_rounds: list[int]
-    targets: dict[str, list[int]]
-    budget: dict
-    victim: dict | None
-    threat_model: dict
-    per_target: list[dict]
-    checks: dict
-    notes: list[str]
-    label_scores: list[dict] | None = None
-    not_applicable: str | None = None  # why nothing could be scored, when nothing could
-
-    def record(self, seconds: float, context: dict | None = None, notes_before: list[str] = ()) -> dict:
-        """The summary as one JSON-ready dict (keys in the order ``summary.json`` has always had):
-        ``context`` (settings, run facts, provenance) goes before the notes, ``notes_before`` first
-        among them."""
-        out = {"method": self.method, "attack": self.attack, "dataset": self.dataset, "run": self.run,
-               **{k: self.scores[k] for k in SUMMARY_KEYS}, **self.statistics,
-               "label_accuracy": self.label_accuracy, "class_presence_accuracy": self.class_presence_accuracy,
-               "images_scored": self.images_scored, "seconds": round(seconds, 2), "seed": self.seed,
-               "attack_rounds": list(self.attack_rounds), "targets": self.targets, "budget": self.budget,
-               "victim": self.victim, "threat_model": self.threat_model, "per_target": self.per_target,
-               **self.checks, **(context or {}), "notes": list(notes_before) + list(self.notes)}
-        if self.label_scores:
-            out["label_scores"] = self.label_scores
-        if self.not_applicable is not None:
-            out["not_applicable"] = self.not_applicable
-        return out
-
-
-@dataclass(frozen=True)
-class AttackOutcome:
-    """``rows`` (``IMAGE_COLUMNS`` or, for a label attack, ``LABEL_COLUMNS``), ``panels`` (truth,
-    reconstruction, PSNR, caption) for the figure, and the ``summary``."""
-
-    spec: AttackSpec
-    rows: list[dict]
-    panels: list[tuple]
-    summary: AttackSummary
-
-    @property
-    def columns(self) -> list[str]:
-        return IMAGE_COLUMNS + list(self.spec.extra_columns) if self.spec.rebuilds_images else LABEL_COLUMNS
-
-
-def attack_recorded(run: RecordedRun, attack: AttackSpec | str, targets: dict[int, list[int]], threat: ThreatModel,
+def attack_clients(run: RecordedRun, attack: AttackSpec | str, targets: dict[int, list[int]], threat: ThreatModel,
                     budget: Budget, *, seed: int, batched: bool = True, victim: VictimSetting | None = None,
                     threads: int = 1, progress: bool = True) -> AttackOutcome:
     """Attack the ``targets`` ({round: clients}) of a recorded run under ``threat`` with ``budget``,
@@ -122,9 +50,6 @@ def attack_recorded(run: RecordedRun, attack: AttackSpec | str, targets: dict[in
     the victim setting the targets trained in (None: their real local training); ``threads`` the
     torch threads of each attack batch."""
     spec = get(attack) if isinstance(attack, str) else attack
-    if spec.round_level:  # its target is a round's secure sum: ``attacks.secure.harness.attack_rounds``
-        raise UserError(f"{spec.name} attacks the sum of a round under secure aggregation, not one client's upload; "
-                        f"run it with fedsec attack {spec.name} --secure-aggregation")
     notes: list[str] = []
     auxiliary = _auxiliary(run, threat, targets)
     # gradient attacks compute on the run's device; proto and labels (cheap, no vmap) on the CPU
@@ -276,7 +201,7 @@ def _score_malicious(run: RecordedRun, spec: AttackSpec, job: Target, base: dict
 def forward_check(run: RecordedRun, spec: AttackSpec, job: Target) -> dict:
     """``attacks.inversion.forward_check.check`` (prototype inversion: ``prototype_check``) with the
     target's ground truth (its training set in order, its batches): read here, after the attack returned."""
-    from .inversion.forward_check import check, prototype_check
+    from ..inversion.forward_check import check, prototype_check
 
     idx = torch.from_numpy(run.ground_truth.training_set(job.round, job.client))
     if spec.matching is None:  # prototype inversion: the client's true class images against the inverted sets
@@ -351,17 +276,3 @@ def _summary(run: RecordedRun, spec: AttackSpec, targets: dict, threat: ThreatMo
                      "batched_with": int(j.result.trace.get("batched_with", 1)), **j.check} for j in scored],
         checks=check_summary([j.check for j in scored if j.check]), notes=notes,
         label_scores=label_scores or None, not_applicable=nothing_scored(spec, scored, rows, notes))
-
-
-def check_summary(checks: list[dict]) -> dict:
-    """The forward-model check over all targets: whether any was mis-specified, how many stopped short
-    of the truth's objective (``not_converged``), the worst replay."""
-    if not checks:
-        return {"mis_specified": None, "mis_specified_targets": None, "not_converged_targets": None,
-                "replay_cosine_min": None}
-    flags = [c["mis_specified"] for c in checks if c.get("mis_specified") is not None]
-    short = [c["not_converged"] for c in checks if c.get("not_converged") is not None]
-    cosines = [c["replay_cosine"] for c in checks if c.get("replay_cosine") is not None]
-    return {"mis_specified": any(flags) if flags else None, "mis_specified_targets": sum(flags) if flags else None,
-            "not_converged_targets": sum(short) if short else None,
-            "replay_cosine_min": min(cosines) if cosines else None}

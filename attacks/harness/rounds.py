@@ -1,11 +1,12 @@
-"""Attacking the rounds of a run recorded under secure aggregation: build each attacked round's
+"""The round-level flow of the harness (``attacks.harness.attack_recorded`` for an attack of kind
+``"aggregate"``). Attacking the rounds of a run recorded under secure aggregation: build each attacked round's
 ``RoundObservation``, run a round-level attack (kind ``"aggregate"``) on it, then score the result
 against the run's ground truth, read only after the attack returned.
 
 ``attack_rounds(run, attack, rounds, threat, budget, seed=...)`` is the one path from an
 ``attacks.recorded.RecordedRun`` (its recorder with ``secure`` set and every round up to the last
 attacked one recorded) to a ``RoundOutcome``, which has the shape of the per-client harness's
-``attacks.harness.AttackOutcome`` (``rows``, ``columns``, ``panels``, a typed ``summary`` whose
+``attacks.harness.outcome.AttackOutcome`` (``rows``, ``columns``, ``panels``, a typed ``summary`` whose
 ``record`` is ``summary.json``), so ``fedsec attack`` writes both the same way.
 
 The ground truth of a round is the union of its survivors' training images (what the sum was made
@@ -16,7 +17,7 @@ it is scored:
 
 * ``images`` (and ``labels``): each image against its best match among the ground-truth images
   (one-to-one, ``attacks.metrics.score_images``), beside the mean-image prior and the class prior;
-  one ``attacks.harness.IMAGE_COLUMNS`` row per image, its ``client`` the owner of the matched image;
+  one ``attacks.harness.outcome.IMAGE_COLUMNS`` row per image, its ``client`` the owner of the matched image;
   the leakage statistics (``attacks.metrics.leakage_statistics``) over them;
 * a malicious server's read-back of crafted-layer inputs (``variables["inputs"]``: ``sum-binning``,
   ``inconsistency``, ``sybil``) is scored as its per-client twin (``binning``) scores it
@@ -43,14 +44,14 @@ import torch
 from fedecouple.engine import derive_seed
 
 from ..base import AttackResult, Budget, NotApplicable
-from ..harness import IMAGE_COLUMNS, MAX_PANELS, AttackSummary, check_summary
 from ..metrics import (SUMMARY_KEYS, leakage_statistics, prediction_accuracy, psnr, score_images,
                        score_label_distribution, summarize_scores)
 from ..recorded import RecordedRun, ThreatModel, auxiliary_data
 from ..registry import AttackSpec, get
 from ..statistics import bootstrap_mean, clopper_pearson
-from .observation import observe_round
-from .sized_binning import scored_record
+from ..secure.observation import observe_round
+from ..secure.sized_binning import scored_record
+from .outcome import IMAGE_COLUMNS, MAX_PANELS, AttackSummary, check_summary
 
 ROUND_LABEL_COLUMNS = ["method", "attack", "mode", "round", "client", "class", "true_count", "predicted_count",
                        "true_proportion", "predicted_proportion"]
@@ -118,7 +119,7 @@ def attack_rounds(run: RecordedRun, attack: AttackSpec | str, rounds: list[int],
 
     spec = get(attack) if isinstance(attack, str) else attack
     if not spec.round_level:
-        raise ValueError(f"{spec.name} attacks one client's upload: use attacks.harness.attack_recorded")
+        raise ValueError(f"{spec.name} attacks one client's upload: use attacks.harness.attack_clients")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     notes: list[str] = []
@@ -282,7 +283,7 @@ def _class_priors(dataset, idx: torch.Tensor) -> torch.Tensor:
 def _recovered_rows(run: RecordedRun, spec: AttackSpec, base: dict, result: AttackResult, record, idx: torch.Tensor,
                     owners: np.ndarray, prior: torch.Tensor, panels: list) -> list[dict]:
     """One row per ground-truth image, as the per-client harness scores a malicious read-back
-    (``attacks.harness._score_malicious``): ``spec.score_target``'s row (its recovered input's relative
+    (``attacks.harness.clients._score_malicious``): ``spec.score_target``'s row (its recovered input's relative
     error as ``input_error``), its owner as ``client``, the class prior's PSNR."""
     dataset = run.dataset
     truths, truth_labels = dataset.images[idx], dataset.labels[idx]
