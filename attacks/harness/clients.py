@@ -27,7 +27,8 @@ from ..metrics import (SUMMARY_KEYS, leakage_statistics, prediction_accuracy, ps
                       score_label_distribution, summarize_scores)
 from ..recorded import RecordedRun, ThreatModel, auxiliary_data
 from ..registry import AttackSpec, get
-from .outcome import CHECK_KEYS, IMAGE_COLUMNS, MAX_PANELS, AttackOutcome, AttackSummary, check_summary
+from .outcome import (CHECK_KEYS, IMAGE_COLUMNS, MAX_PANELS, AttackOutcome, AttackSummary, budget_record,
+                      check_summary, threat_record, victim_record)
 
 @dataclass
 class Target:
@@ -260,16 +261,11 @@ def _summary(run: RecordedRun, spec: AttackSpec, targets: dict, threat: ThreatMo
         class_presence_accuracy=float(np.mean(presence)) if presence else float("nan"),
         images_scored=len(rows) if spec.rebuilds_images else 0, seed=seed, attack_rounds=rounds,
         targets={str(r): targets[r] for r in rounds},
-        budget={"iterations": budget.iterations, "restarts": budget.restarts, "images_per_target": budget.batch,
-                "batched": batched},
-        victim=None if victim is None else {"batch": victim.batch, "steps": victim.steps},
-        threat_model={"hyperparameters_known": threat.hyperparameters_known, "head_known": threat.head_known,
-                      "mode_requested": threat.mode,
-                      "modes_used": sorted({str(j.result.trace.get("mode", "n/a")) for j in scored}),
-                      "server_sees": "download as sent, upload as received, the client's previous upload, "
-                                     "the initial model",
-                      **({"server": f"malicious: sends the attacked clients a crafted download ({threat.craft})"}
-                         if spec.malicious else {})},
+        budget=budget_record(budget, batched), victim=victim_record(victim),
+        threat_model=threat_record(threat, scored, "download as sent, upload as received, the client's previous "
+                                                   "upload, the initial model",
+                                   f"malicious: sends the attacked clients a crafted download ({threat.craft})"
+                                   if spec.malicious else None),
         per_target=[{"round": j.round, "client": j.client, "mode": str(j.result.trace.get("mode", "n/a")),
                      "objective": float(j.result.trace.get("objective", float("nan"))),
                      "seconds": round(float(j.result.trace.get("seconds", float("nan"))), 3),

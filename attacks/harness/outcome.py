@@ -91,3 +91,23 @@ def check_summary(checks: list[dict]) -> dict:
     return {"mis_specified": any(flags) if flags else None, "mis_specified_targets": sum(flags) if flags else None,
             "not_converged_targets": sum(short) if short else None,
             "replay_cosine_min": min(cosines) if cosines else None}
+
+
+def budget_record(budget, batched: bool) -> dict:
+    """The summary's ``budget``: what each target's attack was given."""
+    return {"iterations": budget.iterations, "restarts": budget.restarts, "images_per_target": budget.batch,
+            "batched": batched}
+
+
+def victim_record(victim) -> dict | None:
+    """The summary's ``victim``: the victim setting the targets trained in (None: their real training)."""
+    return None if victim is None else {"batch": victim.batch, "steps": victim.steps}
+
+
+def threat_record(threat, scored, server_sees: str, server: str | None = None, **extra) -> dict:
+    """The summary's ``threat_model``: what the attacker knew, the modes its attacks used on the ``scored``
+    targets, what the server held (``server_sees``), ``extra`` facts and, for a malicious server, what it sent."""
+    return {"hyperparameters_known": threat.hyperparameters_known, "head_known": threat.head_known,
+            "mode_requested": threat.mode,
+            "modes_used": sorted({str(j.result.trace.get("mode", "n/a")) for j in scored}),
+            "server_sees": server_sees, **extra, **({"server": server} if server is not None else {})}

@@ -51,7 +51,8 @@ from ..registry import AttackSpec, get
 from ..statistics import bootstrap_mean, clopper_pearson
 from ..secure.observation import observe_round
 from ..secure.sized_binning import scored_record
-from .outcome import IMAGE_COLUMNS, MAX_PANELS, AttackSummary, check_summary
+from .outcome import (IMAGE_COLUMNS, MAX_PANELS, AttackSummary, budget_record, check_summary, threat_record,
+                      victim_record)
 
 ROUND_LABEL_COLUMNS = ["method", "attack", "mode", "round", "client", "class", "true_count", "predicted_count",
                        "true_proportion", "predicted_proportion"]
@@ -351,16 +352,12 @@ def _summary(run: RecordedRun, spec: AttackSpec, jobs: list[RoundTarget], threat
         class_presence_accuracy=float(np.mean([h["class_presence_accuracy"] for h in hist])) if hist else float("nan"),
         images_scored=len(rows) if images else 0, seed=seed, attack_rounds=[j.round for j in jobs],
         targets={str(j.round): list(j.observation.survivors) for j in jobs if j.observation is not None},
-        budget={"iterations": budget.iterations, "restarts": budget.restarts, "images_per_target": budget.batch,
-                "batched": False},
-        victim=None if victim is None else {"batch": victim.batch, "steps": victim.steps},
-        threat_model={"hyperparameters_known": threat.hyperparameters_known, "head_known": threat.head_known,
-                      "mode_requested": threat.mode,
-                      "modes_used": sorted({str(j.result.trace.get("mode", "n/a")) for j in scored}),
-                      "server_sees": server_sees(getattr(run.recorder, "secure", None)),
-                      "public_data": threat.aux_data or "the pooled data set without any client's training images",
-                      **({"server": f"malicious: crafts the attacked rounds' downloads ({threat.craft})"}
-                         if spec.malicious else {})},
+        budget=budget_record(budget, batched=False), victim=victim_record(victim),
+        threat_model=threat_record(threat, scored, server_sees(getattr(run.recorder, "secure", None)),
+                                   f"malicious: crafts the attacked rounds' downloads ({threat.craft})"
+                                   if spec.malicious else None,
+                                   public_data=threat.aux_data or "the pooled data set without any client's "
+                                                                  "training images"),
         per_target=[{"round": j.round, "client": -1, "survivors": len(j.observation.survivors),
                      "mode": str(j.result.trace.get("mode", "n/a")),
                      "objective": float(j.result.trace.get("objective", float("nan"))),
