@@ -80,6 +80,7 @@ from torch.nn.modules.module import register_module_forward_hook
 from fedecouple.data.augment import BatchAugmenter
 from fedecouple.errors import UserError
 from fedecouple.engine import derive_seed
+from fedecouple.methods import METHODS
 from fedecouple.methods.base import BatchRecord, ClassFeatureSums, ClientContext, Method, State
 from fedecouple.methods.facets import (DPCoverage, Facet, Replay, SecureSummation, dp_coverage, facet_members,
                                        facets_of)
@@ -604,7 +605,11 @@ class DPMethod(Method):
         return DPMethod, (self.inner, self.dp), dict(self.__dict__)
 
     name = property(lambda self: self.inner.name)
-    summary = property(lambda self: self.inner.summary + " [DP]")
+    @property
+    def summary(self) -> str:
+        """The wrapped method's declared one line, marked as trained under DP."""
+        declared = METHODS.facts(self.inner.name) if self.inner.name in METHODS else {}
+        return declared.get("summary", self.inner.name) + " [DP]"
     persistent_groups = property(lambda self: self.inner.persistent_groups)
     communicates = property(lambda self: self.inner.communicates)
 

@@ -20,7 +20,7 @@ from defenses.dp import ACCOUNT_KEY, history_rows
 from defenses.dp_statistics import COUNTS_KEY, RELEASES_KEY, StatisticsMechanism, held_threshold
 from fedecouple.channel import Download
 from fedecouple.errors import UserError
-from fedecouple.methods import make_method
+from fedecouple.methods import METHODS, make_method
 from fedecouple.methods.base import ClientContext, Method, TrainConfig, make_upload
 from fedecouple.methods.facets import DPCoverage, Replay, SecureSummation, facets_of, local_phases
 from fedecouple.models import build_model, set_params
@@ -347,4 +347,4 @@ def test_the_dp_wrapper_forwards_each_facet_member_and_pickles():
     assert not hasattr(DPMethod, "__getattr__") and not hasattr(dp, "gfa")
     again = pickle.loads(pickle.dumps(dp))
     assert type(again) is type(dp) and again.inner == inner and again.dp == dp.dp
-    assert again.hyperparameters() == dp.hyperparameters() and again.summary == inner.summary + " [DP]"
+    assert again.hyperparameters() == dp.hyperparameters() and again.summary == METHODS.facts("fedecouple")["summary"] + " [DP]"

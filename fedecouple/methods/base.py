@@ -241,9 +241,9 @@ class Method:
     A method implements ``manifest`` (every field it uploads), ``client_update``, ``aggregate`` and
     ``personalized``; ``init_server``, ``init_client`` and ``download`` default to one global model of
     every parameter (``"global." + name``) sent whole, with nothing kept on the client. It names itself
-    (``name``, ``summary``) and declares what the engine and the upload filters read of every method:
-    whether it talks to the server at all (``communicates``) and which parameter groups its client keeps
-    between rounds (``persistent_groups``).
+    (``name``; its one-line summary is in its declaration, ``fedecouple.methods.METHODS``) and declares what
+    the engine and the upload filters read of every method: whether it talks to the server at all
+    (``communicates``) and which parameter groups its client keeps between rounds (``persistent_groups``).
 
     Everything else is a facet it opts into (``facets.py``), each read by one part of the toolkit:
     ``Replay`` (attacks replay its local training), ``ClassifierStep``, ``DownloadReach`` (what a malicious
@@ -252,7 +252,6 @@ class Method:
     differential privacy covers of it) and ``PaperPreset``."""
 
     name: ClassVar[str] = "method"
-    summary: ClassVar[str] = ""
     # parameter groups whose value before local training is the client's own kept state rather
     # than what the server sent (FedeCouple's personal classifier); a server that wants the
     # client's update for such a group must use the client's previous upload of it

@@ -31,7 +31,6 @@ class FedAvg(Method, Replay, DownloadReach, SecureSummation, DPCoverage):
     """FedAvg: no hyperparameters beyond the shared training config (lr, batch size, local epochs)."""
 
     name = "fedavg"
-    summary = "one global model: full-model upload, sample-weighted average"
     plain_sgd = True
     download_reaches = ("extractor", "classifier")  # trains the whole download
     dp_per_sample = "cross-entropy only: per-sample."
@@ -74,7 +73,6 @@ class FTFedAvg(FedAvg):
     finetune_epochs: int = 1
 
     name = "ft-fedavg"
-    summary = "FedAvg, with the global model fine-tuned locally before evaluation"
     dp_per_sample = ("cross-entropy only: per-sample (the fine-tuning before evaluation is never uploaded and runs "
                      "outside DP-SGD).")
 

@@ -127,7 +127,6 @@ class FedeCouple(Method, ClassifierStep, DownloadReach, SecureTwoPass, DPCoverag
     download_reaches = ("extractor", "classifier")  # θ_i ← θ^t; the GLF step trains against φ^t
     extractor_phases = ("extractor-glf", "extractor")
     closed_form = ("labels", "classifier-features", "classifier-row-space", "extractor-linear-input")
-    summary = "decoupled extractor/classifier: KD-guided personal classifier, anchor centre loss, cosine aggregation"
     paper_preset = {"lam": 0.8, "mu": 2.0, "tau": 2.0}  # Section V (equal to the defaults)
     dp_per_sample = ("CE and λ·KL(teacher ‖ student) (the teacher's logits of the same sample, detached) are "
                      "per-sample; the adapted teacher's CE is per-sample and is trained under DP-SGD on the same batch "

@@ -175,7 +175,6 @@ class FedPAC(Method, Replay, DownloadReach, SecureSummation, DPCoverage):
     # no "last-linear": the head is known and the replay exact, and matching that layer's input as well
     # trapped 3 of 8 tuning targets in local minima (36.3 dB against 45.1 dB without it)
     closed_form = ("labels", "statistics")
-    summary = "prototype feature alignment; per-client QP combines all heads; uploads base, head, prototypes, label stats"
     dp_per_sample = ("CE on the head, then CE + λ·prototype alignment on the base: per-sample (the targets are the "
                      "global prototypes and the client's own released class means).")
     dp_statistics = ("two per round: before training, class counts, class means, h and V of the received base's "

@@ -29,7 +29,6 @@ class FedPer(Method, Replay, DownloadReach, SecureSummation, DPCoverage):
     Paper defaults: joint training of base and head each round; no extra hyperparameters."""
 
     name = "fedper"
-    summary = "shared base averaged by sample count; personal head trained jointly, never uploaded"
     persistent_groups = ("classifier",)
     download_reaches = ("extractor",)  # trains the downloaded base; its own head
     plain_sgd = True

@@ -43,7 +43,6 @@ class FedProto(Method, SecureSummation, DPCoverage):
     lam: float = 1.0
 
     name = "fedproto"
-    summary = "whole model local; uploads per-class prototypes and counts only (no weights)"
     persistent_groups = ("extractor", "classifier")
     dp_per_sample = "CE + λ·prototype alignment to the global prototypes on the whole model: per-sample."
     dp_statistics = ("one per round, after training: the uploaded prototypes and class counts (class means of the "

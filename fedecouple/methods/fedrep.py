@@ -34,7 +34,6 @@ class FedRep(FedPer):
     head_epochs: int | None = None
 
     name = "fedrep"
-    summary = "head epochs (base frozen) then base epochs (head frozen); base averaged, head personal"
     plain_sgd = False  # two phases, each on one group
     extractor_phases = ("extractor",)
     dp_per_sample = "cross-entropy (head phase, then base phase): per-sample."

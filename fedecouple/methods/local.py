@@ -23,7 +23,6 @@ class Local(Method, DPCoverage):
     """Local: no communication at all."""
 
     name = "local"
-    summary = "no communication: each client trains alone"
     persistent_groups = ("extractor", "classifier")
     communicates = False
     dp_per_sample = "cross-entropy only: per-sample (nothing is uploaded)."
