@@ -33,11 +33,12 @@ def mnist():
     return load_dataset("mnist5k")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shared_ray():
-    """One Ray instance for a test module's Flower simulations (``shared_ray`` in
-    ``fedsec.flower.simulation``), shut down at the module's end so that the engine's own Ray backend
-    (``tests/test_backends.py``) starts its own; nothing without Flower."""
+    """One Ray instance and ClientApp actor pool for the Flower simulations of this worker's whole session
+    (``shared_ray`` in ``fedsec.flower.simulation``): Ray's start-up and the actors' (each imports torch
+    and the app) are paid once per worker, not per module. ``tests/test_backends.py`` stops it to run the
+    engine's own Ray backend; the next simulation starts it again. Nothing without Flower."""
     try:
         from fedsec.flower.simulation import shared_ray as sharing
     except ImportError:

@@ -22,9 +22,12 @@ needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (pip i
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """A local Ray started inside the test module and shut down after it."""
+    """A local Ray started inside the test module and shut down after it (one the Flower tests keep
+    running in this worker, ``shared_ray``, is stopped first; their next simulation starts it again)."""
     import ray
 
+    if ray.is_initialized():
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield ray

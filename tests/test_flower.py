@@ -17,7 +17,7 @@ import torch
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before Flower is first imported: no network calls
 flwr = pytest.importorskip("flwr", reason="Flower is not installed: pip install -e '.[flower]'")
 pytest.importorskip("ray", reason="Flower's simulation engine needs Ray: pip install -e '.[flower]'")
-pytestmark = pytest.mark.usefixtures("shared_ray")  # the module's simulations share one Ray instance
+pytestmark = pytest.mark.usefixtures("shared_ray")  # simulations share one Ray instance and its actors
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402

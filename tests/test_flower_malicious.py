@@ -19,7 +19,7 @@ import pytest
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before Flower is first imported: no network calls
 pytest.importorskip("flwr", reason="Flower is not installed: pip install -e '.[flower]'")
 pytest.importorskip("ray", reason="Flower's simulation engine needs Ray: pip install -e '.[flower]'")
-pytestmark = pytest.mark.usefixtures("shared_ray")  # the module's simulations share one Ray instance
+pytestmark = pytest.mark.usefixtures("shared_ray")  # simulations share one Ray instance and its actors
 from flwr.client.mod import secaggplus_mod  # noqa: E402
 from flwr.server.workflow import SecAggPlusWorkflow  # noqa: E402
 

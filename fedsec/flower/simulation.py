@@ -230,24 +230,27 @@ _shared_ray: dict | None = None
 
 def _ray_backend():
     """Flower's Ray backend class, if it is as ``shared_ray`` expects (Flower 1.42: ``init_ray`` starts Ray
-    unless it runs, ``terminate`` stops the actor pool, then Ray); None otherwise."""
+    unless it runs, ``build`` starts the actor pool, ``terminate`` stops it, then Ray); None otherwise."""
     try:
         from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
     except ImportError:
         return None
-    if not all(callable(RayBackend.__dict__.get(name)) for name in ("init_ray", "terminate")):
+    if not all(callable(RayBackend.__dict__.get(name)) for name in ("init_ray", "build", "terminate")):
         return None
     return RayBackend
 
 
 @contextmanager
 def shared_ray() -> Iterator[None]:
-    """Inside this block, Flower simulations share one Ray instance: Flower's Ray backend stops only its
-    actors at the end of a simulation, not Ray, and the next simulation finds Ray running (Flower then
-    skips ``ray.init``), which saves Ray's start-up (seconds) per simulation. Ray is restarted when a
-    simulation asks for other init arguments (CPUs, logging) or after a simulation failed, and shut down
-    when the block ends. Re-entrant; where Flower's backend is not as expected, a no-op. For callers that
-    run many simulations in one process (the test suite); the command line does not use it."""
+    """Inside this block, Flower simulations share one Ray instance and its ClientApp actors: at the end
+    of a simulation Flower's Ray backend keeps its idle actor pool instead of stopping it and Ray, and
+    the next simulation with the same client resources takes that pool (Flower then skips ``ray.init``
+    and the actors' start-up, which imports torch and the app in a fresh worker: seconds each). An actor
+    runs whatever ClientApp a message comes with, so a kept pool serves any app; an app's modules stay
+    imported in it under their names, as they do in this process. Ray (and its actors) is restarted
+    when a simulation asks for other init arguments (CPUs, logging) or after a simulation failed, and
+    shut down when the block ends. Re-entrant; where Flower's backend is not as expected, a no-op. For
+    callers that run many simulations in one process (the test suite); the command line does not use it."""
     global _shared_ray
     backend = _ray_backend()
     if _shared_ray is not None or backend is None:
@@ -255,39 +258,57 @@ def shared_ray() -> Iterator[None]:
         return
     import ray
 
-    init_ray, terminate = backend.__dict__["init_ray"], backend.__dict__["terminate"]
-    state = {"init": None}
+    init_ray, build, terminate = (backend.__dict__[name] for name in ("init_ray", "build", "terminate"))
+    # "init": the init arguments of the Ray instance kept; "pool": (client resources, idle actor pool) or None
+    state = {"init": None, "pool": None}
 
     def init_once(self, backend_config) -> None:
         wanted = copy.deepcopy(backend_config.get(getattr(self, "init_args_key", "init_args")))
         if ray.is_initialized() and (state["init"] is None or state["init"] != wanted):
             ray.shutdown()  # a Ray instance started elsewhere, or with other arguments
-            state["init"] = None
+        if not ray.is_initialized():  # stopped here or by someone else: its actors went with it
+            state["init"], state["pool"] = None, None
         init_ray(self, backend_config)
         state["init"] = wanted
 
-    def stop_actors(self) -> None:  # Flower's terminate, less its ray.shutdown()
-        if getattr(self, "pool", None):
-            self.pool.terminate_all_actors()
+    def build_once(self, app_fn) -> None:
+        kept, state["pool"] = state["pool"], None
+        if kept is not None and kept[0] == self.client_resources and not self.actor_kwargs:
+            self.pool, self.app_fn = kept[1], app_fn
+            return
+        if kept is not None:
+            kept[1].terminate_all_actors()
+        build(self, app_fn)
 
-    backend.init_ray, backend.terminate = init_once, stop_actors
+    def keep_actors(self) -> None:  # Flower's terminate, less its ray.shutdown(), the idle pool kept
+        pool = getattr(self, "pool", None)
+        if not pool:
+            return
+        idle = not pool._future_to_actor and len(pool.pool) == pool.num_actors
+        if idle and state["pool"] is None and not self.actor_kwargs:
+            state["pool"] = (copy.deepcopy(self.client_resources), pool)
+        else:
+            pool.terminate_all_actors()
+        self.pool = None
+
+    backend.init_ray, backend.build, backend.terminate = init_once, build_once, keep_actors
     _shared_ray = state
     try:
         yield
     finally:
-        backend.init_ray, backend.terminate = init_ray, terminate
+        backend.init_ray, backend.build, backend.terminate = init_ray, build, terminate
         _shared_ray = None
         if state["init"] is not None and ray.is_initialized():
             ray.shutdown()
 
 
 def _restart_shared_ray() -> None:
-    """After a failed simulation, the next one starts a fresh Ray instance (its actors' state is unknown)."""
+    """After a failed simulation, the next one starts a fresh Ray instance and actors (their state is unknown)."""
     if _shared_ray is not None and _shared_ray["init"] is not None:
         import ray
 
         ray.shutdown()
-        _shared_ray["init"] = None
+        _shared_ray["init"], _shared_ray["pool"] = None, None
 
 
 def simulate(app_dir: str | Path, *, nodes: int | None = None, run_config: dict | None = None,
