@@ -151,13 +151,20 @@ def cluster_bootstrap(data: Sequence[np.ndarray] | np.ndarray, clusters, statist
     if n_boot < 1:
         raise ValueError(f"n_boot must be >= 1, got {n_boot}")
     ids, inverse = np.unique(cl, return_inverse=True)
+    # all resamples drawn at once: the same numbers as one draw of len(ids) clusters per resample
+    drawn = np.random.default_rng(seed).integers(0, len(ids), size=(n_boot, len(ids)))
+    if statistic is np.mean and len(arrays) == 1 and arrays[0].ndim == 1:
+        # the mean of the kept rows is the drawn clusters' sum over their size, for every resample in one
+        # go (exact for 0/1 values such as success flags, to float rounding otherwise)
+        sums = np.bincount(inverse, weights=arrays[0].astype(np.float64), minlength=len(ids))
+        sizes = np.bincount(inverse, minlength=len(ids))
+        return _percentile_interval(sums[drawn].sum(axis=1) / sizes[drawn].sum(axis=1), confidence)
     order = np.argsort(inverse, kind="stable")
     bounds = np.concatenate([[0], np.cumsum(np.bincount(inverse, minlength=len(ids)))])
-    rng = np.random.default_rng(seed)
+    members = [order[bounds[k]:bounds[k + 1]] for k in range(len(ids))]
     values = np.empty(n_boot)
     for b in range(n_boot):
-        drawn = rng.integers(0, len(ids), size=len(ids))
-        rows = order[np.concatenate([np.arange(bounds[k], bounds[k + 1]) for k in drawn])]
+        rows = np.concatenate([members[k] for k in drawn[b]])
         values[b] = statistic(*(a[rows] for a in arrays))
     return _percentile_interval(values, confidence)
 

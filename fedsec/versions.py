@@ -21,6 +21,13 @@ REPRODUCIBILITY = ("bit-identical on the same machine with the same torch thread
 
 
 def package_versions() -> dict[str, str]:
+    """The versions in this process (a copy: callers may extend it)."""
+    return dict(_package_versions())
+
+
+@lru_cache(maxsize=1)
+def _package_versions() -> dict[str, str]:
+    # installed packages do not change under a running process; reading their metadata takes milliseconds
     versions = {"python": platform.python_version()}
     for name in PACKAGES:
         try:

@@ -212,8 +212,9 @@ def histograms_png(histograms: Mapping[str, Mapping[str, tuple[np.ndarray, np.nd
             both = np.concatenate([members, nonmembers])
             lo, hi = np.percentile(both, [0.5, 99.5]) if len(both) else (0, 1)
             bins = np.linspace(lo, hi if hi > lo else lo + 1, 40)
-            ax.hist(np.clip(nonmembers, lo, hi), bins=bins, density=True, alpha=0.55, label="non-members")
-            ax.hist(np.clip(members, lo, hi), bins=bins, density=True, alpha=0.55, label="members")
+            ax.hist(np.clip(nonmembers, lo, hi), bins=bins, density=True, alpha=0.55, histtype="stepfilled",
+                    label="non-members")  # one polygon per histogram: 40 bar patches each took most of the drawing
+            ax.hist(np.clip(members, lo, hi), bins=bins, density=True, alpha=0.55, histtype="stepfilled", label="members")
             ax.set_title(f"{target}: {attack}", fontsize=9)
             ax.tick_params(labelsize=7)
             if row == 0 and col == 0:
