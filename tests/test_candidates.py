@@ -19,7 +19,7 @@ from test_attacks import synthetic_observation
 from helpers import TEST_THREADS
 
 IMAGES = [40, 11, 7]
-STEPS = 20
+STEPS = 10
 
 
 @pytest.fixture(scope="module")
