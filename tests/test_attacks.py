@@ -296,7 +296,7 @@ def test_cli_attack_preset_audit_attacks_real_local_training_at_round_0_and_the_
     from fedsec.cli import main
 
     out = tmp_path / "audit"
-    main(["attack", "ig", "--preset", "audit", "--method", "fedper", "--dataset", "digits", "--clients", "4",
+    main(["attack", "ig", "--preset", "audit", "--method", "fedavg", "--dataset", "digits", "--clients", "4",
           "--attack-rounds", "0,1", "--iterations", "2", "--out", str(out)])
     assert re.search(r"estimated time: about \d+ (s|min)", capsys.readouterr().err)
     summary = json.loads((out / "summary.json").read_text())
