@@ -259,7 +259,7 @@ def shared_ray() -> Iterator[None]:
     import ray
 
     init_ray, build, terminate = (backend.__dict__[name] for name in ("init_ray", "build", "terminate"))
-    # "init": the init arguments of the Ray instance kept; "pool": (client resources, idle actor pool) or None
+    # "init": the init arguments of the Ray instance kept; "pool": the idle actor pool kept, or None
     state = {"init": None, "pool": None}
 
     def init_once(self, backend_config) -> None:
@@ -273,20 +273,21 @@ def shared_ray() -> Iterator[None]:
 
     def build_once(self, app_fn) -> None:
         kept, state["pool"] = state["pool"], None
-        if kept is not None and kept[0] == self.client_resources and not self.actor_kwargs:
-            self.pool, self.app_fn = kept[1], app_fn
+        if kept is not None and kept.client_resources == self.client_resources and not self.actor_kwargs:
+            self.pool, self.app_fn = kept, app_fn
             return
         if kept is not None:
-            kept[1].terminate_all_actors()
+            kept.terminate_all_actors()
         build(self, app_fn)
 
     def keep_actors(self) -> None:  # Flower's terminate, less its ray.shutdown(), the idle pool kept
         pool = getattr(self, "pool", None)
         if not pool:
             return
-        idle = not pool._future_to_actor and len(pool.pool) == pool.num_actors
+        # every actor back in the pool, no result outstanding (a pool without that record is not kept)
+        idle = getattr(pool, "_future_to_actor", True) == {} and len(pool.pool) == pool.num_actors
         if idle and state["pool"] is None and not self.actor_kwargs:
-            state["pool"] = (copy.deepcopy(self.client_resources), pool)
+            state["pool"] = pool
         else:
             pool.terminate_all_actors()
         self.pool = None
